@@ -1,0 +1,194 @@
+"""The one context stack, and the primitives that transforms intercept through it.
+
+Everything ambient in colfunc lives on a thread-local stack of *frames* entered with ``with``: the
+current mesh, the active transforms. Model code never reads it; it only calls the primitives below,
+and a transform that wants to change how they run pushes a frame for the duration of a call.
+
+``scan_layers`` is the hook point for pipeline (run only this stage's layers), remat (checkpoint
+each layer) and ZeRO-3 (gather each layer's parameters on use): a frame that defines
+``scan_layers(block, h, blocks, inner)`` sees the call first and may delegate to ``inner``, the
+next frame's version (finally the plain loop).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from colfunc import tree
+
+__all__ = ["Layered", "P", "context", "frames", "innermost", "layered", "num_layers", "scan_layers"]
+
+PyTree = Any
+Block = Callable[[PyTree, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+
+_STACK = _Stack()
+
+
+@contextmanager
+def context(frame: Any) -> Iterator[Any]:
+    """Push ``frame`` on this thread's context stack for the ``with`` block."""
+    _STACK.frames.append(frame)
+    try:
+        yield frame
+    finally:
+        popped = _STACK.frames.pop()
+        if popped is not frame:  # a frame leaked past its `with`: the stack is corrupt
+            raise RuntimeError(f"context stack corrupted: expected {frame!r}, popped {popped!r}")
+
+
+def frames() -> tuple[Any, ...]:
+    """This thread's frames, outermost first."""
+    return tuple(_STACK.frames)
+
+
+def innermost(kind: type[T]) -> T | None:
+    """The innermost frame that is an instance of ``kind``, or None."""
+    for f in reversed(_STACK.frames):
+        if isinstance(f, kind):
+            return f
+    return None
+
+
+@runtime_checkable
+class ScanInterceptor(Protocol):
+    def scan_layers(
+        self, block: Block, h: torch.Tensor, blocks: PyTree, inner: Callable[..., torch.Tensor]
+    ) -> torch.Tensor: ...
+
+
+def num_layers(blocks: PyTree) -> int:
+    """The size of the leading (layer) axis shared by every leaf of ``blocks``."""
+    sizes = {x.shape[0] if x.dim() else None for x in tree.tensors(blocks)}
+    if len(sizes) != 1 or None in sizes:
+        shapes = {p: tuple(x.shape) for p, x in tree.flatten_with_paths(blocks)[0]}
+        raise ValueError(
+            f"stacked blocks must share one leading layer axis; got leaf shapes {shapes}"
+        )
+    (n,) = sizes
+    assert n is not None
+    return n
+
+
+def _plain_scan(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
+    n = num_layers(blocks)
+    # unbind once per leaf (its backward is a single stack), not x[i] per layer (whose backward
+    # would materialise a full-size zero gradient per layer).
+    flat, treedef = tree.flatten_with_paths(blocks)
+    per_leaf = [x.unbind(0) for _, x in flat]
+    for i in range(n):
+        h = block(tree.unflatten(treedef, [xs[i] for xs in per_leaf]), h)
+    return h
+
+
+def scan_layers(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
+    """Run ``h = block(layer_params, h)`` over the leading layer axis of ``blocks``.
+
+    Semantically a loop; transforms on the context stack may change *how* it runs (checkpointed,
+    gathered per layer, only a pipeline stage's layers) but never what it computes.
+    """
+    chain = [f for f in _STACK.frames if isinstance(f, ScanInterceptor)]
+
+    def run(i: int, block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
+        if i < 0:
+            return _plain_scan(block, h, blocks)
+        return chain[i].scan_layers(block, h, blocks, lambda b, x, bl: run(i - 1, b, x, bl))
+
+    return run(len(chain) - 1, block, h, blocks)
+
+
+class Layered:
+    """A loss made of three pure parts; see :func:`layered`."""
+
+    def __init__(
+        self,
+        pre: Callable[[PyTree, PyTree], torch.Tensor],
+        block: Block,
+        post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
+        *,
+        name: str = "layered",
+    ) -> None:
+        for label, fn in (("pre", pre), ("block", block), ("post", post)):
+            if not callable(fn):
+                raise TypeError(f"layered: {label} must be callable, got {fn!r}")
+        self.pre, self.block, self.post, self.name = pre, block, post, name
+
+    def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
+        if not isinstance(params, dict) or "blocks" not in params:
+            keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(
+                f"{self.name}: params must be a dict with the stacked layers under 'blocks'; got {keys}"
+            )
+        h = self.pre(params, batch)
+        h = scan_layers(self.block, h, params["blocks"])
+        return self.post(params, h, batch)
+
+    def __repr__(self) -> str:
+        return f"Layered({self.name})"
+
+
+def layered(
+    pre: Callable[[PyTree, PyTree], torch.Tensor],
+    block: Block,
+    post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
+    *,
+    name: str = "layered",
+) -> Layered:
+    """A loss function ``(params, batch) -> loss`` made of three pure parts.
+
+    ``pre(params, batch) -> h``; ``block(layer_params, h) -> h`` scanned over ``params["blocks"]``
+    by :func:`scan_layers`; ``post(params, h, batch) -> loss``. ``pipeline`` needs this form, since
+    it tells where a model may be cut into stages.
+    """
+    return Layered(pre, block, post, name=name)
+
+
+class P(tuple):
+    """A partition spec: for each tensor dim, the mesh axis (or tuple of axes) it is split over.
+
+    ``P(None, "tp")`` keeps dim 0 whole and splits dim 1 over the ``tp`` axis;
+    ``P(("dp", "tp"))`` splits dim 0 over both axes (``dp`` major). Trailing dims not named are
+    whole. It lives on the ground floor so that models can state plans without importing the
+    distributed core.
+    """
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None) -> P:
+        seen: set[str] = set()
+        for dim, e in enumerate(entries):
+            names = e if isinstance(e, tuple) else (e,)
+            for name in names:
+                if name is None and not isinstance(e, tuple):
+                    continue
+                if not isinstance(name, str) or not name:
+                    raise TypeError(
+                        f"P: entry for dim {dim} must be None, an axis name or a tuple of axis "
+                        f"names; got {e!r}"
+                    )
+                if name in seen:
+                    raise ValueError(f"P{entries!r}: mesh axis {name!r} is used for two dims")
+                seen.add(name)
+        return super().__new__(cls, entries)
+
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis named, in dim order."""
+        out: list[str] = []
+        for e in self:
+            if isinstance(e, tuple):
+                out.extend(e)
+            elif e is not None:
+                out.append(e)
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self) + ")"

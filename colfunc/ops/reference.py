@@ -1,0 +1,113 @@
+"""Plain PyTorch references of the ops in :mod:`colfunc.ops`.
+
+These are the oracle that every kernel is tested against, and the implementation used wherever no
+kernel applies (CPU tensors, ``COLFUNC_KERNELS=torch``).
+
+Legend: B batch, H query heads, Hkv key/value heads, T query length, S key length, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention", "cross_entropy", "layer_norm", "rms_norm", "rope"]
+
+
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention expects q[B,H,T,D], k,v[B,Hkv,S,D]; got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and head dim"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads "
+            f"({k.shape[1]})"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+def attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention with grouped-query heads; a causal mask aligned bottom-right when T != S.
+
+    Bottom-right alignment means query ``i`` sees keys ``j <= i + S - T``: the last query is the
+    newest token, as in decoding against a KV cache.
+    """
+    _check_attention(q_BHTD, k_BHSD, v_BHSD)
+    T, S = q_BHTD.shape[2], k_BHSD.shape[2]
+    gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
+    if not causal or T == S:
+        return F.scaled_dot_product_attention(
+            q_BHTD, k_BHSD, v_BHSD, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if T > S:
+        raise ValueError(
+            f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
+        )
+    i = torch.arange(T, device=q_BHTD.device)[:, None]
+    j = torch.arange(S, device=q_BHTD.device)[None, :]
+    mask_TS = j <= i + (S - T)
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_TS, scale=scale, enable_gqa=gqa
+    )
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dim."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back (as LLaMA does)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(x.dtype)
+    return y if weight is None else weight * y
+
+
+def cross_entropy(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy over the labels that are not ``ignore_index``, computed in fp32."""
+    if logits_NV.dim() != 2 or labels_N.dim() != 1 or logits_NV.shape[0] != labels_N.shape[0]:
+        raise ValueError(
+            f"cross_entropy expects logits[N,V] and labels[N]; got {tuple(logits_NV.shape)} and "
+            f"{tuple(labels_N.shape)}"
+        )
+    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=ignore_index)
+
+
+def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half convention (LLaMA/NeoX): K = D/2 frequencies.
+
+    ``out[..., :K] = x1*cos - x2*sin``, ``out[..., K:] = x2*cos + x1*sin``.
+    """
+    K = x_BHTD.shape[-1] // 2
+    if (
+        x_BHTD.shape[-1] % 2
+        or cos_TK.shape != (x_BHTD.shape[-2], K)
+        or sin_TK.shape != cos_TK.shape
+    ):
+        raise ValueError(
+            f"rope expects x[...,T,D] with even D and cos, sin [T, D/2]; got x {tuple(x_BHTD.shape)}, "
+            f"cos {tuple(cos_TK.shape)}, sin {tuple(sin_TK.shape)}"
+        )
+    x1, x2 = x_BHTD[..., :K], x_BHTD[..., K:]
+    cos, sin = cos_TK.to(x_BHTD.dtype), sin_TK.to(x_BHTD.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

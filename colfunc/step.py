@@ -1,0 +1,169 @@
+"""The anatomy of a training step, as pure functions over a ``TrainState`` pytree.
+
+A :class:`Step` is five pieces plus the loss and optimizer they close over:
+
+``layout(params) -> params``
+    how parameters are placed (identity on one device; ``shard`` and ``zero`` replace it).
+``forward_backward(params, batch) -> (loss, grads)``
+    the loss and its gradients (``amp``, ``remat`` and ``pipeline`` replace it).
+``sync(grads) -> grads``
+    gradient reductions across ranks (identity on one device; data parallel replaces it).
+``update(grads, state) -> (params, opt_state, info)``
+    the optimizer (``zero`` replaces it to update only its shard).
+``finish(state) -> state``
+    work after the update: re-gather, casts (identity by default).
+
+A transform is a ``Step -> Step`` that swaps only the pieces it owns, so transforms compose.
+A step never mutates the state or the batch passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from colfunc import tree
+from colfunc.optim.base import GradientTransformation, apply_updates
+
+__all__ = ["Step", "TrainState", "full_state", "global_norm", "train_step"]
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], torch.Tensor]
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from one step to the next.
+
+    ``extra`` holds transform-owned entries (e.g. ``"loss_scale"`` for ``amp``), keyed by name.
+    """
+
+    params: PyTree
+    opt_state: PyTree
+    step: int
+    extra: dict[str, Any]
+
+
+def global_norm(grads: PyTree) -> torch.Tensor:
+    """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor."""
+    ts = tree.tensors(grads)
+    if not ts:
+        return torch.zeros(())
+    norms = torch._foreach_norm([t.float() if not t.is_floating_point() else t for t in ts])
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
+def _forward_backward(loss_fn: LossFn) -> Callable[[PyTree, PyTree], tuple[torch.Tensor, PyTree]]:
+    def forward_backward(params: PyTree, batch: PyTree) -> tuple[torch.Tensor, PyTree]:
+        flat, treedef = tree.flatten_with_paths(params)
+        # Fresh leaves that share storage with the caller's tensors: the caller's are untouched.
+        leaves = [x.detach().requires_grad_(x.is_floating_point()) for _, x in flat]
+        with torch.enable_grad():
+            loss = loss_fn(tree.unflatten(treedef, leaves), batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"the loss function must return a scalar tensor, got {shape}")
+            diff = [x for x in leaves if x.requires_grad]
+            grads_diff = torch.autograd.grad(loss, diff, allow_unused=True)
+        it = iter(grads_diff)
+        grads = []
+        for x in leaves:
+            g = next(it) if x.requires_grad else None
+            grads.append(torch.zeros_like(x) if g is None else g)
+        return loss.detach(), tree.unflatten(treedef, grads)
+
+    return forward_backward
+
+
+def _update(optimizer: GradientTransformation) -> Callable[..., tuple[PyTree, PyTree, dict]]:
+    def update(grads: PyTree, state: TrainState) -> tuple[PyTree, PyTree, dict[str, Any]]:
+        info = {"grad_norm": global_norm(grads), "lr": optimizer.lr(state.opt_state)}
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return apply_updates(state.params, updates), opt_state, info
+
+    return update
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A training step built from replaceable pieces; see the module docstring.
+
+    ``step.init(params) -> TrainState``; ``step(state, batch) -> (state, metrics)`` with
+    ``metrics["loss"]``, ``metrics["grad_norm"]`` (0-d tensors) and ``metrics["lr"]`` (float).
+    """
+
+    loss_fn: LossFn
+    optimizer: GradientTransformation
+    layout: Callable[[PyTree], PyTree]
+    forward_backward: Callable[[PyTree, PyTree], tuple[torch.Tensor, PyTree]]
+    sync: Callable[[PyTree], PyTree]
+    update: Callable[[PyTree, TrainState], tuple[PyTree, PyTree, dict[str, Any]]]
+    finish: Callable[[TrainState], TrainState]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def replace(self, **pieces: Any) -> Step:
+        """A new step with some pieces swapped (the way transforms are written)."""
+        return dataclasses.replace(self, **pieces)
+
+    def init(self, params: PyTree) -> TrainState:
+        """The initial state: parameters placed by ``layout`` and a fresh optimizer state."""
+        if not tree.tensors(params):
+            raise ValueError("Step.init: params has no tensor leaves")
+        params = self.layout(params)
+        return TrainState(params, self.optimizer.init(params), 0, {})
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"a Step takes the TrainState from step.init(params), got {type(state).__name__}"
+            )
+        loss, grads = self.forward_backward(state.params, batch)
+        grads = self.sync(grads)
+        params, opt_state, info = self.update(grads, state)
+        new_state = self.finish(TrainState(params, opt_state, state.step + 1, dict(state.extra)))
+        return new_state, {"loss": loss, **info}
+
+
+def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
+    """The single-device training step for ``loss_fn(params, batch) -> scalar``.
+
+    Example:
+        >>> step = cf.train_step(models.gpt.loss(cfg), optim.adamw(3e-4))
+        >>> state = step.init(params)
+        >>> state, metrics = step(state, batch)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"train_step: loss_fn must be callable, got {loss_fn!r}")
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"train_step: optimizer must be a colfunc.optim GradientTransformation (e.g. "
+            f"optim.adamw(3e-4)), got {optimizer!r}"
+        )
+    return Step(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        layout=_identity,
+        forward_backward=_forward_backward(loss_fn),
+        sync=_identity,
+        update=_update(optimizer),
+        finish=_identity,
+    )
+
+
+def full_state(state: PyTree) -> PyTree:
+    """The state with every distributed tensor gathered to a full tensor on every rank.
+
+    On one device this is the state itself. Distributed tensors (anything with ``full_tensor()``)
+    are gathered, which is a collective: call it on every rank.
+    """
+
+    def full(x: Any) -> Any:
+        return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+    return tree.map(full, state)

@@ -1,0 +1,116 @@
+"""Pytrees with dotted paths.
+
+A pytree here is any nesting of dicts, lists, tuples, named tuples and dataclasses registered with
+`optree`, with tensors (or other leaves) at the bottom. Every leaf has a *path*: the keys leading to
+it joined by dots, e.g. ``"blocks.attn.wq"``. Paths are how plans (sharding, remat by name) address
+parameters, so they are part of the public contract.
+
+Patterns are shell globs over whole paths (``fnmatch``): ``"blocks.*.w?"`` or ``"*.bias"``; a
+``*`` also crosses dots, so ``"blocks.*"`` matches everything under ``blocks``.
+
+Example:
+    >>> import torch, colfunc as cf
+    >>> t = {"embed": torch.zeros(2), "blocks": {"wq": torch.ones(3)}}
+    >>> cf.tree.paths(t)
+    ['blocks.wq', 'embed']
+    >>> cf.tree.map_with_path(lambda p, x: x + (p == "embed"), t)["embed"]
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optree
+import torch
+
+__all__ = [
+    "flatten_with_paths",
+    "leaves",
+    "map",
+    "map_with_path",
+    "match",
+    "paths",
+    "select",
+    "size_bytes",
+    "structure",
+    "tensors",
+    "unflatten",
+]
+
+PyTree = Any
+# None stays a node (an empty subtree), as in JAX: optional state slots need no special casing.
+_NONE_IS_LEAF = False
+
+
+def _entry_name(entry: Any) -> str:
+    # optree accessor entries: MappingEntry(key), SequenceEntry(index), NamedTupleEntry(field), ...
+    for attr in ("field", "key", "index", "entry"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _path_of(accessor: Any) -> str:
+    return ".".join(_entry_name(e) for e in accessor)
+
+
+def flatten_with_paths(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
+    """Return ``([(path, leaf), ...], treedef)``, leaves in the canonical (sorted-key) order."""
+    accessors, leaves_, treedef = optree.tree_flatten_with_accessor(
+        tree, none_is_leaf=_NONE_IS_LEAF
+    )
+    return [(_path_of(a), x) for a, x in zip(accessors, leaves_)], treedef
+
+
+def unflatten(treedef: Any, leaves_: Iterable[Any]) -> PyTree:
+    """Inverse of :func:`flatten_with_paths` (give the leaves only)."""
+    return optree.tree_unflatten(treedef, list(leaves_))
+
+
+def structure(tree: PyTree) -> Any:
+    return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    return optree.tree_leaves(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def paths(tree: PyTree) -> list[str]:
+    """The dotted path of every leaf, in leaf order."""
+    return [p for p, _ in flatten_with_paths(tree)[0]]
+
+
+def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``fn`` applied leafwise over one or more trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=_NONE_IS_LEAF)
+
+
+def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``fn(path, leaf, *other_leaves)`` applied leafwise; ``path`` is the dotted path."""
+    flat, treedef = flatten_with_paths(tree)
+    others = [treedef.flatten_up_to(r) for r in rest]
+    out = [fn(p, x, *(o[i] for o in others)) for i, (p, x) in enumerate(flat)]
+    return unflatten(treedef, out)
+
+
+def match(pattern: str, path: str) -> bool:
+    """Whether ``path`` matches the glob ``pattern`` (the whole path, case-sensitive)."""
+    return fnmatch.fnmatchcase(path, pattern)
+
+
+def select(tree: PyTree, pattern: str) -> dict[str, Any]:
+    """``{path: leaf}`` for the leaves whose path matches ``pattern``."""
+    return {p: x for p, x in flatten_with_paths(tree)[0] if match(pattern, p)}
+
+
+def tensors(tree: PyTree) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree`` (other leaves, such as step counters, are skipped)."""
+    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def size_bytes(tree: PyTree) -> int:
+    """Total bytes of the tensor leaves."""
+    return sum(x.numel() * x.element_size() for x in tensors(tree))
