@@ -1,22 +1,35 @@
 """colfunc: large-model training as composable transforms of a pure training step, on PyTorch."""
 
-from colfunc import ops, optim, random, tree
+from colfunc import hf, memory, models, nn, ops, optim, random, sharding, testing, transforms, tree
 from colfunc.core import Layered, P, layered, scan_layers
+from colfunc.sharding import Mesh, launch
 from colfunc.step import Step, TrainState, full_state, train_step
+from colfunc.transforms import amp, remat
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Layered",
+    "Mesh",
     "P",
     "Step",
     "TrainState",
+    "amp",
     "full_state",
+    "hf",
+    "launch",
     "layered",
+    "memory",
+    "models",
+    "nn",
     "ops",
     "optim",
     "random",
+    "remat",
     "scan_layers",
+    "sharding",
+    "testing",
     "train_step",
+    "transforms",
     "tree",
 ]

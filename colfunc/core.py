@@ -21,7 +21,18 @@ import torch
 
 from colfunc import tree
 
-__all__ = ["Layered", "P", "context", "frames", "innermost", "layered", "num_layers", "scan_layers"]
+__all__ = [
+    "Layered",
+    "LossScale",
+    "P",
+    "context",
+    "frames",
+    "innermost",
+    "layered",
+    "loss_scale",
+    "num_layers",
+    "scan_layers",
+]
 
 PyTree = Any
 Block = Callable[[PyTree, torch.Tensor], torch.Tensor]
@@ -66,6 +77,27 @@ class ScanInterceptor(Protocol):
     def scan_layers(
         self, block: Block, h: torch.Tensor, blocks: PyTree, inner: Callable[..., torch.Tensor]
     ) -> torch.Tensor: ...
+
+
+class LossScale:
+    """A frame that multiplies the loss by ``value`` before it is differentiated (loss scaling)."""
+
+    def __init__(self, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"loss scale must be > 0, got {value!r}")
+        self.value = float(value)
+
+
+def loss_scale() -> float:
+    """The product of the active :class:`LossScale` frames (1.0 when there is none).
+
+    Whatever differentiates a loss (the plain step, a pipeline schedule) multiplies by this first.
+    """
+    value = 1.0
+    for f in _STACK.frames:
+        if isinstance(f, LossScale):
+            value *= f.value
+    return value
 
 
 def num_layers(blocks: PyTree) -> int:

@@ -4,12 +4,17 @@ A :class:`Step` is five pieces plus the loss and optimizer they close over:
 
 ``layout(params) -> params``
     how parameters are placed (identity on one device; ``shard`` and ``zero`` replace it).
-``forward_backward(params, batch) -> (loss, grads)``
-    the loss and its gradients (``amp``, ``remat`` and ``pipeline`` replace it).
+``init_extra(params) -> dict``
+    the transform-owned entries of a fresh state, e.g. ``amp``'s loss scale (empty by default).
+``forward_backward(params, batch, extra) -> (loss, grads)``
+    the loss and its gradients (``amp``, ``remat`` and ``pipeline`` replace it). The loss is
+    multiplied by :func:`colfunc.core.loss_scale` before differentiation, so a transform can scale
+    the backward pass of whatever computes it.
 ``sync(grads) -> grads``
     gradient reductions across ranks (identity on one device; data parallel replaces it).
-``update(grads, state) -> (params, opt_state, info)``
-    the optimizer (``zero`` replaces it to update only its shard).
+``update(grads, state) -> (state, info)``
+    the optimizer: new params, optimizer state and extra entries (``zero`` replaces it to update
+    only its shard, ``amp`` to skip steps with overflowed gradients).
 ``finish(state) -> state``
     work after the update: re-gather, casts (identity by default).
 
@@ -25,13 +30,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from colfunc import tree
+from colfunc import core, tree
 from colfunc.optim.base import GradientTransformation, apply_updates
+from colfunc.optim.clip import global_norm
 
-__all__ = ["Step", "TrainState", "full_state", "global_norm", "train_step"]
+__all__ = ["Step", "TrainState", "full_state", "train_step"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], torch.Tensor]
+ForwardBackward = Callable[[PyTree, PyTree, dict[str, Any]], tuple[torch.Tensor, PyTree]]
 
 
 class TrainState(NamedTuple):
@@ -46,17 +53,13 @@ class TrainState(NamedTuple):
     extra: dict[str, Any]
 
 
-def global_norm(grads: PyTree) -> torch.Tensor:
-    """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor."""
-    ts = tree.tensors(grads)
-    if not ts:
-        return torch.zeros(())
-    norms = torch._foreach_norm([t.float() if not t.is_floating_point() else t for t in ts])
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+Update = Callable[[PyTree, TrainState], tuple[TrainState, dict[str, Any]]]
 
 
-def _forward_backward(loss_fn: LossFn) -> Callable[[PyTree, PyTree], tuple[torch.Tensor, PyTree]]:
-    def forward_backward(params: PyTree, batch: PyTree) -> tuple[torch.Tensor, PyTree]:
+def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
         flat, treedef = tree.flatten_with_paths(params)
         # Fresh leaves that share storage with the caller's tensors: the caller's are untouched.
         leaves = [x.detach().requires_grad_(x.is_floating_point()) for _, x in flat]
@@ -66,7 +69,9 @@ def _forward_backward(loss_fn: LossFn) -> Callable[[PyTree, PyTree], tuple[torch
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"the loss function must return a scalar tensor, got {shape}")
             diff = [x for x in leaves if x.requires_grad]
-            grads_diff = torch.autograd.grad(loss, diff, allow_unused=True)
+            scale = core.loss_scale()
+            target = loss if scale == 1.0 else loss * scale
+            grads_diff = torch.autograd.grad(target, diff, allow_unused=True)
         it = iter(grads_diff)
         grads = []
         for x in leaves:
@@ -77,17 +82,22 @@ def _forward_backward(loss_fn: LossFn) -> Callable[[PyTree, PyTree], tuple[torch
     return forward_backward
 
 
-def _update(optimizer: GradientTransformation) -> Callable[..., tuple[PyTree, PyTree, dict]]:
-    def update(grads: PyTree, state: TrainState) -> tuple[PyTree, PyTree, dict[str, Any]]:
+def _update(optimizer: GradientTransformation) -> Update:
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         info = {"grad_norm": global_norm(grads), "lr": optimizer.lr(state.opt_state)}
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        return apply_updates(state.params, updates), opt_state, info
+        params = apply_updates(state.params, updates)
+        return state._replace(params=params, opt_state=opt_state), info
 
     return update
 
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _no_extra(params: PyTree) -> dict[str, Any]:
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +111,10 @@ class Step:
     loss_fn: LossFn
     optimizer: GradientTransformation
     layout: Callable[[PyTree], PyTree]
-    forward_backward: Callable[[PyTree, PyTree], tuple[torch.Tensor, PyTree]]
+    init_extra: Callable[[PyTree], dict[str, Any]]
+    forward_backward: ForwardBackward
     sync: Callable[[PyTree], PyTree]
-    update: Callable[[PyTree, TrainState], tuple[PyTree, PyTree, dict[str, Any]]]
+    update: Update
     finish: Callable[[TrainState], TrainState]
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -116,18 +127,18 @@ class Step:
         if not tree.tensors(params):
             raise ValueError("Step.init: params has no tensor leaves")
         params = self.layout(params)
-        return TrainState(params, self.optimizer.init(params), 0, {})
+        return TrainState(params, self.optimizer.init(params), 0, dict(self.init_extra(params)))
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"a Step takes the TrainState from step.init(params), got {type(state).__name__}"
             )
-        loss, grads = self.forward_backward(state.params, batch)
+        loss, grads = self.forward_backward(state.params, batch, state.extra)
         grads = self.sync(grads)
-        params, opt_state, info = self.update(grads, state)
-        new_state = self.finish(TrainState(params, opt_state, state.step + 1, dict(state.extra)))
-        return new_state, {"loss": loss, **info}
+        new_state, info = self.update(grads, state)
+        new_state = new_state._replace(step=state.step + 1, extra=dict(new_state.extra))
+        return self.finish(new_state), {"loss": loss, **info}
 
 
 def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
@@ -149,6 +160,7 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
         loss_fn=loss_fn,
         optimizer=optimizer,
         layout=_identity,
+        init_extra=_no_extra,
         forward_backward=_forward_backward(loss_fn),
         sync=_identity,
         update=_update(optimizer),

@@ -1,9 +1,22 @@
-"""The public op layer: attention, norms, cross-entropy and rotary embeddings.
+"""The public op layer: attention, norms, cross-entropy, rotary embeddings and fused AdamW.
 
-Each op has a plain PyTorch reference (:mod:`colfunc.ops.reference`); model code calls the names
-here, so faster implementations slot in without touching a model.
+Model and optimizer code call the names here. Each op runs its Triton kernel on CUDA tensors and
+its plain PyTorch reference (:mod:`colfunc.ops.reference`) elsewhere; ``COLFUNC_KERNELS=auto|
+triton|torch`` overrides the choice at call time (see :mod:`colfunc.ops.dispatch`).
+:func:`cpu_adamw_` updates optimizer states offloaded to host memory with a C++ kernel.
 """
 
-from colfunc.ops.reference import attention, cross_entropy, layer_norm, rms_norm, rope
+from colfunc.ops import reference
+from colfunc.ops.cpu_adam import cpu_adamw_
+from colfunc.ops.dispatch import adamw_, attention, cross_entropy, layer_norm, rms_norm, rope
 
-__all__ = ["attention", "cross_entropy", "layer_norm", "rms_norm", "rope"]
+__all__ = [
+    "adamw_",
+    "attention",
+    "cpu_adamw_",
+    "cross_entropy",
+    "layer_norm",
+    "reference",
+    "rms_norm",
+    "rope",
+]

@@ -8,10 +8,12 @@ Legend: B batch, H query heads, Hkv key/value heads, T query length, S key lengt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "cross_entropy", "layer_norm", "rms_norm", "rope"]
+__all__ = ["adamw_", "attention", "cross_entropy", "layer_norm", "rms_norm", "rope"]
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -111,3 +113,40 @@ def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> to
     x1, x2 = x_BHTD[..., :K], x_BHTD[..., K:]
     cos, sin = cos_TK.to(x_BHTD.dtype), sin_TK.to(x_BHTD.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@torch.no_grad()
+def adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update in place, operation for operation as ``torch.optim.AdamW`` does it.
+
+    ``step`` is the 1-based count of this update (for the bias corrections). The moments are fp32;
+    a bf16 or fp16 param is updated in fp32 and rounded back once.
+    """
+    lengths = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs)}
+    if len(lengths) != 1:
+        raise ValueError(f"adamw_: params, grads, exp_avgs, exp_avg_sqs differ in length {lengths}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"adamw_: step={step!r}; expected an int >= 1")
+    step_size = lr / (1.0 - beta1**step)
+    bc2_sqrt = (1.0 - beta2**step) ** 0.5
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p32, g32 = p.float(), g.float()  # the tensors themselves when already fp32
+        p32.mul_(1.0 - lr * weight_decay)
+        m.lerp_(g32, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
+        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        p32.addcdiv_(m, denom, value=-step_size)
+        if p32 is not p:
+            p.copy_(p32)

@@ -1,5 +1,47 @@
-"""Optimizers in the optax shape, with PyTorch's argument names and defaults."""
+"""Optimizers in the optax shape, with PyTorch's argument names and defaults.
 
-from colfunc.optim.base import GradientTransformation, Schedule, apply_updates, chain
+Each optimizer is a :class:`GradientTransformation`: ``init(params) -> state`` and a pure
+``update(grads, state, params) -> (updates, state)``; ``apply_updates(params, updates)`` gives the
+new parameters. States are pytrees (fp32 tensors mirroring the parameters, Python int counters).
 
-__all__ = ["GradientTransformation", "Schedule", "apply_updates", "chain"]
+Example:
+    >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(3e-4, 100, 10_000)))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = apply_updates(params, updates)
+"""
+
+from colfunc.optim import schedules
+from colfunc.optim.accumulate import AccumulateState, accumulate
+from colfunc.optim.adam import AdamState, adam, adamw
+from colfunc.optim.base import (
+    GradientTransformation,
+    Schedule,
+    apply_updates,
+    chain,
+    learning_rate,
+)
+from colfunc.optim.clip import clip_by_global_norm, global_norm
+from colfunc.optim.schedules import constant, linear_warmup, warmup_cosine
+from colfunc.optim.sgd import SgdState, sgd
+
+__all__ = [
+    "AccumulateState",
+    "AdamState",
+    "GradientTransformation",
+    "Schedule",
+    "SgdState",
+    "accumulate",
+    "adam",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "global_norm",
+    "learning_rate",
+    "linear_warmup",
+    "schedules",
+    "sgd",
+    "warmup_cosine",
+]

@@ -7,6 +7,7 @@ the state decides what to keep.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +19,8 @@ __all__ = ["GradientTransformation", "Schedule", "apply_updates", "chain", "lear
 
 PyTree = Any
 Schedule = Callable[[int], float]
+# what the torch._foreach_* ops take and return
+Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
 class GradientTransformation(NamedTuple):
@@ -37,6 +40,36 @@ def learning_rate(lr: float | Schedule, count: int) -> float:
     return float(lr(count)) if callable(lr) else float(lr)
 
 
+def check_lr(owner: str, lr: float | Schedule) -> float | Schedule:
+    """``lr`` if it is a schedule or a finite number >= 0, else a TypeError/ValueError."""
+    if callable(lr):
+        return lr
+    return check_number(owner, "lr", lr, low=0.0)
+
+
+def check_number(
+    owner: str, name: str, value: float, *, low: float, high: float | None = None
+) -> float:
+    """``value`` as a float if it is finite and in ``[low, high)`` (no upper bound when None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    in_range = low <= value and (high is None or value < high)
+    if not (math.isfinite(value) and in_range):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{owner}: {name} must be finite and {bound}, got {value}")
+    return float(value)
+
+
+def fp32_leaves(treedef: Any, t: PyTree) -> list[torch.Tensor]:
+    """The leaves of ``t`` (of structure ``treedef``) as fp32 tensors; fp32 ones are not copied."""
+    return [x.float() for x in treedef.flatten_up_to(t)]
+
+
+def fp32_zeros(params: PyTree) -> PyTree:
+    """An fp32 zero tensor shaped like each leaf of ``params`` (optimizer state slots)."""
+    return tree.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+
+
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leafwise, as new tensors (in the parameters' dtype)."""
     flat, treedef = tree.flatten_with_paths(params)
@@ -47,7 +80,11 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply ``transforms`` in order, each to the updates of the one before."""
+    """Apply ``transforms`` in order, each to the updates of the one before.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0), adamw(3e-4))
+    """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} is {t!r}, not a GradientTransformation")

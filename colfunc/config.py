@@ -1,0 +1,435 @@
+"""Run configuration: Python config files of frozen dataclasses, overridable from the command line.
+
+A config file is a Python module that defines four frozen dataclass instances:
+
+``model``
+    the model's own ``Config`` (``colfunc.models.gpt.Config.tiny()``, ``llama.Config(...)``, ...);
+``optim``, ``data``, ``train``
+    an :class:`OptimConfig`, a :class:`DataConfig` and a :class:`TrainConfig`;
+
+and may define ``parallel = dict(...)``, the parallel layout, which training commands read.
+
+``--set section.field=value`` replaces any field, the text coerced by the field's annotation
+(``int``, ``float``, ``bool``, ``str``, tuples written ``0.9,0.95``, ``None`` for optional fields).
+Every mistake is a ValueError naming the field and the value.
+
+Example:
+    >>> cfg = load("examples/configs/gpt_tiny.py", ["train.steps=100", "optim.lr=1e-3"])
+    >>> cfg.train.steps, cfg.model.d_model
+    (100, 128)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DataConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "default",
+    "from_dict",
+    "load",
+    "model_module",
+    "override",
+    "to_dict",
+]
+
+SECTIONS = ("model", "optim", "data", "train")
+_MODELS_PACKAGE = "colfunc.models."
+
+
+def _check_positive(owner: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    low_ok = value >= 0 if allow_zero else value > 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low_ok:
+        need = "an int >= 0" if allow_zero else "a positive int"
+        raise ValueError(f"{owner}.{name} must be {need}, got {value!r}")
+
+
+def _check_finite(owner: str, name: str, value: Any, *, low: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{owner}.{name} must be finite and >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The optimizer: AdamW under a linear-warmup, cosine-decay schedule.
+
+    The learning rate rises linearly from 0 to ``lr`` over ``warmup_steps`` (cut to the run's
+    length when the run is shorter), then follows a cosine down to ``final_lr`` at the last step.
+    ``clip_norm`` clips the gradients' global norm first (0 turns clipping off).
+    """
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    warmup_steps: int = 50
+    final_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "eps", "weight_decay", "clip_norm", "final_lr"):
+            _check_finite("optim", name, getattr(self, name))
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            raise ValueError(f"optim.betas must be a pair (beta1, beta2), got {self.betas!r}")
+        for beta in self.betas:
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                raise ValueError(f"optim.betas must lie in [0, 1), got {self.betas!r}")
+        _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.final_lr > self.lr:
+            raise ValueError(
+                f"optim.final_lr={self.final_lr!r} is above optim.lr={self.lr!r}; the schedule "
+                f"decays from lr to final_lr"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The corpus and the batches drawn from it.
+
+    ``corpus`` is ``"stdlib"`` (the running Python's standard library sources), a text file or a
+    folder; ``val_fraction`` of it is held out for validation (see :mod:`colfunc.data`). Batches
+    are ``batch_size`` windows of ``seq_len`` bytes, a pure function of ``(seed, step)``.
+    """
+
+    corpus: str = "stdlib"
+    val_fraction: float = 0.05
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.corpus, str) or not self.corpus:
+            raise ValueError(
+                f"data.corpus must be 'stdlib' or a path to a text file or folder, got "
+                f"{self.corpus!r}"
+            )
+        if isinstance(self.val_fraction, bool) or not (
+            isinstance(self.val_fraction, (int, float)) and 0 < self.val_fraction < 1
+        ):
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        _check_positive("data", "batch_size", self.batch_size)
+        _check_positive("data", "seq_len", self.seq_len)
+        _check_positive("data", "seed", self.seed, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop: how long, how often to log and evaluate, where to write.
+
+    A record goes to ``metrics.jsonl`` every ``log_every`` steps; the validation loss (mean over
+    ``eval_batches`` fixed batches) is measured at step 0, every ``eval_every`` steps and at the
+    end. The run is written to ``out_dir/name`` (an empty name means ``<config>-<date>-<time>``).
+    At the end, ``sample_tokens`` bytes are sampled after ``sample_prompt`` (0 skips it).
+    ``seed`` seeds the parameters' initialisation.
+    """
+
+    steps: int = 1000
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    seed: int = 0
+    name: str = ""
+    out_dir: str = "runs"
+    sample_prompt: str = "def "
+    sample_tokens: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every", "eval_every", "eval_batches"):
+            _check_positive("train", name, getattr(self, name))
+        for name in ("seed", "sample_tokens"):
+            _check_positive("train", name, getattr(self, name), allow_zero=True)
+        if not isinstance(self.name, str) or "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"train.name must be a plain folder name, got {self.name!r}")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ValueError(f"train.out_dir must be a folder path, got {self.out_dir!r}")
+        if self.sample_tokens and not self.sample_prompt:
+            raise ValueError("train.sample_prompt must not be empty when train.sample_tokens > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole run: the four sections, checked against each other, and the parallel layout.
+
+    ``parallel`` is the mesh and transforms a run asks for (``{}``: one device).
+    """
+
+    model: Any
+    optim: OptimConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        model_module(self.model)  # a Config from colfunc.models.<family>
+        for name, kind in (("optim", OptimConfig), ("data", DataConfig), ("train", TrainConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"{name} must be a colfunc.config.{kind.__name__}, got {type(value).__name__}"
+                )
+        if not isinstance(self.parallel, dict):
+            raise ValueError(f"parallel must be a dict, got {type(self.parallel).__name__}")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is longer than the model's context "
+                f"model.max_seq_len={self.model.max_seq_len}"
+            )
+        if self.model.vocab_size < 256:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
+                f"tokenizer, which needs 256"
+            )
+
+
+def model_module(model_cfg: Any) -> types.ModuleType:
+    """The module of a model config (``colfunc.models.gpt`` for a ``gpt.Config``)."""
+    module_name = type(model_cfg).__module__
+    if not (dataclasses.is_dataclass(model_cfg) and module_name.startswith(_MODELS_PACKAGE)):
+        raise ValueError(
+            f"model must be the Config of a colfunc.models module (e.g. "
+            f"colfunc.models.gpt.Config.tiny()), got {type(model_cfg).__name__} from {module_name}"
+        )
+    return sys.modules[module_name]
+
+
+def default() -> RunConfig:
+    """The built-in run of ``colfunc train``: the tiny GPT on the standard library's sources.
+
+    ``examples/configs/gpt_tiny.py`` spells out the same run.
+    """
+    from colfunc.models import gpt
+
+    return RunConfig(
+        model=gpt.Config.tiny(),
+        optim=OptimConfig(),
+        data=DataConfig(),
+        train=TrainConfig(),
+    )
+
+
+def _load_module(path: Path) -> types.ModuleType:
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    name = "colfunc_config_" + "".join(c if c.isalnum() else "_" for c in path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"config file {str(path)!r} is not a Python module (it needs .py)")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a config file is user code: report where it failed, in one line
+        raise ValueError(f"config file {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The run defined by the config file at ``path`` (None: :func:`default`), with overrides.
+
+    Each override is ``"section.field=value"``; see :func:`override`.
+    """
+    if path is None:
+        cfg = default()
+    else:
+        module = _load_module(Path(path))
+        missing = [s for s in SECTIONS if not hasattr(module, s)]
+        if missing:
+            raise ValueError(
+                f"config file {str(path)!r} must define {', '.join(SECTIONS)}; missing "
+                f"{', '.join(missing)}"
+            )
+        sections = {s: getattr(module, s) for s in SECTIONS}
+        parallel = getattr(module, "parallel", None)
+        cfg = RunConfig(**sections, parallel={} if parallel is None else parallel)
+    return override(cfg, overrides)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """``value`` (text from ``--set``, or a JSON value) as the type ``hint`` of field ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    wrong = ValueError(f"{where} must be {_type_name(hint)}, got {value!r}")
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or value in ("None", "none", "null")):
+            return None
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _coerce(value, arg, where)
+                except ValueError:
+                    pass
+        raise wrong
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise ValueError(f"{where} must be one of {args}, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return _parse_bool(value)
+            except ValueError:
+                raise wrong from None
+        raise wrong
+    if hint is int or hint is float:
+        if isinstance(value, bool):
+            raise wrong
+        if isinstance(value, str):
+            try:
+                value = hint(value.strip())
+            except ValueError:
+                raise wrong from None
+        if hint is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, hint):
+            raise wrong
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    if hint is torch.dtype:
+        dtype = getattr(torch, str(value).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise wrong
+        return dtype
+    if hint is tuple or origin is tuple:
+        if isinstance(value, str):
+            text = value.strip().removeprefix("(").removesuffix(")")
+            text = text.removeprefix("[").removesuffix("]")
+            items: list[Any] = [t for t in (s.strip() for s in text.split(",")) if t]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise wrong
+        if not args:
+            return tuple(items)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(x, args[0], where) for x in items)
+        if len(items) != len(args):
+            raise wrong
+        return tuple(_coerce(x, a, where) for x, a in zip(items, args))
+    if hint is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise wrong
+    raise ValueError(f"{where} has type {_type_name(hint)}, which cannot be set from text")
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type) and typing.get_origin(hint) is None:
+        return {"int": "an int", "float": "a number", "bool": "true or false", "str": "text"}.get(
+            hint.__name__, hint.__name__
+        )
+    return str(hint).replace("typing.", "")
+
+
+def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """``cfg`` with each ``"section.field=value"`` applied (all of a section's fields at once, so
+    that fields which must change together, like ``n_head`` and ``d_model``, can)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not sep or not dot or not field:
+            raise ValueError(
+                f"--set {item!r} must look like section.field=value (e.g. train.steps=100)"
+            )
+        if section not in SECTIONS:
+            raise ValueError(
+                f"--set {item!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
+            )
+        current = getattr(cfg, section)
+        types_ = _field_types(type(current))
+        if field not in types_:
+            raise ValueError(
+                f"--set {item!r}: unknown field {section}.{field}; {section} has "
+                f"{', '.join(types_)}"
+            )
+        changes.setdefault(section, {})[field] = _coerce(text, types_[field], key.strip())
+    replaced = {}
+    for section, fields in changes.items():
+        try:
+            replaced[section] = dataclasses.replace(getattr(cfg, section), **fields)
+        except ValueError as e:
+            shown = ", ".join(f"{section}.{k}={v!r}" for k, v in fields.items())
+            raise ValueError(f"--set {shown}: {e}") from e
+    return dataclasses.replace(cfg, **replaced) if replaced else cfg
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as plain JSON values; ``model`` gains ``"family"`` (``"gpt"``, ``"llama"``, ...)."""
+    out: dict[str, Any] = {}
+    for section in SECTIONS:
+        value = getattr(cfg, section)
+        out[section] = {n: _jsonable(getattr(value, n)) for n in _field_types(type(value))}
+    out["model"]["family"] = type(cfg.model).__module__.removeprefix(_MODELS_PACKAGE)
+    out["parallel"] = cfg.parallel
+    return out
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """The inverse of :func:`to_dict` (values are coerced by each field's annotation)."""
+    if not isinstance(d, dict) or any(not isinstance(d.get(s), dict) for s in SECTIONS):
+        raise ValueError(f"a run config needs the sections {', '.join(SECTIONS)}")
+    model = dict(d["model"])
+    family = model.pop("family", None)
+    try:
+        module = importlib.import_module(_MODELS_PACKAGE + str(family))
+    except ImportError as e:
+        raise ValueError(f"model.family={family!r} is not a colfunc.models module") from e
+    classes = {
+        "model": module.Config,
+        "optim": OptimConfig,
+        "data": DataConfig,
+        "train": TrainConfig,
+    }
+    sections = {}
+    for section, cls in classes.items():
+        fields = model if section == "model" else d[section]
+        types_ = _field_types(cls)
+        unknown = set(fields) - set(types_)
+        if unknown:
+            raise ValueError(f"unknown fields in {section}: {', '.join(sorted(unknown))}")
+        kwargs = {k: _coerce(v, types_[k], f"{section}.{k}") for k, v in fields.items()}
+        sections[section] = cls(**kwargs)
+    return RunConfig(**sections, parallel=d.get("parallel") or {})

@@ -1,0 +1,12 @@
+"""Memory accounting: what a rank's training state holds, and the peak of what a step allocates.
+
+``report(state)`` counts the bytes of this rank's parameters, gradients and optimizer states (the
+"model states" of the ZeRO paper). ``track()`` records the peak of live tensor bytes allocated
+inside it, on the current thread, on any device (CPU included), so activation and ZeRO savings can
+be measured without a GPU.
+"""
+
+from colfunc.memory.report import MemoryReport, report
+from colfunc.memory.track import Tracker, track
+
+__all__ = ["MemoryReport", "Tracker", "report", "track"]

@@ -1,0 +1,207 @@
+"""LLaMA (Touvron et al. 2023) as a pure function over a pytree of parameters.
+
+Pre-RMSNorm blocks, rotary position embeddings (rotate-half convention), SwiGLU MLP,
+grouped-query attention, no biases; the head is separate unless ``tie_embeddings``. The blocks are
+stacked on a leading layer axis and run by ``scan_layers``.
+
+Legend: L layers, B batch, T sequence, S = T - 1 predicted positions, D width (d_model),
+F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from colfunc import nn, ops, random
+from colfunc.core import Layered, P, layered, scan_layers
+
+__all__ = ["Config", "apply", "init", "loss", "param_shapes", "tp_plan"]
+
+Params = dict[str, Any]
+
+
+def _swiglu_width(d_model: int) -> int:
+    # LLaMA keeps the MLP's parameter count at that of a 4x GELU MLP: 2/3 * 4 * d, rounded up to a
+    # multiple of 32 so the width splits evenly over common tensor-parallel degrees.
+    return 32 * math.ceil(8 * d_model / 3 / 32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """LLaMA sizes. ``n_kv_heads=None`` means ``n_head`` (no grouping); ``d_ff=None`` means the
+    SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32."""
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    max_seq_len: int = 128
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_head)
+        if self.d_ff is None and isinstance(self.d_model, int):
+            object.__setattr__(self, "d_ff", _swiglu_width(self.d_model))
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "d_model",
+            "max_seq_len",
+            "n_kv_heads",
+            "d_ff",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"llama.Config: n_head={self.n_head} must divide d_model={self.d_model}"
+            )
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(
+                f"llama.Config: rotary embeddings need an even head dim; d_model={self.d_model} / "
+                f"n_head={self.n_head} = {self.d_model // self.n_head}"
+            )
+        assert self.n_kv_heads is not None
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(
+                f"llama.Config: n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"llama.Config: rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"llama.Config: norm_eps must be > 0, got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(
+                f"llama.Config: tie_embeddings must be a bool, got {self.tie_embeddings!r}"
+            )
+
+    @classmethod
+    def tiny(cls) -> Config:
+        """Byte-level, 4 layers, width 128, 4 query heads sharing 2 key/value heads, context 128."""
+        return cls(vocab_size=256, n_layer=4, n_head=4, n_kv_heads=2, d_model=128, max_seq_len=128)
+
+    @classmethod
+    def small(cls) -> Config:
+        """Byte-level, 6 layers, width 384, 6 query heads sharing 2 key/value heads, context 256."""
+        return cls(vocab_size=256, n_layer=6, n_head=6, n_kv_heads=2, d_model=384, max_seq_len=256)
+
+
+# Megatron-LM tensor parallelism: q/k/v and the gate/up projections split their output dim
+# (column parallel, whole heads per rank, so n_kv_heads must be divisible by the degree), the
+# attention and MLP output projections their input dim (row parallel); the embedding and the head
+# split the vocabulary. Parameters not named here are replicated.
+tp_plan: dict[str, P] = {
+    "embed.tokens": P("tp", None),
+    "blocks.attn.wq": P(None, None, "tp"),
+    "blocks.attn.wk": P(None, None, "tp"),
+    "blocks.attn.wv": P(None, None, "tp"),
+    "blocks.attn.wo": P(None, "tp", None),
+    "blocks.mlp.w_gate": P(None, None, "tp"),
+    "blocks.mlp.w_up": P(None, None, "tp"),
+    "blocks.mlp.w_down": P(None, "tp", None),
+    "head.weight": P(None, "tp"),
+}
+
+
+def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter, by dotted path (in the order of :func:`init`)."""
+    L, D, V, F = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.d_ff
+    assert F is not None and cfg.n_kv_heads is not None  # resolved by Config.__post_init__
+    KE = cfg.n_kv_heads * (D // cfg.n_head)
+    shapes = {
+        "embed.tokens": (V, D),
+        "blocks.ln1.weight": (L, D),
+        "blocks.attn.wq": (L, D, D),
+        "blocks.attn.wk": (L, D, KE),
+        "blocks.attn.wv": (L, D, KE),
+        "blocks.attn.wo": (L, D, D),
+        "blocks.ln2.weight": (L, D),
+        "blocks.mlp.w_gate": (L, D, F),
+        "blocks.mlp.w_up": (L, D, F),
+        "blocks.mlp.w_down": (L, F, D),
+        "final_norm.weight": (D,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["head.weight"] = (D, V)  # [in, out] like every other weight
+    return shapes
+
+
+_NORM_WEIGHTS = {"blocks.ln1.weight", "blocks.ln2.weight", "final_norm.weight"}
+_RESIDUAL_OUT = {"blocks.attn.wo", "blocks.mlp.w_down"}
+
+
+def init(cfg: Config, seed: int = 0) -> Params:
+    """Fresh fp32 parameters; each value depends only on ``(seed, path)``.
+
+    Weights N(0, 0.02), the residual-stream output projections N(0, 0.02 / sqrt(2 * n_layer))
+    as in GPT-2, norm weights 1.
+    """
+    std_out = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def value(path: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if path in _NORM_WEIGHTS:
+            return torch.ones(shape)
+        return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
+
+    return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
+
+
+def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
+    nn.check_input_ids(input_ids_BT, cfg.max_seq_len)
+    return nn.embedding(input_ids_BT, params["embed"]["tokens"])
+
+
+def _block(layer: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
+    E = cfg.d_model // cfg.n_head
+    # a few T x E/2 elements per layer: recomputing keeps the block a function of (layer, x) only
+    rope = nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, device=x_BTD.device)
+    h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
+    x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E, rope=rope)
+    h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
+    return x_BTD + nn.swiglu(h_BTD, layer["mlp"])
+
+
+def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
+    h_BTD = ops.rms_norm(x_BTD, params["final_norm"]["weight"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        return nn.unembed(h_BTD, params["embed"]["tokens"])
+    return nn.linear(h_BTD, params["head"]["weight"])
+
+
+def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Logits ``[B, T, V]`` for ``input_ids[B, T]`` (fp32 for fp32 params)."""
+    x_BTD = _embed(params, input_ids, cfg)
+    x_BTD = scan_layers(lambda layer, x: _block(layer, x, cfg), x_BTD, params["blocks"])
+    return _logits(params, x_BTD, cfg)
+
+
+def loss(cfg: Config) -> Layered:
+    """``loss_fn(params, {"input_ids", "labels"})``: mean next-token cross-entropy, ``-100`` ignored.
+
+    The same computation as :func:`apply` followed by the shifted cross-entropy, in the
+    ``layered(pre, block, post)`` form that ``pipeline`` cuts into stages.
+    """
+
+    def pre(params: Params, batch: Any) -> torch.Tensor:
+        return _embed(params, batch["input_ids"], cfg)
+
+    def block(layer: Params, x_BTD: torch.Tensor) -> torch.Tensor:
+        return _block(layer, x_BTD, cfg)
+
+    def post(params: Params, x_BTD: torch.Tensor, batch: Any) -> torch.Tensor:
+        # the last position has no next token inside the sequence: drop it before the head
+        logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
+        return nn.next_token_loss(logits_BSV, batch["labels"])
+
+    return layered(pre, block, post, name="llama")

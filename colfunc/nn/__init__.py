@@ -1,0 +1,28 @@
+"""Pure functional layers: tensors and parameter dicts in, tensors out.
+
+Weights are stored ``[in, out]`` and applied as ``x @ w``; a layer's parameters are a plain dict
+(``{"wq": ..., "bq": ...}``), so a model is a composition of these functions over a pytree. None of
+them knows about meshes: run on sharded tensors, or on local shards inside a manual region, they
+compute the same thing, because head counts are inferred from the weights' sizes and the head dim.
+"""
+
+from colfunc.nn.attention import merge_heads, rope_tables, self_attention, split_heads
+from colfunc.nn.dense import embedding, linear, unembed
+from colfunc.nn.feedforward import gelu_tanh, mlp, swiglu
+from colfunc.nn.lm import check_input_ids, nest, next_token_loss
+
+__all__ = [
+    "check_input_ids",
+    "embedding",
+    "gelu_tanh",
+    "linear",
+    "merge_heads",
+    "mlp",
+    "nest",
+    "next_token_loss",
+    "rope_tables",
+    "self_attention",
+    "split_heads",
+    "swiglu",
+    "unembed",
+]

@@ -1,0 +1,66 @@
+"""Multi-head self-attention and rotary position tables.
+
+Legend: B batch, T sequence, D width, H query heads, K key/value heads, E head dim, R rotary
+frequencies (E/2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colfunc import ops
+from colfunc.nn.dense import linear
+
+__all__ = ["merge_heads", "rope_tables", "self_attention", "split_heads"]
+
+
+def split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[B, T, H*E] -> [B, H, T, E]``; the head count is inferred, so a shard of heads works too."""
+    B, T, _ = x_BTD.shape
+    return x_BTD.view(B, T, -1, head_dim).transpose(1, 2)
+
+
+def merge_heads(x_BHTE: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, E] -> [B, T, H*E]``, the inverse of :func:`split_heads`."""
+    B, _, T, _ = x_BHTE.shape
+    return x_BHTE.transpose(1, 2).reshape(B, T, -1)
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos[T, R], sin[T, R])`` for rotary embeddings (Su et al. 2021), fp32.
+
+    Frequency ``r`` is ``theta ** (-2r / E)``; the operations and their order are those of the
+    LLaMA reference so that the tables agree bit for bit.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
+    exponent_R = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq_R = 1.0 / (theta**exponent_R)
+    angle_TR = torch.arange(seq_len, device=device).float()[:, None] * inv_freq_R[None, :]
+    return angle_TR.cos(), angle_TR.sin()
+
+
+def self_attention(
+    x_BTD: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    *,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal multi-head (or grouped-query) self-attention.
+
+    ``p`` holds ``wq[D, H*E]``, ``wk, wv[D, K*E]``, ``wo[H*E, D]`` and optionally the biases
+    ``bq, bk, bv, bo``. Query heads share key/value heads in contiguous groups of ``H / K``.
+    ``rope`` is ``(cos[T, R], sin[T, R])`` from :func:`rope_tables`, applied to q and k.
+    """
+    q_BHTE = split_heads(linear(x_BTD, p["wq"], p.get("bq")), head_dim)
+    k_BKTE = split_heads(linear(x_BTD, p["wk"], p.get("bk")), head_dim)
+    v_BKTE = split_heads(linear(x_BTD, p["wv"], p.get("bv")), head_dim)
+    if rope is not None:
+        cos_TR, sin_TR = rope
+        q_BHTE = ops.rope(q_BHTE, cos_TR, sin_TR)
+        k_BKTE = ops.rope(k_BKTE, cos_TR, sin_TR)
+    y_BHTE = ops.attention(q_BHTE, k_BKTE, v_BKTE, causal=True)
+    return linear(merge_heads(y_BHTE), p["wo"], p.get("bo"))

@@ -1,0 +1,176 @@
+"""Each op's choice between its Triton kernel and its plain PyTorch reference.
+
+``COLFUNC_KERNELS`` is read at every call, so a script or a test can switch it at any time:
+
+- ``auto`` (the default): the Triton kernel for CUDA tensors it takes, when Triton is installed;
+  the reference for everything else (CPU tensors, a head dim the kernel lacks).
+- ``triton``: the Triton kernel always; CPU tensors only under ``TRITON_INTERPRET=1``. Inputs the
+  kernel does not take raise ValueError before anything is launched.
+- ``torch``: the reference always.
+
+Kernel modules are imported on first use, never here: importing :mod:`colfunc.ops` costs no
+Triton import, and ``TRITON_INTERPRET`` (which Triton reads when a kernel module is imported) can
+still be set after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from colfunc.kernels import checks
+from colfunc.ops import reference
+
+__all__ = [
+    "CHOICES",
+    "adamw_",
+    "attention",
+    "cross_entropy",
+    "kernels_choice",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+]
+
+CHOICES = ("auto", "triton", "torch")
+
+
+def kernels_choice() -> str:
+    """The value of ``COLFUNC_KERNELS`` now (``auto`` when unset), checked."""
+    value = os.environ.get("COLFUNC_KERNELS", "auto")
+    if value not in CHOICES:
+        raise ValueError(f"COLFUNC_KERNELS={value!r}; expected one of {', '.join(CHOICES)}")
+    return value
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernel(name: str) -> ModuleType:
+    """The Triton module ``colfunc.kernels.<name>``, imported on first use."""
+    return importlib.import_module(f"colfunc.kernels.{name}")
+
+
+def _use_triton(op: str, check: Callable[[], None], tensors: Sequence[torch.Tensor]) -> bool:
+    choice = kernels_choice()
+    if choice == "torch":
+        return False
+    if choice == "auto":
+        if not (tensors and all(t.is_cuda for t in tensors) and _triton_installed()):
+            return False
+        try:
+            check()
+        except ValueError:  # a case the kernel lacks: the reference covers it
+            return False
+        return True
+    if not _triton_installed():
+        raise ValueError(f"{op}: COLFUNC_KERNELS=triton but Triton is not installed")
+    check()
+    if tensors:
+        checks.device(op, *tensors)
+    return True
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention, ``q[B,H,T,D]`` against ``k, v[B,Hkv,S,D]`` (H a multiple of Hkv).
+
+    The causal mask is aligned bottom-right when T != S: query ``i`` sees keys ``j <= i + S - T``.
+    ``scale`` defaults to ``1/sqrt(D)``. The Triton kernel is flash attention (head dims 16-128).
+    """
+    qkv = (q_BHTD, k_BHSD, v_BHSD)
+    if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
+        out: torch.Tensor = _kernel("attention").attention(*qkv, causal, scale)
+        return out
+    return reference.attention(*qkv, causal, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32 (``weight`` may be None)."""
+    if _use_triton("rms_norm", lambda: checks.rms_norm(x, weight), _present(x, weight)):
+        out: torch.Tensor = _kernel("norms").rms_norm(x, weight, eps)
+        return out
+    return reference.rms_norm(x, weight, eps)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dim, statistics in fp32 (``weight``, ``bias`` may be None)."""
+    check = lambda: checks.layer_norm(x, weight, bias)  # noqa: E731
+    if _use_triton("layer_norm", check, _present(x, weight, bias)):
+        out: torch.Tensor = _kernel("norms").layer_norm(x, weight, bias, eps)
+        return out
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+def cross_entropy(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy over the labels that are not ``ignore_index``, as an fp32 scalar."""
+    check = lambda: checks.cross_entropy(logits_NV, labels_N)  # noqa: E731
+    if _use_triton("cross_entropy", check, (logits_NV, labels_N)):
+        out: torch.Tensor = _kernel("cross_entropy").cross_entropy(
+            logits_NV, labels_N, ignore_index
+        )
+        return out
+    return reference.cross_entropy(logits_NV, labels_N, ignore_index)
+
+
+def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention: ``cos, sin [T, D/2]``."""
+    check = lambda: checks.rope(x_BHTD, cos_TK, sin_TK)  # noqa: E731
+    if _use_triton("rope", check, (x_BHTD, cos_TK, sin_TK)):
+        out: torch.Tensor = _kernel("rope").rope(x_BHTD, cos_TK, sin_TK)
+        return out
+    return reference.rope(x_BHTD, cos_TK, sin_TK)
+
+
+def adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update in place over lists of tensors (``torch.optim.AdamW`` semantics).
+
+    ``step`` is this update's 1-based count. Moments are fp32; params and grads fp32, bf16 or
+    fp16. The Triton kernel updates every tensor of a dtype in one launch.
+
+    >>> adamw_(params, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-3, beta1=0.9,
+    ...        beta2=0.999, eps=1e-8, weight_decay=0.01)  # doctest: +SKIP
+    """
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    hparams: dict[str, Any] = dict(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+    )
+    check = lambda: checks.adamw(*lists, **hparams)  # noqa: E731
+    if _use_triton("adamw_", check, [t for ts in lists for t in ts]):
+        _kernel("adamw").adamw_(*lists, **hparams)
+        return
+    reference.adamw_(*lists, **hparams)

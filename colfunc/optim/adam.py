@@ -1,0 +1,139 @@
+"""Adam and AdamW, with the semantics, names and defaults of ``torch.optim.Adam``/``AdamW``.
+
+With ``t`` the update number from 1, ``g`` the gradient and ``p`` the parameter::
+
+    m = beta1 * m + (1 - beta1) * g                      (a lerp, as in torch)
+    v = beta2 * v + (1 - beta2) * g * g
+    denom = sqrt(v) / sqrt(1 - beta2^t) + eps            (v -> max(v_max, v) with amsgrad)
+    update = -lr / (1 - beta1^t) * m / denom
+             - lr * weight_decay * p                     (AdamW: decoupled decay)
+
+Adam instead adds ``weight_decay * p`` to ``g`` first (L2 regularisation). The moments are fp32
+whatever the parameters' dtype. Each line is one ``torch._foreach_*`` pass over all tensors (the
+order of operations follows torch's ``foreach`` implementation, so results agree to rounding);
+new tensors come out and nothing passed in is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from colfunc import tree
+from colfunc.optim.base import (
+    GradientTransformation,
+    Schedule,
+    Tensors,
+    check_lr,
+    check_number,
+    fp32_leaves,
+    fp32_zeros,
+    learning_rate,
+)
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+PyTree = Any
+
+
+class AdamState(NamedTuple):
+    """``step``: updates done; the moments mirror the parameters' tree, in fp32.
+
+    ``max_exp_avg_sq`` is the running maximum of ``exp_avg_sq`` with ``amsgrad``, else None.
+    """
+
+    step: int
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    max_exp_avg_sq: PyTree | None
+
+
+def _scale_by_adam(
+    owner: str,
+    lr: float | Schedule,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    decoupled: bool,
+) -> GradientTransformation:
+    lr = check_lr(owner, lr)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1 = check_number(owner, "betas[0]", betas[0], low=0.0, high=1.0)
+    beta2 = check_number(owner, "betas[1]", betas[1], low=0.0, high=1.0)
+    eps = check_number(owner, "eps", eps, low=0.0)
+    weight_decay = check_number(owner, "weight_decay", weight_decay, low=0.0)
+
+    def init(params: PyTree) -> AdamState:
+        max_sq = fp32_zeros(params) if amsgrad else None
+        return AdamState(0, fp32_zeros(params), fp32_zeros(params), max_sq)
+
+    def update(grads: PyTree, state: AdamState, params: PyTree) -> tuple[PyTree, AdamState]:
+        treedef = tree.structure(params)
+        ps = fp32_leaves(treedef, params)
+        gs: Tensors = fp32_leaves(treedef, grads)
+        lr_t = learning_rate(lr, state.step)
+        t = state.step + 1
+        if weight_decay and not decoupled:
+            gs = torch._foreach_add(gs, ps, alpha=weight_decay)
+        m = torch._foreach_lerp(treedef.flatten_up_to(state.exp_avg), gs, 1 - beta1)
+        v = torch._foreach_mul(treedef.flatten_up_to(state.exp_avg_sq), beta2)
+        torch._foreach_addcmul_(v, gs, gs, 1 - beta2)
+        v_max: Tensors | None = None
+        if amsgrad:
+            v_max = torch._foreach_maximum(treedef.flatten_up_to(state.max_exp_avg_sq), v)
+        denom = torch._foreach_sqrt(v_max if v_max is not None else v)
+        torch._foreach_div_(denom, (1 - beta2**t) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        step_size = (lr_t / (1 - beta1**t)) * -1
+        if weight_decay and decoupled:
+            updates = torch._foreach_mul(ps, -lr_t * weight_decay)
+            torch._foreach_addcdiv_(updates, m, denom, step_size)
+        else:
+            updates = torch._foreach_div(m, denom)
+            torch._foreach_mul_(updates, step_size)
+        new_state = AdamState(
+            t,
+            tree.unflatten(treedef, m),
+            tree.unflatten(treedef, v),
+            None if v_max is None else tree.unflatten(treedef, v_max),
+        )
+        return tree.unflatten(treedef, updates), new_state
+
+    def current_lr(state: AdamState) -> float:
+        return learning_rate(lr, state.step)
+
+    return GradientTransformation(init, update, current_lr)
+
+
+def adamw(
+    lr: float | Schedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+) -> GradientTransformation:
+    """AdamW (Loshchilov & Hutter, 2019) as ``torch.optim.AdamW``: decay ``p *= 1 - lr * wd``.
+
+    ``lr`` is a number or a schedule ``Callable[[int], float]`` of the update count.
+
+    Example:
+        >>> opt = adamw(warmup_cosine(3e-4, warmup_steps=100, total_steps=10_000))
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = apply_updates(params, updates)
+    """
+    return _scale_by_adam("adamw", lr, betas, eps, weight_decay, amsgrad, decoupled=True)
+
+
+def adam(
+    lr: float | Schedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+) -> GradientTransformation:
+    """Adam (Kingma & Ba, 2015) as ``torch.optim.Adam``: weight decay is L2 (``g += wd * p``)."""
+    return _scale_by_adam("adam", lr, betas, eps, weight_decay, amsgrad, decoupled=False)

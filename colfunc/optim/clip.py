@@ -1,0 +1,55 @@
+"""Gradient clipping by the global L2 norm, as ``torch.nn.utils.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colfunc import tree
+from colfunc.optim.base import GradientTransformation, check_number
+
+__all__ = ["clip_by_global_norm", "global_norm"]
+
+PyTree = Any
+
+
+def global_norm(grads: PyTree) -> torch.Tensor:
+    """The L2 norm of all tensor leaves together (0-d fp32), computed as torch's clipping does.
+
+    One norm per tensor, then the norm of those norms: the same reduction order as
+    ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients.
+    """
+    ts = tree.tensors(grads)
+    if not ts:
+        return torch.zeros(())
+    # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    norms = torch._foreach_norm(ts, 2.0, dtype=dtype)
+    device = ts[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when their global norm is larger.
+
+    The scale is ``min(max_norm / (norm + 1e-6), 1)`` applied unconditionally (as torch does, which
+    avoids a host sync on the device), so results equal ``clip_grad_norm_`` exactly. Stateless.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0), adamw(3e-4))
+    """
+    max_norm = check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0)
+
+    def init(params: PyTree) -> tuple[()]:
+        return ()
+
+    def update(grads: PyTree, state: tuple[()], params: PyTree) -> tuple[PyTree, tuple[()]]:
+        flat, treedef = tree.flatten_with_paths(grads)
+        gs = [g for _, g in flat]
+        if not gs:
+            return grads, state
+        coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+        return tree.unflatten(treedef, torch._foreach_mul(gs, coef.to(gs[0].device))), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,312 @@
+"""Collectives by mesh axis name, differentiable, on any backend.
+
+Every function takes ``(x, axis, ..., mesh=None)``: ``axis`` is an axis name or a tuple of names
+(the group is then ordered row-major in the tuple's order, see :class:`Mesh`), ``mesh`` defaults
+to :func:`current_mesh`. Each returns a new tensor and never modifies ``x``.
+
+Gradient convention: every rank's output is its own value, and the gradient is that of the sum
+over ranks of what each rank's backward is seeded with. This is the plain loop over ranks: run
+the collective on all ranks' inputs in one process, backpropagate all ranks' cotangents, read
+off each rank's input gradient. The transposes follow from it:
+
+=================================  =============================================================
+forward                            backward
+=================================  =============================================================
+``all_reduce(sum)``                ``all_reduce(sum)`` of the grad (every output used every input)
+``all_reduce(avg)``                ``all_reduce(avg)``
+``all_reduce(max|min)``            the summed grad, split evenly among the ranks holding the extreme
+``all_gather(dim)``                ``reduce_scatter(sum, dim)``
+``reduce_scatter(sum|avg, dim)``   ``all_gather(dim)`` (divided by n for avg)
+``all_to_all(split, concat)``      ``all_to_all(concat, split)``
+``ppermute(perm)``                 ``ppermute`` by the inverse permutation
+``broadcast(src)``                 sum of the grads into ``src``, zeros elsewhere
+=================================  =============================================================
+
+(Megatron's identity-forward / all-reduce-backward pair is the case where the forward input is
+replicated and only one rank's copy is seeded; here a replicated input is a value per rank.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from colfunc.sharding.ledger import ring_bytes
+from colfunc.sharding.mesh import Axes, Mesh, current_mesh
+from colfunc.sharding.world import Call, combine
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter"]
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def _run(mesh: Mesh, call: Call, x: torch.Tensor) -> torch.Tensor:
+    """Record ``call`` in the ledger, then run it on the mesh's world."""
+    n, index = len(call.group), call.group.index(mesh.rank)
+    led = mesh.ledger
+    if led.enabled:
+        nbytes = x.numel() * x.element_size()
+        if call.op == "all_gather":
+            nbytes *= n
+        sends = True
+        if call.op == "broadcast":
+            sends = index != (call.root - 1) % n  # the last link of the chain sends nothing
+        elif call.op == "reduce":
+            sends = index != call.root
+        elif call.op == "ppermute":
+            sends = any(s == index != d for s, d in call.perm)
+        axis: Any = call.axis[0] if len(call.axis) == 1 else call.axis
+        led.record(call.op, axis, ring_bytes(call.op, nbytes, n, sends=sends))
+    if n == 1:
+        return combine(call, [x], 0)
+    if mesh.world is None:
+        raise RuntimeError(
+            f"{call.describe(x)} on {mesh!r}: this mesh has no backend world; run the code under "
+            "colfunc.sharding.launch(fn, mesh=...)"
+        )
+    return mesh.world.collective(mesh.rank, call, x)
+
+
+def _prepare(x: Any, axis: Axes, mesh: Mesh | None, name: str) -> tuple[Mesh, tuple[str, ...]]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor; got {type(x).__name__}")
+    mesh = mesh if mesh is not None else current_mesh()
+    return mesh, mesh.axes(axis)
+
+
+def _dim(x: torch.Tensor, dim: int, name: str, what: str = "dim") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{name}: {what}={dim!r} is out of range for a tensor of shape {tuple(x.shape)}"
+        )
+    return dim % x.dim()
+
+
+def _divisible(x: torch.Tensor, dim: int, n: int, axes: tuple[str, ...], name: str) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"{name}: x.shape[{dim}] = {x.shape[dim]} (shape {tuple(x.shape)}) is not divisible by "
+            f"the size {n} of axis {axes if len(axes) > 1 else axes[0]!r}; pad it first"
+        )
+
+
+def _group_call(mesh: Mesh, op: str, axes: tuple[str, ...], **kw: Any) -> Call:
+    return Call(op=op, axis=axes, group=mesh.group_ranks(axes), **kw)
+
+
+# --- autograd functions (forward/setup_context split, so torch.func transforms work) ---------
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        call = _group_call(mesh, "all_reduce", axes, reduce="sum" if op == "avg" else op)
+        out = _run(mesh, call, x)
+        return out.div_(len(call.group)) if op == "avg" else out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, ctx.mesh, ctx.axes, ctx.op = inputs
+        if ctx.op in ("max", "min"):
+            ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.op in ("sum", "avg"):
+            return all_reduce(g, ctx.axes, ctx.op, ctx.mesh), None, None, None
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(g.dtype)  # ties share the gradient evenly, as torch.amax does
+        count = all_reduce(hit, ctx.axes, "sum", ctx.mesh)
+        return all_reduce(g, ctx.axes, "sum", ctx.mesh) * hit / count, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        return _run(mesh, _group_call(mesh, "all_gather", axes, dim=dim), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return reduce_scatter(g, ctx.axes, ctx.dim, "sum", ctx.mesh), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dim: int, op: str
+    ) -> torch.Tensor:
+        call = _group_call(mesh, "reduce_scatter", axes, reduce="sum", dim=dim)
+        out = _run(mesh, call, x)
+        return out.div_(len(call.group)) if op == "avg" else out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.dim, ctx.op = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        gx = all_gather(g, ctx.axes, ctx.dim, ctx.mesh)
+        if ctx.op == "avg":
+            gx = gx / ctx.mesh.axis_size(ctx.axes)
+        return gx, None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], split_dim: int, concat_dim: int
+    ) -> torch.Tensor:
+        call = _group_call(mesh, "all_to_all", axes, split_dim=split_dim, concat_dim=concat_dim)
+        return _run(mesh, call, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.split_dim, ctx.concat_dim = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        gx = all_to_all(g, ctx.axes, ctx.concat_dim, ctx.split_dim, ctx.mesh)
+        return gx, None, None, None, None
+
+
+class _PPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+    ) -> torch.Tensor:
+        return _run(mesh, _group_call(mesh, "ppermute", axes, perm=perm), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.perm = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        inverse = [(d, s) for s, d in ctx.perm]
+        return ppermute(g, ctx.axes, inverse, ctx.mesh), None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], src: int) -> torch.Tensor:
+        return _run(mesh, _group_call(mesh, "broadcast", axes, root=src), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.src = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _Reduce.apply(g, ctx.mesh, ctx.axes, ctx.src), None, None, None
+
+
+class _Reduce(torch.autograd.Function):
+    """Sum into group index ``dst``, zeros elsewhere: broadcast's transpose (not public)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dst: int) -> torch.Tensor:
+        return _run(mesh, _group_call(mesh, "reduce", axes, reduce="sum", root=dst), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.dst = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return broadcast(g, ctx.axes, ctx.dst, ctx.mesh), None, None, None
+
+
+# --- the public collectives ------------------------------------------------------------------
+
+
+def all_reduce(
+    x: torch.Tensor, axis: Axes, op: str = "sum", mesh: Mesh | None = None
+) -> torch.Tensor:
+    """Reduce ``x`` over the group (``op``: ``"sum"|"avg"|"max"|"min"``); every rank gets the result.
+
+    Sums run in group order on the threads backend, so results are deterministic.
+    """
+    mesh, axes = _prepare(x, axis, mesh, "all_reduce")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {_REDUCE_OPS}; got {op!r}")
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"all_reduce: op='avg' needs a floating tensor; got dtype {x.dtype}")
+    return _AllReduce.apply(x, mesh, axes, op)
+
+
+def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, mesh: Mesh | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (equal shapes) along ``dim`` in group order."""
+    mesh, axes = _prepare(x, axis, mesh, "all_gather")
+    return _AllGather.apply(x, mesh, axes, _dim(x, dim, "all_gather"))
+
+
+def reduce_scatter(
+    x: torch.Tensor, axis: Axes, dim: int = 0, op: str = "sum", mesh: Mesh | None = None
+) -> torch.Tensor:
+    """Reduce ``x`` over the group (``"sum"|"avg"``) and return this rank's chunk along ``dim``.
+
+    ``x.shape[dim]`` must be divisible by the group size; chunk ``i`` goes to group index ``i``.
+    """
+    mesh, axes = _prepare(x, axis, mesh, "reduce_scatter")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg'; got {op!r}")
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"reduce_scatter: op='avg' needs a floating tensor; got dtype {x.dtype}")
+    dim = _dim(x, dim, "reduce_scatter")
+    _divisible(x, dim, mesh.axis_size(axes), axes, "reduce_scatter")
+    return _ReduceScatter.apply(x, mesh, axes, dim, op)
+
+
+def all_to_all(
+    x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, mesh: Mesh | None = None
+) -> torch.Tensor:
+    """Split ``x`` along ``split_dim`` into one chunk per group member, send chunk ``j`` to member
+    ``j``, and concatenate the chunks received along ``concat_dim`` in sender order."""
+    mesh, axes = _prepare(x, axis, mesh, "all_to_all")
+    split_dim = _dim(x, split_dim, "all_to_all", "split_dim")
+    concat_dim = _dim(x, concat_dim, "all_to_all", "concat_dim")
+    _divisible(x, split_dim, mesh.axis_size(axes), axes, "all_to_all")
+    return _AllToAll.apply(x, mesh, axes, split_dim, concat_dim)
+
+
+def ppermute(
+    x: torch.Tensor, axis: Axes, perm: Sequence[tuple[int, int]], mesh: Mesh | None = None
+) -> torch.Tensor:
+    """Send ``x`` from group index ``src`` to ``dst`` for each ``(src, dst)`` in ``perm``.
+
+    Each index is a source at most once and a destination at most once; a rank that receives
+    nothing gets zeros. ``ppermute(x, "pp", [(i, (i + 1) % n) for i in range(n)])`` is a ring shift.
+    """
+    mesh, axes = _prepare(x, axis, mesh, "ppermute")
+    n = mesh.axis_size(axes)
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"ppermute: perm must be (src, dst) pairs of group indices; got {perm!r}"
+        ) from None
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if any(not 0 <= i < n for i in srcs + dsts):
+        raise ValueError(
+            f"ppermute: perm {list(pairs)} has an index outside [0, {n}) of axis {axis!r}"
+        )
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"ppermute: perm {list(pairs)} repeats a source or a destination")
+    return _PPermute.apply(x, mesh, axes, pairs)
+
+
+def broadcast(x: torch.Tensor, axis: Axes, src: int = 0, mesh: Mesh | None = None) -> torch.Tensor:
+    """Every rank gets group index ``src``'s ``x`` (all ranks pass tensors of the same shape)."""
+    mesh, axes = _prepare(x, axis, mesh, "broadcast")
+    n = mesh.axis_size(axes)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise ValueError(
+            f"broadcast: src={src!r} is not a group index in [0, {n}) of axis {axis!r}"
+        )
+    return _Broadcast.apply(x, mesh, axes, src)

@@ -1,0 +1,215 @@
+"""Running one ATen op on ShardedTensors: rule, redistribution, local op, wrapping.
+
+For each op :func:`dispatch` looks up the op's rule (:mod:`colfunc.sharding.rules`), which sees
+the arguments with tensors replaced by :class:`Spec` values and returns a :class:`Plan`. The
+inputs are redistributed as the plan asks, the op (or the plan's ``compute``) runs on the local
+shards, and each output is wrapped with its placements and its global shape and strides, found by
+running the op on meta tensors. Plain tensors among the arguments count as replicated.
+
+An op without a rule falls back to gather, compute, replicate: correct, but counted per op name
+in :func:`fallback_counts`, so that tests and benchmarks can demand none; under :func:`strict`
+(or with ``COLFUNC_SHARDING_STRICT=1`` in the environment) it raises instead.
+
+An in-place op runs as its out-of-place form, and the result is redistributed to the placements
+of the tensor it writes to and copied into its shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from colfunc.sharding.mesh import Mesh, current_mesh
+from colfunc.sharding.placement import Placements, Replicate
+from colfunc.sharding.redistribute import redistribute_local
+from colfunc.sharding.rules import Plan, Spec, lookup
+from colfunc.sharding.tensor import ShardedTensor
+
+__all__ = ["dispatch", "fallback_counts", "reset_fallback_counts", "strict"]
+
+STRICT_ENV = "COLFUNC_SHARDING_STRICT"
+
+
+class _Diagnostics:
+    """Process-wide, like a profiler's counters: fallbacks per (rank, op), and the strict flag.
+
+    They are not on the thread-local context stack because the threads backend runs ranks on
+    threads that the caller's ``with strict():`` must reach too.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: collections.Counter[tuple[int, str]] = collections.Counter()
+        self.strict = 0
+
+
+_DIAG = _Diagnostics()
+
+
+@contextmanager
+def strict() -> Iterator[None]:
+    """Inside the block, an op without a propagation rule raises instead of falling back."""
+    with _DIAG.lock:
+        _DIAG.strict += 1
+    try:
+        yield
+    finally:
+        with _DIAG.lock:
+            _DIAG.strict -= 1
+
+
+def fallback_counts(mesh: Mesh | None = None) -> dict[str, int]:
+    """How many times each op fell back to gather-compute-replicate, ``{op name: count}``.
+
+    For one rank: that of ``mesh``, else the current mesh's; outside any mesh, summed over ranks.
+    """
+    if mesh is None:
+        try:
+            mesh = current_mesh()
+        except RuntimeError:
+            mesh = None
+    out: collections.Counter[str] = collections.Counter()
+    with _DIAG.lock:
+        for (rank, op), n in _DIAG.counts.items():
+            if mesh is None or rank == mesh.rank:
+                out[op] += n
+    return dict(out)
+
+
+def reset_fallback_counts() -> None:
+    """Forget every fallback count (of all ranks)."""
+    with _DIAG.lock:
+        _DIAG.counts.clear()
+
+
+def _is_strict() -> bool:
+    return _DIAG.strict > 0 or os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def _mesh_of(flat: list[Any]) -> Mesh:
+    mesh = None
+    for x in flat:
+        if isinstance(x, ShardedTensor):
+            if mesh is None:
+                mesh = x._mesh
+            elif x._mesh != mesh:
+                raise ValueError(f"an op mixes ShardedTensors on different meshes: {mesh} and {x._mesh}")
+    assert mesh is not None
+    return mesh
+
+
+def _spec(x: torch.Tensor, mesh: Mesh) -> Spec:
+    pl = x._placements if isinstance(x, ShardedTensor) else (Replicate(),) * len(mesh.axis_names)
+    return Spec(tuple(x.shape), pl, x.dtype, mesh)
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _is_inplace(func: Any) -> bool:
+    name = func.overloadpacket.__name__
+    args = func._schema.arguments
+    return name.endswith("_") and bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ATen ``func`` on arguments that include ShardedTensors; see the module docstring."""
+    if _is_inplace(func):
+        return _inplace(func, args, kwargs)
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    mesh = _mesh_of(flat)
+    tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    specs = {i: _spec(flat[i], mesh) for i in tensors}
+
+    rule = lookup(func)
+    if rule is None:
+        plan = _fallback(func, [specs[i] for i in tensors])
+    else:
+        spec_args, spec_kwargs = pytree.tree_unflatten([specs.get(i, x) for i, x in enumerate(flat)], tree)
+        got = rule(*spec_args, **spec_kwargs)
+        plan = got if isinstance(got, Plan) else Plan(outputs=got)
+
+    local_of: dict[int, Any] = {}
+    wants = plan.inputs if plan.inputs is not None else [None] * len(tensors)
+    for i, want in zip(tensors, wants):
+        x, s = flat[i], specs[i]
+        local = x._local if isinstance(x, ShardedTensor) else x
+        if want is not None and want != s.placements:
+            local = redistribute_local(local, s.shape, mesh, s.placements, tuple(want))
+        local_of[id(s)] = local
+
+    if plan.args is not None or plan.kwargs is not None:
+        call_args = plan.args if plan.args is not None else args
+        call_kwargs = plan.kwargs if plan.kwargs is not None else kwargs
+        lflat, ltree = pytree.tree_flatten((call_args, call_kwargs))
+        lflat = [local_of.get(id(x), x) if isinstance(x, Spec) else x for x in lflat]
+    else:
+        lflat, ltree = [local_of[id(specs[i])] if i in specs else x for i, x in enumerate(flat)], tree
+    largs, lkwargs = pytree.tree_unflatten(lflat, ltree)
+    out = (plan.compute or func)(*largs, **lkwargs)
+
+    meta_out = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
+    return _wrap(out, meta_out, plan.outputs, mesh)
+
+
+def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh) -> Any:
+    single = not outputs or not isinstance(outputs[0], tuple)
+
+    def one(x: Any, m: Any, pl: Placements) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return ShardedTensor(x, mesh, tuple(pl), tuple(m.shape), tuple(m.stride()))
+
+    if isinstance(out, tuple | list):
+        wrapped = [one(x, m, outputs if single else outputs[i]) for i, (x, m) in enumerate(zip(out, meta))]
+        return type(out)(wrapped)
+    return one(out, meta, outputs if single else outputs[0])
+
+
+def _fallback(func: Any, specs: list[Spec]) -> Plan:
+    placed = ", ".join(f"{tuple(s.shape)} {s.placements}" for s in specs)
+    if _is_strict():
+        raise RuntimeError(
+            f"no sharding rule for {func} (inputs: {placed}); add one in colfunc/sharding/rules/ "
+            f"with @rule({func.overloadpacket}), or leave strict mode to gather, compute and "
+            "replicate"
+        )
+    with _DIAG.lock:
+        _DIAG.counts[(specs[0].mesh.rank, str(func))] += 1
+    replicated = (Replicate(),) * len(specs[0].mesh.axis_names)
+    return Plan(outputs=replicated, inputs=[replicated] * len(specs))
+
+
+def _functional(func: Any) -> Any:
+    name = func.overloadpacket.__name__[:-1]
+    packet = getattr(torch.ops.aten, name, None)
+    overload = getattr(packet, func._overloadname, None) if packet is not None else None
+    if overload is None:
+        raise NotImplementedError(f"in-place {func} on a ShardedTensor: no out-of-place aten.{name}")
+    return overload
+
+
+def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    if not isinstance(self, ShardedTensor):
+        raise TypeError(
+            f"{func}: cannot write a sharded result into a plain tensor; make the destination a "
+            "ShardedTensor (distribute it) first"
+        )
+    out = dispatch(_functional(func), args, kwargs)
+    local = redistribute_local(out._local, tuple(out.shape), self._mesh, out._placements, self._placements)
+    self._local.copy_(local)
+    return self

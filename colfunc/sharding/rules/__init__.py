@@ -1,0 +1,26 @@
+"""Sharding propagation rules, one small file per ATen op family.
+
+Importing this package registers every rule; :mod:`.registry` explains what a rule is. To add
+one, write a function in the family's file (or a new file imported below)::
+
+    @rule(aten.my_op)
+    def my_op(x: Spec, dim: int) -> Plan: ...
+"""
+
+from colfunc.sharding.rules.registry import RULES, Option, Plan, Spec, lookup, pick, rule
+
+from colfunc.sharding.rules import (  # noqa: E402, F401  (importing registers the rules)
+    attention,
+    elementwise,
+    embedding,
+    factories,
+    indexing,
+    losses,
+    matmul,
+    norms,
+    reductions,
+    softmax,
+    views,
+)
+
+__all__ = ["RULES", "Option", "Plan", "Spec", "lookup", "pick", "rule"]

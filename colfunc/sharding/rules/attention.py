@@ -1,0 +1,58 @@
+"""Scaled dot-product attention (the fused kernels F.scaled_dot_product_attention picks, and
+their backward), split over the batch or over heads.
+
+Every 4-D (``[B, H, T, E]``, masks) and 3-D (``[B, H, T]``, the saved log-sum-exp) tensor is
+split alike on dim 0 (batch) or dim 1 (heads), broadcast dims of size 1 replicated; other
+arguments and outputs (RNG state, sequence offsets) are replicated. A head split needs whole
+key/value groups per rank under grouped-query attention: the chunks of the ``H`` query heads must
+be those of the ``K`` key/value heads times ``H / K``, which holds when ``K`` is divisible by the
+axis size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from colfunc.sharding.placement import Placement, Shard, dim_chunks
+from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+
+aten = torch.ops.aten
+
+
+def _split(s: Spec, dim: int) -> Placement:
+    return Shard(dim) if s.ndim in (3, 4) and s.shape[dim] > 1 else R
+
+
+def _heads_align(q: Spec, kv: Spec, k: int) -> bool:
+    H, K = q.shape[1], kv.shape[1]
+    return [(o * (H // K), s * (H // K)) for o, s in dim_chunks(K, [k])] == dim_chunks(H, [k])
+
+
+def _attention_rule(n_out: int, n_split: int, q_at: int = 0) -> Any:
+    """A rule for an op whose first ``n_split`` of ``n_out`` outputs are split like the inputs;
+    the query and key are the tensor arguments at ``q_at`` and ``q_at + 1``."""
+
+    def attention(*args: Any, **kwargs: Any) -> Plan:
+        specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
+        q, k = specs[q_at], specs[q_at + 1]
+        mesh = q.mesh
+        outs = lambda p: (p,) * n_split + (R,) * (n_out - n_split)  # noqa: E731
+        opts: list[Option] = [(outs(R), [R] * len(specs))]
+        opts.append((outs(Shard(0)), [_split(s, 0) for s in specs]))
+        sizes = {mesh.axis_size(a) for a in mesh.axis_names}
+        if all(_heads_align(q, k, n) for n in sizes):
+            opts.append((outs(Shard(1)), [_split(s, 1) for s in specs]))
+        return pick(specs, opts)
+
+    return attention
+
+
+rule(aten._scaled_dot_product_flash_attention_for_cpu)(_attention_rule(2, 2))
+rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)(_attention_rule(3, 3, q_at=1))
+rule(aten._scaled_dot_product_efficient_attention)(_attention_rule(4, 2))
+rule(aten._scaled_dot_product_efficient_attention_backward)(_attention_rule(4, 3, q_at=1))
+rule(aten._scaled_dot_product_flash_attention)(_attention_rule(9, 2))
+rule(aten._scaled_dot_product_flash_attention_backward)(_attention_rule(3, 3, q_at=1))

@@ -1,0 +1,312 @@
+"""The torch.distributed backend: gloo on CPU, NCCL on GPU, one process per rank.
+
+Process groups are created once, when the world is built: one per ordered group of every ordered
+tuple of axes (``new_group(..., sort_ranks=False)``, so a group's rank order is the mesh's group
+order and ``all_gather`` concatenates in it). Creating them lazily would need every rank to
+create every group in the same order at an unpredictable time; creating them all up front is
+cheap (gloo connects lazily) for meshes of a few axes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import itertools
+import os
+import pickle
+import queue as queue_lib
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from colfunc import core
+from colfunc.sharding.errors import RankFailedError
+from colfunc.sharding.ledger import Ledger
+from colfunc.sharding.mesh import Mesh
+from colfunc.sharding.world import Call
+
+__all__ = ["TorchWorld", "run_env", "run_processes"]
+
+_RED = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class TorchWorld:
+    """This process's rank of a torch.distributed world, with a process group per mesh group."""
+
+    def __init__(self, shape: Mapping[str, int], rank: int) -> None:
+        self.name = str(dist.get_backend())
+        self.size = dist.get_world_size()
+        layout = Mesh(shape, rank)
+        if layout.size != self.size:
+            raise ValueError(
+                f"mesh {dict(shape)} has {layout.size} ranks but the torch.distributed world has "
+                f"{self.size}; make the product of the axis sizes equal the world size"
+            )
+        self._ledger = Ledger()
+        self._groups: dict[tuple[int, ...], Any] = {}
+        everyone = tuple(range(self.size))
+        created: set[tuple[int, ...]] = set()
+        names = layout.axis_names
+        # Every rank walks the same sequence: new_group must be called by all ranks in one order.
+        for k in range(1, len(names) + 1):
+            for axes in itertools.permutations(names, k):
+                for group in layout.groups(axes):
+                    if len(group) == 1 or group in created:
+                        continue
+                    created.add(group)
+                    if group == everyone:
+                        pg = dist.group.WORLD
+                    else:
+                        pg = dist.new_group(list(group), sort_ranks=False)
+                    if rank in group:
+                        self._groups[group] = pg
+
+    def ledger(self, rank: int) -> Ledger:
+        return self._ledger
+
+    def collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
+        pg = self._groups[call.group]
+        n, i = len(call.group), call.group.index(rank)
+        op = call.op
+        if op in ("all_reduce", "reduce", "broadcast"):
+            out = x.clone(memory_format=torch.contiguous_format)
+            if op == "all_reduce":
+                dist.all_reduce(out, op=_RED[call.reduce], group=pg)
+            elif op == "broadcast":
+                dist.broadcast(out, src=call.group[call.root], group=pg)
+            else:
+                dist.reduce(out, dst=call.group[call.root], op=dist.ReduceOp.SUM, group=pg)
+                if i != call.root:  # only the destination's buffer holds the sum
+                    out.zero_()
+            return out
+        if op == "all_gather":
+            d = call.dim
+            buf = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo takes only the dim-0 concat
+            _all_gather_single(buf, x.contiguous(), group=pg)
+            return buf.view(n, *x.shape).movedim(0, d).flatten(d, d + 1) if d else buf
+        if op in ("reduce_scatter", "all_to_all"):
+            d = call.dim if op == "reduce_scatter" else call.split_dim
+            c = x.shape[d] // n
+            # chunks along d moved to a leading axis: the layout the single-tensor ops split
+            xs = x.unflatten(d, (n, c)).movedim(d, 0).contiguous() if d else x.contiguous()
+            if op == "reduce_scatter":
+                out = x.new_empty((*x.shape[:d], c, *x.shape[d + 1 :]))
+                # gloo takes the chunks only as one concatenation along dim 0
+                _reduce_scatter_single(out, xs.flatten(0, 1) if d else xs, group=pg)
+                return out
+            got = torch.empty_like(xs)
+            dist.all_to_all_single(got, xs, group=pg)
+            cd = call.concat_dim
+            got = got if d else got.unflatten(0, (n, c))
+            return got.movedim(0, cd).flatten(cd, cd + 1)
+        if op == "ppermute":
+            return self._ppermute(call, x, i, pg)
+        raise ValueError(f"unknown collective {op!r}")
+
+    def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
+        out = None
+        p2p = []
+        xc = x.contiguous()
+        for s, d in call.perm:
+            if s == i and d != i:
+                p2p.append(dist.P2POp(dist.isend, xc, call.group[d], group=pg))
+            if d == i:
+                if s == i:
+                    out = x.clone(memory_format=torch.contiguous_format)
+                else:
+                    out = torch.empty_like(xc)
+                    p2p.append(dist.P2POp(dist.irecv, out, call.group[s], group=pg))
+        if p2p:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+        return out if out is not None else torch.zeros_like(xc)
+
+
+# --- launching -------------------------------------------------------------------------------
+
+
+def _to_cpu(result: Any) -> Any:
+    # Results cross a process boundary: no autograd graph, no device memory.
+    return optree.tree_map(
+        lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, result, none_is_leaf=True
+    )
+
+
+def _init(backend: str, rank: int, size: int, timeout: float, store: Any = None) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    td = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=td)
+
+
+def _worker(
+    fn_bytes: bytes,
+    shape: dict[str, int],
+    rank: int,
+    backend: str,
+    port: int,
+    timeout: float,
+    results: Any,
+) -> None:
+    size = Mesh(shape).size
+    try:
+        if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+            # the ranks share this machine's cores, as torchrun assumes too
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=td)
+        _init(backend, rank, size, timeout, store)
+        fn = pickle.loads(fn_bytes)
+        mesh = Mesh(shape, rank, world=TorchWorld(shape, rank))
+        with core.context(mesh):
+            result = fn(mesh)
+        buf = io.BytesIO()
+        torch.save(_to_cpu(result), buf)
+        dist.barrier()  # no rank tears down its connections while a peer still reads from them
+        results.put(("ok", rank, buf.getvalue()))
+    except BaseException as e:
+        try:
+            blob = pickle.dumps(e)
+        except Exception:
+            blob = None
+        results.put(("error", rank, (traceback.format_exc(), blob)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _RemoteTraceback(Exception):
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+def _rank_error(rank: int, payload: tuple[str, bytes | None]) -> RankFailedError:
+    tb, blob = payload
+    exc: BaseException = _RemoteTraceback(tb)
+    if blob is not None:
+        try:
+            original = pickle.loads(blob)
+            original.__cause__ = exc  # the traceback from the rank's process
+            exc = original
+        except Exception:
+            pass
+    error = RankFailedError(f"rank {rank} failed: {type(exc).__name__}: {exc}", rank=rank)
+    error.__cause__ = exc
+    return error
+
+
+def _process_context() -> Any:
+    # A fork server imports torch once and forks every rank from it: on a small machine that
+    # is seconds saved per launch against spawning fresh interpreters. It never touches CUDA.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["colfunc.sharding"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def run_processes(
+    fn: Callable[[Mesh], Any], shape: dict[str, int], backend: str, timeout: float
+) -> list[Any]:
+    """Run ``fn(mesh)`` in one spawned process per rank; the results in rank order."""
+    size = Mesh(shape).size
+    if backend == "nccl" and torch.cuda.device_count() == 0:
+        raise ValueError(
+            "launch: backend='nccl' needs CUDA devices and none is visible; use 'gloo'"
+        )
+    try:
+        # plain pickle, so tensors inside fn (a partial, say) travel as bytes, not as shared
+        # memory handles: one file descriptor per tensor would exhaust the fork server's limit
+        fn_bytes = pickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(
+            f"launch(backend={backend!r}) sends fn to fresh processes, so it must be picklable: "
+            f"a function defined at module level; got {fn!r}"
+        ) from e
+    # The parent owns the rendezvous store: port 0 lets the OS pick a free port, with no race.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = _process_context()
+    results_q = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn_bytes, shape, r, backend, store.port, timeout, results_q),
+            name=f"colfunc-rank-{r}",
+        )
+        for r in range(size)
+    ]
+    results: list[Any] = [None] * size
+    done: set[int] = set()
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < size:
+            try:
+                kind, rank, payload = results_q.get(timeout=0.05)
+            except queue_lib.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if dead and results_q.empty():
+                    r = dead[0]
+                    raise RankFailedError(
+                        f"rank {r} exited with code {procs[r].exitcode} without a result", rank=r
+                    ) from None
+                continue
+            if kind == "error":
+                raise _rank_error(rank, payload)
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            done.add(rank)
+        for p in procs:
+            p.join(timeout)
+    finally:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:  # after a failure the others may wait in a collective: stop them now
+            if p.is_alive():
+                p.terminate()
+        for p in started:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results_q.close()
+    return results
+
+
+def run_env(fn: Callable[[Mesh], Any], shape: dict[str, int], timeout: float) -> list[Any]:
+    """Run ``fn(mesh)`` as this process's rank under torchrun; every rank's result, in rank order."""
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except KeyError:
+        raise RuntimeError(
+            "launch(backend='env') needs RANK and WORLD_SIZE, as torchrun sets them; run the "
+            "script with `colfunc run -n N script.py` or `torchrun --nproc-per-node N script.py`"
+        ) from None
+    mesh_size = Mesh(shape).size
+    if mesh_size != size:
+        raise ValueError(
+            f"launch: mesh {shape} has {mesh_size} ranks but torchrun started WORLD_SIZE={size}; "
+            "make the product of the axis sizes equal the number of processes"
+        )
+    owned = not dist.is_initialized()
+    if owned:
+        _init("nccl" if torch.cuda.is_available() else "gloo", rank, size, timeout)
+    try:
+        mesh = Mesh(shape, rank, world=TorchWorld(shape, rank))
+        try:
+            with core.context(mesh):
+                result = fn(mesh)
+        except BaseException as e:
+            raise RankFailedError(f"rank {rank} failed: {type(e).__name__}: {e}", rank=rank) from e
+        gathered: list[Any] = [None] * size
+        dist.all_gather_object(gathered, _to_cpu(result))
+        return gathered
+    finally:
+        if owned:
+            dist.destroy_process_group()

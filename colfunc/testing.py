@@ -1,0 +1,95 @@
+"""Checks that a parallel or transformed step computes what the reference step computes.
+
+``assert_equivalent(step_a, step_b, params, batches)`` runs both steps from the same parameters on
+the same batches and compares every loss and the final full parameters. Users prove their own
+schemes equal to the single-device reference with it; colfunc's own tests are built on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from colfunc import tree
+from colfunc.step import Step, full_state
+
+__all__ = ["assert_equivalent", "assert_trees_close"]
+
+PyTree = Any
+
+
+def _full(x: Any) -> Any:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def assert_trees_close(
+    actual: PyTree, expected: PyTree, *, rtol: float = 0.0, atol: float = 0.0, what: str = "tree"
+) -> None:
+    """Raise ``AssertionError`` naming the first path whose values differ beyond the tolerance.
+
+    Structures must match exactly; tensor leaves are compared after gathering distributed ones,
+    in the expected leaf's dtype, with ``|a - e| <= atol + rtol * |e|`` elementwise (both
+    tolerances 0 means bitwise equality); other leaves must be equal.
+    """
+    flat_a, def_a = tree.flatten_with_paths(actual)
+    flat_e, def_e = tree.flatten_with_paths(expected)
+    if def_a != def_e:
+        raise AssertionError(f"{what}: structures differ:\n  actual   {def_a}\n  expected {def_e}")
+    for (path, a), (_, e) in zip(flat_a, flat_e):
+        if isinstance(e, torch.Tensor):
+            a = _full(a)
+            e = _full(e)
+            if not isinstance(a, torch.Tensor) or a.shape != e.shape:
+                shape = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                raise AssertionError(f"{what}.{path}: shape {shape} != expected {tuple(e.shape)}")
+            a32, e32 = a.detach().to(e.dtype).cpu(), e.detach().cpu()
+            if rtol == 0 and atol == 0:
+                ok = torch.equal(a32, e32)
+            else:
+                ok = bool(torch.all((a32 - e32).abs() <= atol + rtol * e32.abs()))
+            if not ok:
+                diff = (a32.double() - e32.double()).abs()
+                rel = diff / e32.double().abs().clamp_min(1e-30)
+                raise AssertionError(
+                    f"{what}.{path}: max abs diff {diff.max().item():.3g}, max rel diff "
+                    f"{rel.max().item():.3g} (rtol={rtol}, atol={atol})"
+                )
+        elif a != e:
+            raise AssertionError(f"{what}.{path}: {a!r} != expected {e!r}")
+
+
+def assert_equivalent(
+    step_a: Step,
+    step_b: Step,
+    params: PyTree,
+    batches: Iterable[PyTree],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+) -> list[tuple[float, float]]:
+    """Run both steps from ``params`` over ``batches``; assert equal losses and final parameters.
+
+    Returns the per-step ``(loss_a, loss_b)`` pairs. Distributed states are gathered with
+    :func:`colfunc.full_state` (a collective: call this on every rank).
+
+    Example:
+        >>> ref = cf.train_step(loss_fn, optim.adamw(1e-3))
+        >>> cf.testing.assert_equivalent(cf.remat(ref), ref, params, batches)
+    """
+    state_a, state_b = step_a.init(params), step_b.init(params)
+    losses = []
+    for i, batch in enumerate(batches):
+        state_a, metrics_a = step_a(state_a, batch)
+        state_b, metrics_b = step_b(state_b, batch)
+        la, lb = float(_full(metrics_a["loss"])), float(_full(metrics_b["loss"]))
+        if not abs(la - lb) <= atol + rtol * abs(lb):
+            raise AssertionError(f"loss at step {i}: {la!r} != {lb!r} (rtol={rtol}, atol={atol})")
+        losses.append((la, lb))
+    if not losses:
+        raise ValueError("assert_equivalent: batches is empty; give at least one batch")
+    assert_trees_close(
+        full_state(state_a).params, full_state(state_b).params, rtol=rtol, atol=atol, what="params"
+    )
+    return losses

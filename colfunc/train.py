@@ -1,0 +1,278 @@
+"""The training loop behind ``colfunc train``: one device, a byte-level corpus, a run folder.
+
+A run folder ``runs/<name>/`` holds
+
+``metrics.jsonl``
+    one JSON object per record: ``step``, ``loss`` (mean training loss since the previous
+    record), ``lr``, ``grad_norm``, ``tokens_per_s``, ``elapsed`` (seconds), and ``val_loss``
+    where the validation loss was measured (also at step 0, before training);
+``loss.png``
+    the training and validation curves;
+``checkpoint/``
+    the ``TrainState`` and the run config (:mod:`colfunc.checkpoint`).
+
+Batch ``i`` is a pure function of ``(data.seed, i)`` and the state holds the optimizer's count, so
+a resumed run continues exactly: 20 steps equal 10 steps, a checkpoint, and 10 more.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colfunc import checkpoint, data, optim, tree
+from colfunc.config import OptimConfig, RunConfig, model_module
+from colfunc.generate import sample
+from colfunc.step import TrainState, train_step
+
+__all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "plot", "run"]
+
+CHECKPOINT = "checkpoint"
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+
+
+def build_optimizer(cfg: OptimConfig, steps: int) -> optim.GradientTransformation:
+    """AdamW under warmup + cosine decay over ``steps`` updates, after global-norm clipping."""
+    schedule = optim.warmup_cosine(
+        cfg.lr, min(cfg.warmup_steps, steps), steps, final_lr=cfg.final_lr
+    )
+    adamw = optim.adamw(schedule, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.clip_norm == 0:
+        return adamw
+    return optim.chain(optim.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+@torch.no_grad()
+def evaluate(loss_fn: Any, params: Any, batches: list[dict[str, torch.Tensor]]) -> float:
+    """The mean loss over ``batches`` (nats per token; per byte for a byte-level model)."""
+    return sum(float(loss_fn(params, b)) for b in batches) / len(batches)
+
+
+def plot(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Training and validation loss against step, written to ``path`` (PNG)."""
+    # The object API needs no pyplot and no global backend: safe inside any host program.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
+    for side, tokens in (("training", corpus.train), ("validation", corpus.val)):
+        if tokens.numel() < cfg.data.seq_len:
+            raise ValueError(
+                f"data.corpus={cfg.data.corpus!r}: its {side} split has {tokens.numel()} bytes, "
+                f"fewer than data.seq_len={cfg.data.seq_len}; use more text or a shorter seq_len"
+            )
+
+
+def _check_resumable(state: Any, fresh: TrainState) -> None:
+    if not isinstance(state, TrainState):
+        raise ValueError(f"the checkpoint holds a {type(state).__name__}, not a TrainState")
+    want = {p: tuple(x.shape) for p, x in tree.flatten_with_paths(fresh)[0] if hasattr(x, "shape")}
+    got = {p: tuple(x.shape) for p, x in tree.flatten_with_paths(state)[0] if hasattr(x, "shape")}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:3]
+        raise ValueError(
+            f"the checkpoint does not match the configured model and optimizer: {diff}"
+        )
+
+
+def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= up_to]
+
+
+class _Log:
+    """``metrics.jsonl`` as it grows: the records so far, each appended and flushed at once."""
+
+    def __init__(self, path: Path, records: list[dict[str, Any]], t0: float) -> None:
+        self.records = records
+        self.t0 = t0
+        # a resumed run's clock continues from its last record
+        self.offset = records[-1]["elapsed"] if records else 0.0
+        self.file = open(path, "a")  # noqa: SIM115 (closed by close())
+
+    def elapsed(self) -> float:
+        return round(self.offset + time.perf_counter() - self.t0, 3)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        record["elapsed"] = self.elapsed()
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _interval_record(
+    step: int, metrics: dict[str, Any], losses: list[torch.Tensor], tokens: int, seconds: float
+) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": float(torch.stack(losses).mean()),
+        "lr": metrics["lr"],
+        "grad_norm": float(metrics["grad_norm"]),
+        "tokens_per_s": round(len(losses) * tokens / seconds, 1),
+    }
+
+
+def _open_run(run_dir: Path, state: TrainState | None) -> list[dict[str, Any]]:
+    """Create a fresh run's folder, or trim a resumed run's records to its checkpoint."""
+    path = run_dir / METRICS
+    if state is None:
+        run_dir.mkdir(parents=True)
+        return []
+    # Records past the checkpoint belong to steps that will now be trained again.
+    records = _read_records(path, state.step)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def run(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    state: TrainState | None = None,
+    stop_at: int | None = None,
+    progress: bool = True,
+) -> TrainState:
+    """Train ``cfg`` into ``run_dir``; returns the final state.
+
+    A fresh run needs a ``run_dir`` that does not exist yet. Passing the ``state`` of the run's
+    checkpoint resumes it: training continues from ``state.step`` and appends to the run folder.
+    ``stop_at`` ends the run early at that step (the learning-rate schedule still spans
+    ``train.steps``). Ctrl-C saves a checkpoint before it stops.
+    """
+    run_dir = Path(run_dir)
+    if cfg.parallel:
+        raise ValueError(
+            f"parallel={cfg.parallel!r}: parallel training is not available in `colfunc train` "
+            f"yet; remove the parallel section or leave it empty"
+        )
+    if state is None and run_dir.exists():
+        raise ValueError(
+            f"run folder {str(run_dir)!r} already exists; pick another name (--name) or "
+            f"continue it with --resume {run_dir}"
+        )
+    t_start = time.perf_counter()
+    tc, dc = cfg.train, cfg.data
+    stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    tokens_per_step = dc.batch_size * dc.seq_len
+
+    corpus = data.load_corpus(dc.corpus, dc.val_fraction)
+    _check_corpus(corpus, cfg)
+    model = model_module(cfg.model)
+    loss_fn = model.loss(cfg.model)
+    step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps))
+    fresh = step_fn.init(model.init(cfg.model, seed=tc.seed))
+    if state is not None:
+        _check_resumable(state, fresh)
+    val_batches = [
+        data.batch_at(corpus.val, dc.batch_size, dc.seq_len, dc.seed, i)
+        for i in range(tc.eval_batches)
+    ]
+    log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start)
+    state = fresh if state is None else state
+    n_params = sum(x.numel() for x in tree.tensors(state.params))
+    print(
+        f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
+        f"({n_params / 1e6:.2f}M parameters) on {dc.corpus!r} ({corpus.train.numel() / 1e6:.1f} "
+        f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) into {run_dir}/",
+        flush=True,
+    )
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=stop,
+        initial=state.step,
+        unit="step",
+        disable=not progress,
+        mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
+        dynamic_ncols=True,
+    )
+    losses: list[torch.Tensor] = []
+    metrics: dict[str, Any] = {}
+    t_interval = time.perf_counter()
+    try:
+        if state.step == 0:
+            log.emit({"step": 0, "val_loss": evaluate(loss_fn, state.params, val_batches)})
+        while state.step < stop:
+            batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
+            state, metrics = step_fn(state, batch)
+            losses.append(metrics["loss"])
+            bar.update(1)
+            s = state.step
+            if s % tc.log_every and s % tc.eval_every and s != stop:
+                continue
+            seconds = time.perf_counter() - t_interval
+            record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
+            if s % tc.eval_every == 0 or s == stop:
+                record["val_loss"] = evaluate(loss_fn, state.params, val_batches)
+            log.emit(record)
+            shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "val_loss" in record:
+                shown["val"] = f"{record['val_loss']:.3f}"
+            bar.set_postfix(shown, refresh=False)
+            losses, t_interval = [], time.perf_counter()
+    except KeyboardInterrupt:
+        bar.close()  # before the message below, so the bar does not redraw over it
+        if losses:  # the steps since the last record, so that the history is complete
+            seconds = time.perf_counter() - t_interval
+            log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
+        checkpoint.save(run_dir / CHECKPOINT, state, cfg)
+        plot(log.records, run_dir / PLOT, title=run_dir.name)
+        print(
+            f"colfunc: interrupted at step {state.step}; checkpoint saved. Continue with: "
+            f"colfunc train --resume {run_dir}",
+            file=sys.stderr,
+        )
+        raise
+    finally:
+        bar.close()
+        log.close()
+
+    checkpoint.save(run_dir / CHECKPOINT, state, cfg)
+    plot(log.records, run_dir / PLOT, title=run_dir.name)
+    last_val = next((r["val_loss"] for r in reversed(log.records) if "val_loss" in r), None)
+    val_text = f", validation loss {last_val:.3f} nats/byte" if last_val is not None else ""
+    print(
+        f"colfunc: step {state.step}{val_text}, {log.elapsed():.1f} s; wrote {run_dir}/",
+        flush=True,
+    )
+    if tc.sample_tokens:
+        ids = sample(
+            lambda p, x, c: model.apply(p, x, c)[..., : data.VOCAB_SIZE],
+            state.params,
+            cfg.model,
+            data.encode(tc.sample_prompt),
+            tc.sample_tokens,
+            seed=0,
+        )
+        print(f"--- sample (temperature 0.8, top-k 40) ---\n{data.decode(ids)}\n---", flush=True)
+    return state

@@ -1,0 +1,141 @@
+"""``amp``: mixed precision with fp32 master weights and (optionally) dynamic loss scaling.
+
+The state keeps fp32 parameters and optimizer states; each step computes the loss and gradients
+with a copy of the parameters cast to ``dtype`` (bf16 or fp16), then widens the gradients to fp32
+for the optimizer (Micikevicius et al. 2018).
+
+fp16's narrow exponent lets small gradients underflow, so its loss is multiplied by a scale before
+the backward pass and the gradients divided by it after. With ``loss_scale="dynamic"`` the scale
+is state (``state.extra["loss_scale"]``): it starts at ``2**16``, halves and skips the update when
+any gradient is inf or NaN, and doubles after ``growth_interval`` good steps in a row (the policy
+of ``torch.amp.GradScaler``). bf16 has fp32's exponent range and needs no scaling (the default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colfunc import core, tree
+from colfunc.optim.clip import global_norm
+from colfunc.step import Step, TrainState
+
+__all__ = ["amp"]
+
+PyTree = Any
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"amp: unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"amp: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}"
+        )
+    return dtype
+
+
+def _cast(params: PyTree, dtype: torch.dtype) -> PyTree:
+    return tree.map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        params,
+    )
+
+
+def amp(
+    step: Step,
+    dtype: torch.dtype | str = torch.bfloat16,
+    loss_scale: str | float | None = None,
+    *,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+) -> Step:
+    """Compute ``step`` in ``dtype`` with fp32 master weights; see the module docs.
+
+    ``loss_scale``: None (no scaling), ``"dynamic"``, or a fixed positive number. Metrics gain
+    ``loss_scale`` and ``skipped`` (whether the update was skipped for overflow).
+
+    Example:
+        >>> step = cf.amp(cf.train_step(loss_fn, optim.adamw(3e-4)), torch.float16, "dynamic")
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"amp: expected a Step (from cf.train_step), got {type(step).__name__}")
+    compute = _dtype(dtype)
+    dynamic = loss_scale == "dynamic"
+    if isinstance(loss_scale, str) and not dynamic:
+        raise ValueError(f"amp: loss_scale must be None, 'dynamic' or a number, got {loss_scale!r}")
+    if (
+        loss_scale is not None
+        and not dynamic
+        and (
+            isinstance(loss_scale, bool)
+            or not isinstance(loss_scale, int | float)
+            or not loss_scale > 0
+        )
+    ):
+        raise ValueError(f"amp: a fixed loss_scale must be a number > 0, got {loss_scale!r}")
+    if not init_scale > 0 or growth_interval < 1:
+        raise ValueError(
+            f"amp: need init_scale > 0 and growth_interval >= 1, got {init_scale}, {growth_interval}"
+        )
+    scaled = loss_scale is not None
+    inner_init_extra, inner_fb, inner_update = step.init_extra, step.forward_backward, step.update
+
+    def init_extra(params: PyTree) -> dict[str, Any]:
+        extra = dict(inner_init_extra(params))
+        if scaled:
+            extra["loss_scale"] = float(init_scale if dynamic else loss_scale)  # type: ignore[arg-type]
+            extra["good_steps"] = 0
+        return extra
+
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
+        scale = float(extra["loss_scale"]) if scaled else 1.0
+        with core.context(core.LossScale(scale)):
+            loss, grads = inner_fb(_cast(params, compute), batch, extra)
+        # widen to the masters' dtype, then unscale in fp32 (unscaling in fp16 could underflow)
+        grads = tree.map(
+            lambda g, p: g.to(p.dtype) / scale if scale != 1.0 else g.to(p.dtype), grads, params
+        )
+        return loss.float(), grads
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        if not scaled:
+            return inner_update(grads, state)
+        scale, good = float(state.extra["loss_scale"]), int(state.extra["good_steps"])
+        norm = global_norm(grads)
+        if not bool(torch.isfinite(norm)):
+            extra = {**state.extra, "good_steps": 0}
+            if dynamic:
+                extra["loss_scale"] = scale / 2
+            info = {"grad_norm": norm, "lr": step.optimizer.lr(state.opt_state)}
+            return state._replace(extra=extra), {**info, "loss_scale": scale, "skipped": True}
+        new_state, info = inner_update(grads, state)
+        good += 1
+        if dynamic and good >= growth_interval:
+            scale, good = scale * 2, 0
+        extra = {**new_state.extra, "loss_scale": scale, "good_steps": good}
+        return new_state._replace(extra=extra), {
+            **info,
+            "loss_scale": float(state.extra["loss_scale"]),
+            "skipped": False,
+        }
+
+    return step.replace(
+        init_extra=init_extra,
+        forward_backward=forward_backward,
+        update=update,
+        options={**step.options, "amp": {"dtype": compute, "loss_scale": loss_scale}},
+    )

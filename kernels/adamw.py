@@ -1,0 +1,119 @@
+"""Fused multi-tensor AdamW: one launch updates every parameter of a dtype group, in place.
+
+A model has hundreds of parameter tensors; a launch per tensor (per elementwise op, even) costs
+more than the arithmetic. As in apex's ``multi_tensor_apply``, the host writes a table of the
+tensors' addresses and a list of fixed-size chunks (tensor, offset); each program loads its chunk's
+addresses and updates it, reading each of param, grad and the two moments once and writing param
+and moments once. Moments are fp32 whatever the parameter dtype; the arithmetic is fp32 and
+follows ``torch.optim.AdamW`` (decoupled decay, bias-corrected moments) operation for operation.
+
+Legend: L tensors in a group, C chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from colfunc.kernels import checks
+
+__all__ = ["adamw_"]
+
+INTERPRETED = checks.interpreting()  # how the kernel below was decorated (read once, at import)
+
+
+@triton.jit
+def _adamw_kernel(
+    addrs_ptr,  # [4, L] int64: addresses of the params, grads, exp_avgs, exp_avg_sqs
+    numels_ptr,  # [L] int64
+    chunk_tensor_ptr, chunk_start_ptr,  # [C] int64 each: which tensor a chunk is in, and where
+    p_type_ptr, g_type_ptr,  # a param and a grad of the group: they carry the element types
+    L, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + chunk)
+    start = tl.load(chunk_start_ptr + chunk)
+    numel = tl.load(numels_ptr + t)
+    p_ptr = tl.load(addrs_ptr + t).to(tl.pointer_type(p_type_ptr.dtype.element_ty))
+    g_ptr = tl.load(addrs_ptr + L + t).to(tl.pointer_type(g_type_ptr.dtype.element_ty))
+    m_ptr = tl.load(addrs_ptr + 2 * L + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(addrs_ptr + 3 * L + t).to(tl.pointer_type(tl.float32))
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < numel
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        p = p * decay  # decoupled weight decay: p *= 1 - lr * weight_decay
+        m = m + (1.0 - beta1) * (g - m)  # torch's lerp towards the gradient
+        v = v * beta2 + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
+
+
+def _chunks(numels: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per chunk: the tensor it belongs to and its first element."""
+    counts = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64)
+    tensor_C = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first_chunk = torch.cumsum(counts, 0) - counts
+    start_C = (torch.arange(len(tensor_C)) - first_chunk[tensor_C]) * chunk
+    return tensor_C.to(device), start_C.to(device)
+
+
+def adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update in place, with the contract of :func:`colfunc.ops.reference.adamw_`.
+
+    fp32, bf16 or fp16 params and grads, fp32 moments, all contiguous on one device; one launch
+    per (param dtype, grad dtype) group.
+    """
+    checks.adamw(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, weight_decay=weight_decay)  # fmt: skip
+    if not params:
+        return
+    checks.device("adamw_", *params, *grads, *exp_avgs, *exp_avg_sqs, interpreted=INTERPRETED)
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if p.numel():
+            groups.setdefault((p.dtype, g.dtype), []).append(i)
+    block = 64 if INTERPRETED else 1024
+    chunk = block if INTERPRETED else 64 * block
+    scalars = (
+        1.0 - lr * weight_decay,
+        beta1,
+        beta2,
+        eps,
+        lr / (1.0 - beta1**step),
+        (1.0 - beta2**step) ** 0.5,
+    )
+    device = params[0].device
+    for members in groups.values():
+        lists = (params, grads, exp_avgs, exp_avg_sqs)
+        addrs = torch.tensor(
+            [[ts[i].data_ptr() for i in members] for ts in lists], dtype=torch.int64
+        )
+        numels = [params[i].numel() for i in members]
+        tensor_C, start_C = _chunks(numels, chunk, device)
+        numels_L = torch.tensor(numels, dtype=torch.int64).to(device)
+        first = members[0]
+        _adamw_kernel[(len(tensor_C),)](addrs.to(device), numels_L, tensor_C, start_C,
+                                        params[first], grads[first], len(members), *scalars,
+                                        CHUNK=chunk, BLOCK=block)  # fmt: skip

@@ -1,0 +1,39 @@
+"""Package discovery, and the optional ahead-of-time build of the C++ CPU Adam.
+
+The kernel sources live in the top-level ``kernels/`` folder but install as ``colfunc.kernels``
+(a top-level package named ``kernels`` would collide with one on PyPI). Automatic discovery cannot
+express that mapping, so the package list is built here.
+
+``COLFUNC_BUILD_EXT=1 pip install --no-build-isolation -e .`` compiles the CPU Adam now (it needs
+torch in the build environment, hence no build isolation); otherwise it compiles on first use.
+"""
+
+import os
+
+from setuptools import find_namespace_packages, setup
+
+packages = [
+    *find_namespace_packages(include=["colfunc", "colfunc.*"], exclude=["*.__pycache__"]),
+    "colfunc.kernels",
+]
+ext_modules = []
+cmdclass = {}
+if os.environ.get("COLFUNC_BUILD_EXT") == "1":
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    ext_modules = [
+        CppExtension(
+            "colfunc.kernels._cpu_adam",
+            ["kernels/csrc/cpu_adam.cpp"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    cmdclass = {"build_ext": BuildExtension}
+
+setup(
+    packages=packages,
+    package_data={"colfunc.kernels": ["csrc/*.cpp"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,176 @@
+"""Config files, --set overrides with coercion, and the errors a person can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from colfunc import config
+from colfunc.cli import main
+from colfunc.models import gpt, llama
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def test_gpt_tiny_example_is_the_default() -> None:
+    cfg = config.load(EXAMPLES / "gpt_tiny.py")
+    assert cfg == config.default()
+    assert cfg.model == gpt.Config.tiny()
+    assert cfg.data.corpus == "stdlib"
+
+
+def test_llama_tiny_example_trains_llama() -> None:
+    cfg = config.load(EXAMPLES / "llama_tiny.py")
+    assert cfg.model == llama.Config.tiny()
+    assert config.model_module(cfg.model) is llama
+
+
+def test_set_coerces_by_annotation() -> None:
+    cfg = config.load(
+        None,
+        [
+            "train.steps=100",
+            "optim.lr=1e-3",
+            "optim.betas=0.8, 0.99",
+            "data.corpus=some/folder",
+            "train.name=123",
+            "model.n_layer=2",
+            "model.d_ff=None",
+        ],
+    )
+    assert cfg.train.steps == 100 and type(cfg.train.steps) is int
+    assert cfg.optim.lr == 1e-3 and type(cfg.optim.lr) is float
+    assert cfg.optim.betas == (0.8, 0.99)
+    assert cfg.data.corpus == "some/folder"
+    assert cfg.train.name == "123"
+    assert cfg.model.n_layer == 2 and cfg.model.d_ff == 4 * cfg.model.d_model
+    assert config.load(None, ["optim.betas=(0.5,0.6)"]).optim.betas == (0.5, 0.6)
+    tied = config.load(EXAMPLES / "llama_tiny.py", ["model.tie_embeddings=true"])
+    assert tied.model.tie_embeddings is True
+    assert (
+        config.load(EXAMPLES / "llama_tiny.py", ["model.tie_embeddings=0"]).model.tie_embeddings
+        is False
+    )
+
+
+def test_fields_that_change_together_are_set_together() -> None:
+    # n_head=3 alone does not divide d_model=128; together with d_model=96 it does.
+    cfg = config.load(None, ["model.n_head=3", "model.d_model=96"])
+    assert (cfg.model.n_head, cfg.model.d_model) == (3, 96)
+
+
+@pytest.mark.parametrize(
+    ("item", "names"),
+    [
+        ("train.steps=abc", ["train.steps", "'abc'"]),
+        ("optim.lr=fast", ["optim.lr", "'fast'"]),
+        ("train.stepz=3", ["train.stepz", "steps"]),
+        ("trian.steps=3", ["'trian'", "train"]),
+        ("train.steps", ["section.field=value"]),
+        ("optim.betas=0.9", ["optim.betas", "'0.9'"]),
+        ("model.n_head=3", ["n_head=3", "d_model=128"]),
+        ("train.steps=0", ["train.steps", "0"]),
+        ("data.seq_len=256", ["data.seq_len=256", "max_seq_len=128"]),
+        ("optim.final_lr=1.0", ["optim.final_lr"]),
+        ("data.val_fraction=1.5", ["data.val_fraction", "1.5"]),
+    ],
+)
+def test_bad_overrides_name_the_field(item: str, names: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        config.load(None, [item])
+    for name in names:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        (config.TrainConfig, "steps", -1),
+        (config.TrainConfig, "log_every", 2.5),
+        (config.TrainConfig, "name", "a/b"),
+        (config.DataConfig, "batch_size", 0),
+        (config.DataConfig, "corpus", ""),
+        (config.OptimConfig, "lr", float("nan")),
+        (config.OptimConfig, "betas", (0.9, 1.0)),
+        (config.OptimConfig, "warmup_steps", True),
+    ],
+)
+def test_sections_validate_their_fields(cls: type, field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        cls(**{field: value})
+
+
+def test_round_trip_through_json() -> None:
+    for cfg in (
+        config.default(),
+        config.load(EXAMPLES / "llama_tiny.py", ["optim.betas=0.8,0.9", "train.name=x"]),
+    ):
+        d = json.loads(json.dumps(config.to_dict(cfg)))
+        assert config.from_dict(d) == cfg
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
+    partial = _write(
+        tmp_path / "partial.py", "from colfunc.config import TrainConfig\ntrain = TrainConfig()\n"
+    )
+    with pytest.raises(ValueError, match=r"partial\.py.*missing model, optim, data"):
+        config.load(partial)
+    broken = _write(tmp_path / "broken.py", "model = 1 / 0\n")
+    with pytest.raises(ValueError, match=r"broken\.py.*ZeroDivisionError"):
+        config.load(broken)
+    with pytest.raises(ValueError, match=r"nowhere\.py.*does not exist"):
+        config.load(tmp_path / "nowhere.py")
+    wrong = _write(
+        tmp_path / "wrong.py",
+        (EXAMPLES / "gpt_tiny.py").read_text() + "\noptim = dict(lr=1.0)\n",
+    )
+    with pytest.raises(ValueError, match=r"optim must be a colfunc\.config\.OptimConfig"):
+        config.load(wrong)
+
+
+def test_parallel_section_is_kept_and_refused_by_train(tmp_path: Path) -> None:
+    from colfunc import train
+
+    path = _write(
+        tmp_path / "par.py", (EXAMPLES / "gpt_tiny.py").read_text() + "\nparallel = dict(dp=2)\n"
+    )
+    cfg = config.load(path)
+    assert cfg.parallel == {"dp": 2}
+    with pytest.raises(ValueError, match="parallel training is not available"):
+        train.run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert dataclasses.replace(cfg, parallel={}) == config.default()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--set", "train.steps=abc"], "train.steps"),
+        (["--set", "train.stepz=3"], "train.stepz"),
+        (["--set", "model.n_head=3"], "n_head=3"),
+        (["missing_config.py"], "missing_config.py"),
+        (["--bogus"], "--bogus"),
+    ],
+)
+def test_cli_reports_config_errors_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    needle: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("colfunc: error: ")
+    assert needle in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -1,0 +1,248 @@
+"""The Triton kernels against the fp32 PyTorch references, run by Triton's interpreter on the CPU.
+
+Triton reads TRITON_INTERPRET when a kernel is decorated, that is when its module is imported, so
+this file sets it before anything imports the kernel modules and is meant to be their only
+importer in a test run. Shapes are tiny (the interpreter runs every block operation in numpy) and
+bf16 is not run (the interpreter's bf16 arithmetic is wrong). Outputs and every gradient must match
+the reference run on fp32 copies of the inputs: fp32 within 1e-4, fp16 within 2e-3.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any colfunc.kernels Triton module is imported
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+import colfunc.ops as ops  # noqa: E402
+from colfunc.kernels import adamw, attention, cross_entropy, norms, rope  # noqa: E402
+from colfunc.ops import reference  # noqa: E402
+
+_STALE = [m.__name__ for m in (adamw, attention, cross_entropy, norms, rope) if not m.INTERPRETED]
+if _STALE:
+    pytest.skip(
+        f"{_STALE} were imported before TRITON_INTERPRET=1 was set, so they cannot run on the CPU; "
+        "run this file in its own process: pytest tests/test_kernels_triton.py",
+        allow_module_level=True,
+    )
+
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
+DTYPES = st.sampled_from([torch.float32, torch.float16])
+FEW = settings(max_examples=4, deadline=None, derandomize=True)
+
+
+def assert_matches_reference(
+    kernel: Callable[..., torch.Tensor],
+    ref: Callable[..., torch.Tensor],
+    args: Sequence[Any],
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> None:
+    """``kernel(*args)`` against ``ref`` on fp32 copies: the output and the gradient of every
+    argument that requires one, for a random output gradient."""
+    out = kernel(*args)
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randn(out.shape, generator=gen).to(out.dtype)
+    diff = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(out, diff, dy)
+
+    def fp32(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.detach().float().requires_grad_(a.requires_grad)
+        return a
+
+    ref_args = [fp32(a) for a in args]
+    ref_out = ref(*ref_args)
+    ref_diff = [a for a in ref_args if isinstance(a, torch.Tensor) and a.requires_grad]
+    ref_grads = torch.autograd.grad(ref_out, ref_diff, dy.float())
+    assert out.dtype == ref(*args).dtype  # the kernel keeps the reference's output dtype
+    torch.testing.assert_close(out.float(), ref_out, **TOL[dtype])
+    for g, ref_g in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.float(), ref_g, **TOL[dtype])
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, grad: bool = True) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return x.requires_grad_(grad)
+
+
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+@FEW
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    G=st.sampled_from([1, 2, 3]),
+    T=st.integers(1, 40),
+    S=st.integers(1, 40),
+    causal=st.booleans(),
+    dtype=DTYPES,
+)
+@example(B=1, Hkv=1, G=4, T=1, S=37, causal=True, dtype=torch.float32)  # decoding, multi-query
+def test_attention(D: int, B: int, Hkv: int, G: int, T: int, S: int, causal: bool,
+                   dtype: torch.dtype) -> None:  # fmt: skip
+    if causal and T > S:
+        T, S = S, T  # bottom-right causal attention needs T <= S
+    q = randn(B, Hkv * G, T, D, dtype=dtype, seed=1)
+    k = randn(B, Hkv, S, D, dtype=dtype, seed=2)
+    v = randn(B, Hkv, S, D, dtype=dtype, seed=3)
+    assert_matches_reference(
+        lambda q, k, v: attention.attention(q, k, v, causal),
+        lambda q, k, v: reference.attention(q, k, v, causal),
+        [q, k, v],
+        dtype,
+    )
+
+
+def test_attention_strided_inputs_odd_head_dim_and_scale() -> None:
+    """q, k, v as transposed views of [B, T, H, D] (what a model's projection gives), D = 40."""
+    B, T, H, D = 2, 19, 4, 40
+    qkv = randn(B, T, 3 * H, D, dtype=torch.float32, seed=4, grad=False)
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in qkv.split(H, dim=2))
+    assert not q.is_contiguous()
+    assert_matches_reference(
+        lambda q, k, v: attention.attention(q, k, v, True, scale=0.3),
+        lambda q, k, v: reference.attention(q, k, v, True, scale=0.3),
+        [q, k, v],
+        torch.float32,
+    )
+
+
+@FEW
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    C=st.integers(1, 70),
+    with_weight=st.booleans(),
+    with_bias=st.booleans(),
+    dtype=DTYPES,
+    fp32_weight=st.booleans(),
+)
+def test_norms(lead: list[int], C: int, with_weight: bool, with_bias: bool, dtype: torch.dtype,
+               fp32_weight: bool) -> None:  # fmt: skip
+    x = randn(*lead, C, dtype=dtype, seed=5)
+    w_dtype = torch.float32 if fp32_weight else dtype
+    w = (randn(C, dtype=w_dtype, seed=6, grad=False) + 1).requires_grad_() if with_weight else None
+    b = randn(C, dtype=w_dtype, seed=7) if with_bias else None
+    assert_matches_reference(norms.rms_norm, reference.rms_norm, [x, w, 1e-6], dtype)
+    if fp32_weight and dtype != torch.float32:
+        return  # torch's layer_norm does not mix dtypes on the CPU: no reference to compare with
+    assert_matches_reference(norms.layer_norm, reference.layer_norm, [x, w, b, 1e-5], dtype)
+
+
+@FEW
+@given(
+    N=st.integers(1, 9),
+    V=st.integers(1, 300),
+    ignored=st.floats(0.0, 0.7),
+    dtype=DTYPES,
+    int32_labels=st.booleans(),
+)
+def test_cross_entropy(N: int, V: int, ignored: float, dtype: torch.dtype,
+                       int32_labels: bool) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(8)
+    logits = (3 * randn(N, V, dtype=torch.float32, seed=9, grad=False)).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[torch.rand(N, generator=gen) < ignored] = -100
+    labels[0] = 0  # at least one kept label: an all-ignored batch is nan, checked below
+    labels = labels.to(torch.int32 if int32_labels else torch.int64)
+    assert_matches_reference(
+        cross_entropy.cross_entropy,
+        lambda x, y: reference.cross_entropy(x, y.long()),
+        [logits, labels],
+        dtype,
+    )
+
+
+def test_cross_entropy_all_ignored_is_nan_like_torch() -> None:
+    logits = torch.randn(3, 7)
+    labels = torch.full((3,), -1, dtype=torch.int64)
+    got = cross_entropy.cross_entropy(logits, labels, ignore_index=-1)
+    assert math.isnan(got.item()) and math.isnan(reference.cross_entropy(logits, labels, -1).item())
+
+
+@FEW
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    T=st.integers(1, 20),
+    K=st.integers(1, 32),
+    dtype=DTYPES,
+)
+def test_rope(lead: list[int], T: int, K: int, dtype: torch.dtype) -> None:
+    x = randn(*lead, T, 2 * K, dtype=dtype, seed=10)
+    angle = randn(T, K, dtype=torch.float32, seed=11, grad=False) * 3
+    assert_matches_reference(rope.rope, reference.rope, [x, angle.cos(), angle.sin()], dtype)
+
+
+SHAPES = [(3, 5), (63,), (64,), (65,), (1,), (0,), (7, 31)]  # around the interpreter's 64-chunk
+
+
+def _adamw_hparams(lr: float = 1e-2) -> dict[str, float]:
+    return {"lr": lr, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def test_adamw_equals_torch_optim() -> None:
+    """fp32: three steps of the fused kernel against torch.optim.AdamW."""
+    gen = torch.Generator().manual_seed(12)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref = [p.clone().requires_grad_() for p in params]
+    hp = _adamw_hparams()
+    opt = torch.optim.AdamW(ref, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])  # fmt: skip
+    exp_avgs = [torch.zeros_like(p) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p) for p in params]
+    for step in range(1, 4):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        adamw.adamw_(params, grads, exp_avgs, exp_avg_sqs, step=step, **hp)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r.detach(), atol=1e-6, rtol=1e-6)
+    for m, r in zip(exp_avgs, ref):
+        torch.testing.assert_close(m, opt.state[r]["exp_avg"], atol=1e-6, rtol=1e-6)
+
+
+def test_adamw_low_precision_params_and_grads() -> None:
+    """fp16 params and grads with fp32 moments, mixed with fp32 tensors (two dtype groups)."""
+    gen = torch.Generator().manual_seed(13)
+    dtypes = [torch.float16 if i % 2 else torch.float32 for i in range(len(SHAPES))]
+    params = [torch.randn(s, generator=gen).to(d) for s, d in zip(SHAPES, dtypes)]
+    ref_params = [p.clone() for p in params]
+    states = [[torch.zeros(s) for s in SHAPES] for _ in range(4)]
+    for step in range(1, 4):
+        grads = [torch.randn(s, generator=gen).to(d) for s, d in zip(SHAPES, dtypes)]
+        adamw.adamw_(params, grads, states[0], states[1], step=step, **_adamw_hparams())
+        reference.adamw_(ref_params, grads, states[2], states[3], step=step, **_adamw_hparams())
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, atol=1e-3, rtol=0)  # one fp16 rounding of the same value
+    for m, r in zip(states[0], states[2]):
+        torch.testing.assert_close(m, r, atol=1e-6, rtol=1e-6)
+
+
+def test_dispatcher_reaches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """COLFUNC_KERNELS=triton sends CPU tensors to the kernels under the interpreter; auto does
+    not (CPU tensors get the reference)."""
+    q = randn(1, 2, 5, 16, dtype=torch.float32, seed=14)
+    x = randn(3, 8, dtype=torch.float32, seed=15)
+    logits, labels = randn(4, 11, dtype=torch.float32, seed=16), torch.tensor([1, 2, -100, 3])
+    angle = randn(5, 8, dtype=torch.float32, seed=17, grad=False)
+    calls = {
+        "_Attention": lambda: ops.attention(q, q, q),
+        "_RMSNorm": lambda: ops.rms_norm(x, None),
+        "_LayerNorm": lambda: ops.layer_norm(x, None, None),
+        "_CrossEntropy": lambda: ops.cross_entropy(logits, labels),
+        "_Rope": lambda: ops.rope(q, angle.cos(), angle.sin()),
+    }
+    for choice in ("triton", "auto"):
+        monkeypatch.setenv("COLFUNC_KERNELS", choice)
+        for name, call in calls.items():
+            out = call()
+            assert out.grad_fn is not None
+            assert (name in type(out.grad_fn).__name__) == (choice == "triton"), (choice, name)

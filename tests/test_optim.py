@@ -1,0 +1,460 @@
+"""colfunc.optim against torch.optim: same parameters after several steps, and pure updates."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import colfunc as cf
+from colfunc import optim, tree
+
+STEPS = 5
+ATOL = 1e-6
+
+shapes = st.lists(st.lists(st.integers(1, 4), max_size=3), min_size=1, max_size=4)
+
+
+def make_params(shape_list: list[list[int]], seed: int, scale: float = 0.5) -> dict:
+    """A small nested tree: the first leaf at ``a``, the rest in a list under ``blocks.layers``."""
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(s, generator=g) * scale for s in shape_list]
+    return {"a": ts[0], "blocks": {"layers": ts[1:]}}
+
+
+def make_grads(params: dict, steps: int, seed: int, scale: float = 1.0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return [
+        tree.map(lambda p: torch.randn(p.shape, generator=g) * scale, params) for _ in range(steps)
+    ]
+
+
+def run_ours(opt: optim.GradientTransformation, params: dict, grads_seq: list[dict]) -> dict:
+    state = opt.init(params)
+    for grads in grads_seq:
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params
+
+
+def run_torch(make_opt, params: dict, grads_seq: list[dict], clip: float | None = None) -> dict:
+    """``torch.optim`` over the same leaves (in tree order), one ``step()`` per gradient."""
+    treedef = tree.structure(params)
+    ps = [torch.nn.Parameter(p.clone()) for p in tree.leaves(params)]
+    opt = make_opt(ps)
+    for grads in grads_seq:
+        for p, g in zip(ps, treedef.flatten_up_to(grads)):
+            p.grad = g.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ps, clip)
+        opt.step()
+    return tree.unflatten(treedef, [p.detach() for p in ps])
+
+
+def max_diff(a, b) -> float:
+    """The largest elementwise difference of two same-shaped trees (other leaves equal)."""
+    assert tree.structure(a) == tree.structure(b)
+    others = [
+        (x, y) for x, y in zip(tree.leaves(a), tree.leaves(b)) if not isinstance(x, torch.Tensor)
+    ]
+    assert all(x == y for x, y in others)
+    diffs = [(x - y).abs().max().item() for x, y in zip(tree.tensors(a), tree.tensors(b))]
+    return max(diffs, default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# equal to torch.optim
+
+
+@given(
+    shape_list=shapes,
+    seed=st.integers(0, 2**16),
+    lr=st.floats(1e-3, 0.05),
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    dampening=st.sampled_from([0.0, 0.3]),
+    weight_decay=st.sampled_from([0.0, 0.05]),
+    nesterov=st.booleans(),
+)
+def test_sgd_matches_torch(shape_list, seed, lr, momentum, dampening, weight_decay, nesterov):
+    if nesterov and (momentum == 0 or dampening != 0):
+        nesterov = False
+    kw = dict(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
+    params = make_params(shape_list, seed)
+    grads_seq = make_grads(params, STEPS, seed)
+    ours = run_ours(optim.sgd(**kw), params, grads_seq)
+    ref = run_torch(lambda ps: torch.optim.SGD(ps, **kw), params, grads_seq)
+    assert max_diff(ours, ref) <= ATOL
+    assert max_diff(ours, params) > 0  # the reference moved, so agreement means something
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=0.1),
+        dict(lr=0.1, momentum=0.9),
+        dict(lr=0.1, momentum=0.9, nesterov=True),
+        dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1),
+        dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+    ],
+)
+def test_sgd_variants_match_torch(kw):
+    params = make_params([[3, 2], [4], []], seed=0)
+    grads_seq = make_grads(params, STEPS, seed=0)
+    ours = run_ours(optim.sgd(**kw), params, grads_seq)
+    ref = run_torch(lambda ps: torch.optim.SGD(ps, **kw), params, grads_seq)
+    assert max_diff(ours, ref) <= ATOL
+
+
+@given(
+    shape_list=shapes,
+    seed=st.integers(0, 2**16),
+    lr=st.floats(1e-4, 0.05),
+    beta1=st.sampled_from([0.0, 0.8, 0.9]),
+    beta2=st.sampled_from([0.9, 0.99, 0.999]),
+    eps=st.sampled_from([1e-8, 1e-3]),
+    weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+    amsgrad=st.booleans(),
+    decoupled=st.booleans(),
+)
+def test_adam_and_adamw_match_torch(
+    shape_list, seed, lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled
+):
+    kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+    ours_opt, torch_cls = (
+        (optim.adamw, torch.optim.AdamW) if decoupled else (optim.adam, torch.optim.Adam)
+    )
+    params = make_params(shape_list, seed)
+    grads_seq = make_grads(params, STEPS, seed)
+    ours = run_ours(ours_opt(**kw), params, grads_seq)
+    ref = run_torch(lambda ps: torch_cls(ps, foreach=True, **kw), params, grads_seq)
+    assert max_diff(ours, ref) <= ATOL
+    assert max_diff(ours, params) > 1e-5
+
+
+def test_adamw_defaults_match_torch():
+    params = make_params([[5, 3], [3]], seed=1)
+    grads_seq = make_grads(params, STEPS, seed=1)
+    ours = run_ours(optim.adamw(), params, grads_seq)
+    ref = run_torch(lambda ps: torch.optim.AdamW(ps), params, grads_seq)
+    assert max_diff(ours, ref) <= ATOL
+
+
+def _reference_warmup_cosine(t: int, peak: float, warmup: int, total: int, final: float) -> float:
+    # written from the definition (Hugging Face's cosine-with-warmup, plus a floor at `final`)
+    if t < warmup:
+        return peak * t / max(1, warmup)
+    if t >= total:
+        return final
+    progress = (t - warmup) / max(1, total - warmup)
+    return final + (peak - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def test_adamw_with_warmup_cosine_matches_torch_lambda_lr():
+    peak, warmup, total, final = 1e-2, 2, 5, 1e-3
+    sched = optim.warmup_cosine(peak, warmup_steps=warmup, total_steps=total, final_lr=final)
+    opt = optim.adamw(sched, weight_decay=0.1)
+    params = make_params([[4, 3], [3]], seed=2)
+    grads_seq = make_grads(params, total + 2, seed=2)
+
+    treedef = tree.structure(params)
+    ps = [torch.nn.Parameter(p.clone()) for p in tree.leaves(params)]
+    torch_opt = torch.optim.AdamW(ps, lr=peak, weight_decay=0.1)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(
+        torch_opt, lambda t: _reference_warmup_cosine(t, peak, warmup, total, final) / peak
+    )
+    state = opt.init(params)
+    for grads in grads_seq:
+        assert opt.lr(state) == pytest.approx(lambda_lr.get_last_lr()[0], rel=1e-12, abs=1e-15)
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+        for p, g in zip(ps, treedef.flatten_up_to(grads)):
+            p.grad = g.clone()
+        torch_opt.step()
+        lambda_lr.step()
+        assert max_diff(params, tree.unflatten(treedef, [p.detach() for p in ps])) <= ATOL
+
+
+@given(
+    shape_list=shapes,
+    seed=st.integers(0, 2**16),
+    max_norm=st.floats(0.01, 5.0),
+    grad_scale=st.sampled_from([0.01, 1.0, 10.0]),
+)
+def test_clip_by_global_norm_matches_torch(shape_list, seed, max_norm, grad_scale):
+    params = make_params(shape_list, seed)
+    (grads,) = make_grads(params, 1, seed, scale=grad_scale)
+    clipped, _ = optim.clip_by_global_norm(max_norm).update(grads, (), params)
+    ps = [torch.nn.Parameter(p.clone()) for p in tree.leaves(params)]
+    for p, g in zip(ps, tree.leaves(grads)):
+        p.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    assert torch.equal(optim.global_norm(grads), total)
+    for ours, p in zip(tree.leaves(clipped), ps):
+        assert torch.equal(ours, p.grad)
+    ours_norm = optim.global_norm(clipped).item()
+    assert ours_norm <= max_norm * (1 + 1e-5)
+    if total.item() <= max_norm:  # below the threshold the gradients pass unchanged
+        assert all(torch.equal(a, b) for a, b in zip(tree.leaves(clipped), tree.leaves(grads)))
+
+
+@given(shape_list=shapes, seed=st.integers(0, 2**16), max_norm=st.floats(0.1, 3.0))
+def test_chain_clip_adamw_matches_clip_then_torch_adamw(shape_list, seed, max_norm):
+    params = make_params(shape_list, seed)
+    grads_seq = make_grads(params, STEPS, seed, scale=2.0)
+    opt = optim.chain(optim.clip_by_global_norm(max_norm), optim.adamw(0.01))
+    ours = run_ours(opt, params, grads_seq)
+    ref = run_torch(lambda ps: torch.optim.AdamW(ps, lr=0.01), params, grads_seq, clip=max_norm)
+    assert max_diff(ours, ref) <= ATOL
+    assert opt.lr(opt.init(params)) == 0.01
+
+
+def test_bf16_params_keep_fp32_state_and_update_as_fp32():
+    params32 = make_params([[4, 3], [3]], seed=3)
+    (grads32,) = make_grads(params32, 1, seed=3)
+    params16 = tree.map(lambda x: x.bfloat16(), params32)
+    grads16 = tree.map(lambda x: x.bfloat16(), grads32)
+    # the same computation on the bf16 values widened to fp32 is the reference
+    widened_p = tree.map(lambda x: x.float(), params16)
+    widened_g = tree.map(lambda x: x.float(), grads16)
+    for opt in (optim.adamw(0.01), optim.sgd(0.1, momentum=0.9), optim.adam(0.01, amsgrad=True)):
+        state = opt.init(params16)
+        assert {x.dtype for x in tree.tensors(state)} == {torch.float32}
+        updates, new_state = opt.update(grads16, state, params16)
+        ref_updates, ref_state = opt.update(widened_g, opt.init(widened_p), widened_p)
+        assert max_diff(updates, ref_updates) == 0
+        assert max_diff(new_state, ref_state) == 0
+        new_params = optim.apply_updates(params16, updates)
+        assert {x.dtype for x in tree.leaves(new_params)} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# purity: nothing passed in is written, and what comes out shares no memory with it
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.sgd(0.1),
+    "sgd_nesterov_wd": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+    "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9),
+    "adamw": lambda: optim.adamw(0.01),
+    "adamw_amsgrad": lambda: optim.adamw(optim.warmup_cosine(0.01, 1, 4), amsgrad=True),
+    "adam_wd": lambda: optim.adam(0.01, weight_decay=0.1),
+    "clip": lambda: optim.clip_by_global_norm(0.1),
+    "accumulate": lambda: optim.accumulate(optim.adamw(0.01), 2),
+    "chain": lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.sgd(0.1, momentum=0.9)),
+}
+
+
+def _snapshot(t):
+    return [(x.clone(), x._version) for x in tree.tensors(t)]
+
+
+def _unchanged(t, snap) -> bool:
+    now = tree.tensors(t)
+    return len(now) == len(snap) and all(
+        torch.equal(x, c) and x._version == v for x, (c, v) in zip(now, snap)
+    )
+
+
+def _storages(t) -> set[int]:
+    return {x.untyped_storage().data_ptr() for x in tree.tensors(t)}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_update_is_pure(name):
+    opt = OPTIMIZERS[name]()
+    params = make_params([[3, 2], [2], []], seed=4)
+    grads_seq = make_grads(params, 3, seed=4)
+    state = opt.init(params)
+    for grads in grads_seq:
+        before = [_snapshot(params), _snapshot(grads), _snapshot(state)]
+        updates, new_state = opt.update(grads, state, params)
+        assert _unchanged(params, before[0])
+        assert _unchanged(grads, before[1])
+        assert _unchanged(state, before[2])
+        # Outputs are new tensors; only a state entry that did not change may be passed through
+        # as the very same tensor (accumulate keeps the inner state between real updates).
+        inputs = _storages(params) | _storages(grads) | _storages(state)
+        passed = {id(x) for x in tree.tensors(state)}
+        fresh = [x for x in tree.tensors((updates, new_state)) if id(x) not in passed]
+        assert not _storages(fresh) & inputs
+        # the same inputs give the same outputs: no hidden state
+        again, again_state = opt.update(grads, state, params)
+        assert max_diff(updates, again) == 0 and max_diff(new_state, again_state) == 0
+        params, state = optim.apply_updates(params, updates), new_state
+
+
+def test_counters_are_python_ints():
+    params = make_params([[2]], seed=5)
+    (grads,) = make_grads(params, 1, seed=5)
+    for opt in (optim.adamw(), optim.sgd(0.1, momentum=0.5), optim.accumulate(optim.sgd(0.1), 3)):
+        _, state = opt.update(grads, opt.init(params), params)
+        counters = [x for x in tree.leaves(state) if not isinstance(x, torch.Tensor)]
+        assert counters and all(type(c) is int for c in counters)
+        assert 1 in counters
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulation
+
+
+def _linear_loss(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return ((pred - batch["y"]) ** 2).mean()
+
+
+INNER = {
+    "adamw": lambda: optim.adamw(0.02, weight_decay=0.1),
+    "sgd": lambda: optim.sgd(0.1, momentum=0.9),
+    "adamw_cosine": lambda: optim.adamw(optim.warmup_cosine(0.05, 1, 3)),
+}
+
+
+@given(
+    k=st.integers(1, 4),
+    micro=st.integers(1, 3),
+    dims=st.tuples(st.integers(1, 4), st.integers(1, 3)),
+    inner=st.sampled_from(sorted(INNER)),
+    seed=st.integers(0, 2**16),
+)
+def test_accumulate_equals_one_step_on_the_whole_batch(k, micro, dims, inner, seed):
+    d_in, d_out = dims
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(d_in, d_out, generator=g), "b": torch.randn(d_out, generator=g)}
+    cycles = 2
+    batches = [
+        {
+            "x": torch.randn(k * micro, d_in, generator=g),
+            "y": torch.randn(k * micro, d_out, generator=g),
+        }
+        for _ in range(cycles)
+    ]
+    plain = cf.train_step(_linear_loss, INNER[inner]())
+    accum = cf.train_step(_linear_loss, optim.accumulate(INNER[inner](), k))
+    s_plain, s_accum = plain.init(params), accum.init(params)
+    for batch in batches:
+        s_plain, m_plain = plain(s_plain, batch)
+        for i in range(k):
+            micro_batch = tree.map(lambda x, i=i: x[i * micro : (i + 1) * micro], batch)
+            before = s_accum.params
+            assert s_accum.opt_state.micro_step == i
+            s_accum, m_accum = accum(s_accum, micro_batch)
+            assert m_accum["lr"] == m_plain["lr"]  # the inner lr, which only moves per cycle
+            if i < k - 1:  # no update until the k-th micro-batch
+                assert max_diff(s_accum.params, before) == 0
+        assert max_diff(s_accum.params, s_plain.params) <= ATOL
+    assert max_diff(s_accum.params, params) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules
+
+
+@given(
+    peak=st.floats(1e-5, 1.0),
+    warmup=st.integers(0, 20),
+    extra=st.integers(0, 30),
+    final_frac=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_warmup_cosine_matches_reference(peak, warmup, extra, final_frac):
+    total = max(1, warmup + extra)
+    final = peak * final_frac
+    sched = optim.warmup_cosine(peak, warmup, total, final_lr=final)
+    values = [sched(t) for t in range(total + 5)]
+    for t, v in enumerate(values):
+        assert v == pytest.approx(
+            _reference_warmup_cosine(t, peak, warmup, total, final), rel=1e-12, abs=1e-15
+        )
+    warming, after = values[:warmup], values[warmup:]
+    assert warming == sorted(warming) and warming[:1] in ([], [0.0])  # rising from 0
+    if warmup < total:  # then from the peak down to final_lr (no decay phase when equal)
+        assert after[0] == peak and after == sorted(after, reverse=True)
+    assert values[total:] == [final] * 5
+
+
+def test_warmup_cosine_decay_matches_torch_cosine_annealing():
+    peak, warmup, total, final = 0.1, 3, 23, 0.01
+    sched = optim.warmup_cosine(peak, warmup, total, final_lr=final)
+    p = torch.nn.Parameter(torch.zeros(1))
+    torch_opt = torch.optim.SGD([p], lr=peak)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        torch_opt, T_max=total - warmup, eta_min=final
+    )
+    for t in range(warmup, total + 1):
+        assert sched(t) == pytest.approx(cosine.get_last_lr()[0], rel=1e-6)
+        torch_opt.step()
+        cosine.step()
+
+
+def test_linear_warmup_and_constant():
+    sched = optim.linear_warmup(0.2, warmup_steps=4, init_lr=0.1)
+    assert [sched(t) for t in range(6)] == pytest.approx([0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
+    assert optim.linear_warmup(0.3, 0)(0) == 0.3
+    assert [optim.constant(0.5)(t) for t in (0, 7)] == [0.5, 0.5]
+    # schedules are values: equal, printable and picklable (configs and checkpoints keep them)
+    cos = optim.warmup_cosine(1e-3, 10, 100)
+    assert pickle.loads(pickle.dumps(cos)) == cos == optim.warmup_cosine(1e-3, 10, 100)
+    assert "warmup_steps=10" in repr(cos)
+
+
+def test_schedule_drives_sgd_lr():
+    sched = optim.linear_warmup(0.4, warmup_steps=2)
+    opt = optim.sgd(sched)
+    params = {"w": torch.ones(2)}
+    state = opt.init(params)
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.lr(state))
+        updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        assert torch.allclose(updates["w"], torch.full((2,), -lrs[-1]))
+    assert lrs == [0.0, 0.2, 0.4, 0.4]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad arguments
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "names"),
+    [
+        (lambda: optim.sgd(-0.1), ValueError, ["lr", "-0.1"]),
+        (lambda: optim.sgd(float("nan")), ValueError, ["lr"]),
+        (lambda: optim.sgd("0.1"), TypeError, ["lr"]),
+        (lambda: optim.sgd(0.1, momentum=-1), ValueError, ["momentum"]),
+        (lambda: optim.sgd(0.1, weight_decay=-1), ValueError, ["weight_decay"]),
+        (lambda: optim.sgd(0.1, nesterov=True), ValueError, ["nesterov", "momentum"]),
+        (
+            lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
+            ValueError,
+            ["dampening"],
+        ),
+        (lambda: optim.adamw(-1e-3), ValueError, ["lr"]),
+        (lambda: optim.adamw(betas=(1.0, 0.999)), ValueError, ["betas[0]", "1.0"]),
+        (lambda: optim.adamw(betas=(0.9, -0.1)), ValueError, ["betas[1]"]),
+        (lambda: optim.adam(betas=(0.9,)), ValueError, ["betas"]),
+        (lambda: optim.adamw(eps=-1e-8), ValueError, ["eps"]),
+        (lambda: optim.adam(weight_decay=-0.1), ValueError, ["weight_decay"]),
+        (lambda: optim.clip_by_global_norm(-1.0), ValueError, ["max_norm"]),
+        (lambda: optim.accumulate(optim.sgd(0.1), 0), ValueError, ["k", "0"]),
+        (lambda: optim.accumulate(optim.sgd(0.1), 2.0), TypeError, ["k"]),
+        (lambda: optim.accumulate(torch.optim.SGD, 2), TypeError, ["GradientTransformation"]),
+        (lambda: optim.chain(optim.sgd(0.1), "adamw"), TypeError, ["argument 1"]),
+        (lambda: optim.warmup_cosine(1e-3, 10, 5), ValueError, ["warmup_steps", "total_steps"]),
+        (lambda: optim.warmup_cosine(-1e-3, 1, 5), ValueError, ["peak_lr"]),
+        (lambda: optim.warmup_cosine(1e-3, 0, 0), ValueError, ["total_steps"]),
+        (lambda: optim.warmup_cosine(1e-3, 1.5, 5), TypeError, ["warmup_steps"]),
+        (lambda: optim.warmup_cosine(1e-3, 1, 5, final_lr=-1.0), ValueError, ["final_lr"]),
+        (lambda: optim.linear_warmup(1e-3, -1), ValueError, ["warmup_steps"]),
+        (lambda: optim.constant(-1.0), ValueError, ["value"]),
+        (lambda: optim.warmup_cosine(1e-3, 1, 5)(-1), ValueError, ["count"]),
+    ],
+)
+def test_bad_arguments_name_the_argument(make, error, names):
+    with pytest.raises(error) as info:
+        make()
+    for name in names:
+        assert name in str(info.value)
