@@ -25,7 +25,7 @@ if os.environ.get("COLFUNC_BUILD_EXT") == "1":
         CppExtension(
             "colfunc.kernels._cpu_adam",
             ["kernels/csrc/cpu_adam.cpp"],
-            extra_compile_args=["-O3", "-fopenmp"],
+            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
         )
     ]

@@ -1,10 +1,25 @@
 """colfunc: large-model training as composable transforms of a pure training step, on PyTorch."""
 
-from colfunc import hf, memory, models, nn, ops, optim, random, sharding, testing, transforms, tree
+from colfunc import (
+    checkpoint,
+    config,
+    data,
+    hf,
+    memory,
+    models,
+    nn,
+    ops,
+    optim,
+    random,
+    sharding,
+    testing,
+    transforms,
+    tree,
+)
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.sharding import Mesh, launch
 from colfunc.step import Step, TrainState, full_state, train_step
-from colfunc.transforms import amp, remat
+from colfunc.transforms import amp, remat, shard, zero
 
 __version__ = "0.1.0"
 
@@ -15,6 +30,9 @@ __all__ = [
     "Step",
     "TrainState",
     "amp",
+    "checkpoint",
+    "config",
+    "data",
     "full_state",
     "hf",
     "launch",
@@ -27,9 +45,11 @@ __all__ = [
     "random",
     "remat",
     "scan_layers",
+    "shard",
     "sharding",
     "testing",
     "train_step",
     "transforms",
     "tree",
+    "zero",
 ]

@@ -161,6 +161,7 @@ def save(path: str | Path, state: Any, config: Any = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        tmp.chmod(path.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would hide it from others
         storable = _storable(tensors)
         _write_synced(tmp / TENSORS, lambda p: safetensors.torch.save_file(storable, str(p)))
         text = json.dumps(meta, indent=1)

@@ -14,10 +14,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import runpy
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -29,16 +31,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"colfunc: error: {message} (see {self.prog} --help)\n")
 
 
-def _checkpoint_dir(run: str) -> Path:
-    from colfunc import checkpoint, train
+def _load_run(run: str) -> tuple[Any, Any]:
+    """``(state, config)`` of the run folder ``run`` (or of its checkpoint folder itself)."""
+    from colfunc import checkpoint, config, train
+    from colfunc.step import TrainState
 
     path = Path(run)
-    nested = path / train.CHECKPOINT
-    return nested if (nested / checkpoint.META).exists() else path
+    if (path / train.CHECKPOINT).is_dir():
+        path = path / train.CHECKPOINT
+    state, cfg = checkpoint.load(path)
+    if not (isinstance(cfg, config.RunConfig) and isinstance(state, TrainState)):
+        raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+    return state, cfg
+
+
+@contextlib.contextmanager
+def _threads(requested: int | None) -> Iterator[None]:
+    """Use ``requested`` intra-op threads, or by default one per core that is not busy.
+
+    OpenMP threads meet at a barrier in every parallel op, so one thread that shares its core with
+    another process stalls the rest: on 2 cores with one busy, 2 threads trained 7x slower than 1.
+    The 1-minute load average says how many cores other work holds.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if requested is not None and requested < 1:
+        raise ValueError(f"--threads must be >= 1, got {requested}")
+    if requested is None:
+        idle = (os.cpu_count() or before) - round(os.getloadavg()[0])
+        requested = min(before, max(1, idle))
+    torch.set_num_threads(requested)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from colfunc import checkpoint, config, train
+    from colfunc import config, train
 
     if args.resume is None:
         cfg = config.load(args.config, args.set)
@@ -46,13 +77,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cfg = config.override(cfg, [f"train.name={args.name}"])
         stem = Path(args.config).stem if args.config else "gpt_tiny"
         name = cfg.train.name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(cfg.train.out_dir) / name
-        if run_dir.exists():  # fail before loading the corpus, not after
-            raise ValueError(
-                f"run folder {str(run_dir)!r} already exists; pick another name (--name) or "
-                f"continue it with --resume {run_dir}"
-            )
-        train.run(cfg, run_dir, progress=not args.no_progress)
+        with _threads(args.threads):
+            train.run(cfg, Path(cfg.train.out_dir) / name, progress=not args.no_progress)
         return 0
     if args.config is not None or args.name is not None:
         raise ValueError("--resume continues a run with its own config; drop CONFIG and --name")
@@ -60,42 +86,36 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if changed_model:
         raise ValueError(f"--set {changed_model[0]}: the model cannot change when resuming")
     run_dir = Path(args.resume)
-    state, saved = checkpoint.load(run_dir / train.CHECKPOINT)
-    if not isinstance(saved, config.RunConfig):
-        raise ValueError(f"{str(run_dir)!r} is not a colfunc training run (no run config)")
+    if not (run_dir / train.CHECKPOINT).is_dir():
+        raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no {train.CHECKPOINT}/")
+    state, saved = _load_run(args.resume)
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
         raise ValueError(
             f"{str(run_dir)!r} is already at step {state.step} of train.steps="
             f"{cfg.train.steps}; raise it with --set train.steps=N to train longer"
         )
-    train.run(cfg, run_dir, state=state, progress=not args.no_progress)
+    with _threads(args.threads):
+        train.run(cfg, run_dir, state=state, progress=not args.no_progress)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from colfunc import checkpoint, config, data
-    from colfunc.generate import sample
+    from colfunc.generate import complete
 
-    path = _checkpoint_dir(args.run)
-    state, cfg = checkpoint.load(path)
-    if not isinstance(cfg, config.RunConfig):
-        raise ValueError(f"{str(path)!r} holds no run config; it was not written by colfunc train")
+    state, cfg = _load_run(args.run)
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
-    model = config.model_module(cfg.model)
-    ids = sample(
-        # a byte-level run: logits past the 256 byte values are never sampled
-        lambda p, x, c: model.apply(p, x, c)[..., : data.VOCAB_SIZE],
+    text = complete(
+        cfg,
         state.params,
-        cfg.model,
-        data.encode(args.prompt),
+        args.prompt,
         args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
     )
-    print(data.decode(ids), flush=True)
+    print(text, flush=True)
     return 0
 
 
@@ -144,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the run's folder name under train.out_dir")
     p.add_argument("--resume", metavar="RUN", help="continue the run in this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads", type=int, help="CPU threads (default: one per core not busy elsewhere)"
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a trained run")

@@ -139,7 +139,7 @@ class TrainConfig:
     ``seed`` seeds the parameters' initialisation.
     """
 
-    steps: int = 1000
+    steps: int = 300
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
@@ -255,7 +255,10 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
             )
         sections = {s: getattr(module, s) for s in SECTIONS}
         parallel = getattr(module, "parallel", None)
-        cfg = RunConfig(**sections, parallel={} if parallel is None else parallel)
+        try:
+            cfg = RunConfig(**sections, parallel={} if parallel is None else parallel)
+        except ValueError as e:
+            raise ValueError(f"config file {str(path)!r}: {e}") from e
     return override(cfg, overrides)
 
 
@@ -355,6 +358,20 @@ def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
+def _derived_fields(obj: Any) -> dict[str, None]:
+    """The fields of ``obj`` that hold the value derived from a ``None`` default.
+
+    Model configs resolve ``d_ff=None`` to ``4 * d_model`` (and the like) when built, so a plain
+    ``dataclasses.replace(cfg, d_model=256)`` would keep the old width's ``d_ff``. Passing
+    ``None`` again for such fields lets them follow the fields they derive from.
+    """
+    nullable = [f.name for f in dataclasses.fields(obj) if f.init and f.default is None]
+    if not nullable:
+        return {}
+    probe = dataclasses.replace(obj, **dict.fromkeys(nullable))
+    return {n: None for n in nullable if getattr(probe, n) == getattr(obj, n)}
+
+
 def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """``cfg`` with each ``"section.field=value"`` applied (all of a section's fields at once, so
     that fields which must change together, like ``n_head`` and ``d_model``, can)."""
@@ -380,8 +397,11 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         changes.setdefault(section, {})[field] = _coerce(text, types_[field], key.strip())
     replaced = {}
     for section, fields in changes.items():
+        current = getattr(cfg, section)
         try:
-            replaced[section] = dataclasses.replace(getattr(cfg, section), **fields)
+            replaced[section] = dataclasses.replace(
+                current, **{**_derived_fields(current), **fields}
+            )
         except ValueError as e:
             shown = ", ".join(f"{section}.{k}={v!r}" for k, v in fields.items())
             raise ValueError(f"--set {shown}: {e}") from e

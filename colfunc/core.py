@@ -24,6 +24,7 @@ from colfunc import tree
 __all__ = [
     "Layered",
     "LossScale",
+    "NormReduction",
     "P",
     "context",
     "frames",
@@ -100,6 +101,19 @@ def loss_scale() -> float:
     return value
 
 
+class NormReduction:
+    """A frame saying how per-tensor squared norms of this rank's pieces make the global one.
+
+    ``reduce(squares) -> total`` receives one 0-d squared L2 norm per tensor leaf (in leaf order)
+    of the local pieces and returns the squared norm of the whole, distributed, tree (adding the
+    pieces that other ranks hold, counting replicated ones once). Transforms that hand the
+    optimizer local shards push one, so that ``clip_by_global_norm`` clips by the true norm.
+    """
+
+    def __init__(self, reduce: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+        self.reduce = reduce
+
+
 def num_layers(blocks: PyTree) -> int:
     """The size of the leading (layer) axis shared by every leaf of ``blocks``."""
     sizes = {x.shape[0] if x.dim() else None for x in tree.tensors(blocks)}
@@ -150,11 +164,13 @@ class Layered:
         post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
         *,
         name: str = "layered",
+        divisors: dict[str, int] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
             if not callable(fn):
                 raise TypeError(f"layered: {label} must be callable, got {fn!r}")
         self.pre, self.block, self.post, self.name = pre, block, post, name
+        self.divisors = dict(divisors or {})
 
     def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
         if not isinstance(params, dict) or "blocks" not in params:
@@ -176,14 +192,18 @@ def layered(
     post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
     *,
     name: str = "layered",
+    divisors: dict[str, int] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
 
     ``pre(params, batch) -> h``; ``block(layer_params, h) -> h`` scanned over ``params["blocks"]``
     by :func:`scan_layers`; ``post(params, h, batch) -> loss``. ``pipeline`` needs this form, since
     it tells where a model may be cut into stages.
+
+    ``divisors`` names the sizes that a tensor-parallel axis must divide for the model's plan to
+    split it cleanly, e.g. ``{"n_head": 12}``: ``shard`` checks them against its mesh.
     """
-    return Layered(pre, block, post, name=name)
+    return Layered(pre, block, post, name=name, divisors=divisors)
 
 
 class P(tuple):

@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["sample"]
+from colfunc import data
+from colfunc.config import RunConfig, model_module
+
+__all__ = ["complete", "sample"]
 
 
 @torch.no_grad()
@@ -67,3 +70,38 @@ def sample(
         probs_V = torch.softmax(logits_V, dim=-1)
         ids[t] = torch.multinomial(probs_V, 1, generator=generator)[0]
     return ids
+
+
+def complete(
+    cfg: RunConfig,
+    params: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
+    """``prompt`` and ``max_new_tokens`` bytes sampled after it by the byte-level model of a run.
+
+    Example:
+        >>> state, cfg = checkpoint.load("runs/demo/checkpoint")
+        >>> print(complete(cfg, state.params, "def ", 200))
+    """
+    model = model_module(cfg.model)
+
+    def byte_logits(params: Any, ids: torch.Tensor, model_cfg: Any) -> torch.Tensor:
+        # a vocabulary padded past the 256 byte values never yields those extra ids
+        return model.apply(params, ids, model_cfg)[..., : data.VOCAB_SIZE]
+
+    ids = sample(
+        byte_logits,
+        params,
+        cfg.model,
+        data.encode(prompt),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+    )
+    return data.decode(ids)

@@ -4,8 +4,11 @@ A :class:`Step` is five pieces plus the loss and optimizer they close over:
 
 ``layout(params) -> params``
     how parameters are placed (identity on one device; ``shard`` and ``zero`` replace it).
+``init_opt(placed_params) -> opt_state``
+    the optimizer state for the placed parameters (``zero`` replaces it to keep only a shard).
 ``init_extra(params) -> dict``
-    the transform-owned entries of a fresh state, e.g. ``amp``'s loss scale (empty by default).
+    the transform-owned entries of a fresh state, from the parameters as given (before
+    ``layout``), e.g. ``amp``'s loss scale (empty by default).
 ``forward_backward(params, batch, extra) -> (loss, grads)``
     the loss and its gradients (``amp``, ``remat`` and ``pipeline`` replace it). The loss is
     multiplied by :func:`colfunc.core.loss_scale` before differentiation, so a transform can scale
@@ -111,6 +114,7 @@ class Step:
     loss_fn: LossFn
     optimizer: GradientTransformation
     layout: Callable[[PyTree], PyTree]
+    init_opt: Callable[[PyTree], PyTree]
     init_extra: Callable[[PyTree], dict[str, Any]]
     forward_backward: ForwardBackward
     sync: Callable[[PyTree], PyTree]
@@ -126,8 +130,8 @@ class Step:
         """The initial state: parameters placed by ``layout`` and a fresh optimizer state."""
         if not tree.tensors(params):
             raise ValueError("Step.init: params has no tensor leaves")
-        params = self.layout(params)
-        return TrainState(params, self.optimizer.init(params), 0, dict(self.init_extra(params)))
+        placed = self.layout(params)
+        return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(params)))
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
@@ -160,6 +164,7 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
         loss_fn=loss_fn,
         optimizer=optimizer,
         layout=_identity,
+        init_opt=optimizer.init,
         init_extra=_no_extra,
         forward_backward=_forward_backward(loss_fn),
         sync=_identity,
@@ -178,4 +183,10 @@ def full_state(state: PyTree) -> PyTree:
     def full(x: Any) -> Any:
         return x.full_tensor() if hasattr(x, "full_tensor") else x
 
+    if isinstance(state, TrainState):
+        # a transform that stores parameters in pieces of its own keeps, in ``extra``, an object
+        # that can put them back together (``gather_params``)
+        for entry in state.extra.values():
+            if hasattr(entry, "gather_params"):
+                state = state._replace(params=entry.gather_params(state.params))
     return tree.map(full, state)

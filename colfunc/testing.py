@@ -15,7 +15,7 @@ import torch
 from colfunc import tree
 from colfunc.step import Step, full_state
 
-__all__ = ["assert_equivalent", "assert_trees_close"]
+__all__ = ["assert_equivalent", "assert_trees_close", "compose", "compositions", "meshes"]
 
 PyTree = Any
 
@@ -93,3 +93,70 @@ def assert_equivalent(
         full_state(state_a).params, full_state(state_b).params, rtol=rtol, atol=atol, what="params"
     )
     return losses
+
+
+# --- hypothesis strategies (hypothesis is imported only when they are called) -----------------
+
+TRANSFORMS = ("shard", "zero", "remat")
+
+
+def meshes(
+    axes: tuple[str, ...] = ("dp", "tp"), sizes: tuple[int, ...] = (1, 2, 4), max_ranks: int = 8
+) -> Any:
+    """A strategy of mesh shapes ``{axis: size}`` over ``axes``, at most ``max_ranks`` ranks."""
+    from hypothesis import strategies as st
+
+    def ok(shape: dict[str, int]) -> bool:
+        n = 1
+        for s in shape.values():
+            n *= s
+        return n <= max_ranks
+
+    return st.fixed_dictionaries({a: st.sampled_from(sizes) for a in axes}).filter(ok)
+
+
+def compositions(
+    mesh_strategy: Any = None,
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
+) -> Any:
+    """A strategy of transform compositions: ``{"mesh", "zero", "remat", "order"}``.
+
+    ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
+    (innermost first). With a tensor-parallel axis larger than one, ``zero`` comes after
+    ``shard``, the one order that tensor parallelism requires.
+    """
+    from hypothesis import strategies as st
+
+    mesh_strategy = meshes() if mesh_strategy is None else mesh_strategy
+
+    @st.composite
+    def draw(d: Any) -> dict[str, Any]:
+        mesh = d(mesh_strategy)
+        order = list(d(st.permutations(TRANSFORMS)))
+        if mesh.get("tp", 1) > 1 and order.index("zero") < order.index("shard"):
+            order.remove("zero")
+            order.insert(order.index("shard") + 1, "zero")
+        return {
+            "mesh": mesh,
+            "zero": d(st.sampled_from(stages)),
+            "remat": d(st.sampled_from(remat_policies)),
+            "order": tuple(order),
+        }
+
+    return draw()
+
+
+def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None) -> Step:
+    """Apply the transforms of a drawn ``composition`` to ``step`` on this rank's ``mesh``."""
+    from colfunc.transforms import remat, shard, zero
+
+    for name in composition["order"]:
+        if name == "shard":
+            tp = mesh.shape.get("tp", 1) > 1
+            step = shard(step, mesh, plan=plan if tp else None)
+        elif name == "zero":
+            step = zero(step, composition["zero"])
+        elif name == "remat":
+            step = remat(step, composition["remat"])
+    return step

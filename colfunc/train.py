@@ -27,7 +27,7 @@ import torch
 
 from colfunc import checkpoint, data, optim, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
-from colfunc.generate import sample
+from colfunc.generate import complete
 from colfunc.step import TrainState, train_step
 
 __all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "plot", "run"]
@@ -102,7 +102,15 @@ def _check_resumable(state: Any, fresh: TrainState) -> None:
 def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # a line cut short by a crash mid-write: drop it
+                break
+            raise ValueError(f"{str(path)!r} line {i + 1} is corrupt: {e}") from e
     return [r for r in records if r["step"] <= up_to]
 
 
@@ -202,7 +210,8 @@ def run(
     print(
         f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
         f"({n_params / 1e6:.2f}M parameters) on {dc.corpus!r} ({corpus.train.numel() / 1e6:.1f} "
-        f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) into {run_dir}/",
+        f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) on {torch.get_num_threads()} "
+        f"CPU threads into {run_dir}/",
         flush=True,
     )
 
@@ -266,13 +275,6 @@ def run(
         flush=True,
     )
     if tc.sample_tokens:
-        ids = sample(
-            lambda p, x, c: model.apply(p, x, c)[..., : data.VOCAB_SIZE],
-            state.params,
-            cfg.model,
-            data.encode(tc.sample_prompt),
-            tc.sample_tokens,
-            seed=0,
-        )
-        print(f"--- sample (temperature 0.8, top-k 40) ---\n{data.decode(ids)}\n---", flush=True)
+        text = complete(cfg, state.params, tc.sample_prompt, tc.sample_tokens)
+        print(f"--- sample (temperature 0.8, top-k 40) ---\n{text}\n---", flush=True)
     return state

@@ -30,7 +30,8 @@ def _adamw_kernel(
     numels_ptr,  # [L] int64
     chunk_tensor_ptr, chunk_start_ptr,  # [C] int64 each: which tensor a chunk is in, and where
     p_type_ptr, g_type_ptr,  # a param and a grad of the group: they carry the element types
-    L, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+    L, decay, lerp_coeff, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+    LERP_FROM_START: tl.constexpr,  # lerp from m (weight 1 - beta1 < 0.5) or back from the grad
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     chunk = tl.program_id(0)
@@ -48,11 +49,15 @@ def _adamw_kernel(
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0)
-        p = p * decay  # decoupled weight decay: p *= 1 - lr * weight_decay
-        m = m + (1.0 - beta1) * (g - m)  # torch's lerp towards the gradient
-        v = v * beta2 + (1.0 - beta2) * g * g
+        # torch's roundings: lerp_ as one fma from the nearer end, mul_ then addcmul_ (fused),
+        # sqrt, div, add_; then decay and addcdiv_ as p + (c * m) / denom.
+        if LERP_FROM_START:
+            m = tl.fma(lerp_coeff, g - m, m)
+        else:
+            m = tl.fma(lerp_coeff, g - m, g)
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p - step_size * tl.div_rn(m, denom)
+        p = p * decay + tl.div_rn(neg_step_size * m, denom)
         tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
         tl.store(m_ptr + idx, m, mask=mask)
         tl.store(v_ptr + idx, v, mask=mask)
@@ -96,12 +101,16 @@ def adamw_(
             groups.setdefault((p.dtype, g.dtype), []).append(i)
     block = 64 if INTERPRETED else 1024
     chunk = block if INTERPRETED else 64 * block
+    lerp_weight = 1.0 - beta1
+    # torch computes weight - 1 in fp32: from the weight rounded to fp32 (the difference is exact)
+    lerp_back = float(torch.tensor(lerp_weight, dtype=torch.float32)) - 1.0
     scalars = (
         1.0 - lr * weight_decay,
-        beta1,
+        lerp_weight if lerp_weight < 0.5 else lerp_back,
         beta2,
+        1.0 - beta2,
         eps,
-        lr / (1.0 - beta1**step),
+        -lr / (1.0 - beta1**step),
         (1.0 - beta2**step) ** 0.5,
     )
     device = params[0].device
@@ -116,4 +125,5 @@ def adamw_(
         first = members[0]
         _adamw_kernel[(len(tensor_C),)](addrs.to(device), numels_L, tensor_C, start_C,
                                         params[first], grads[first], len(members), *scalars,
-                                        CHUNK=chunk, BLOCK=block)  # fmt: skip
+                                        LERP_FROM_START=lerp_weight < 0.5, CHUNK=chunk,
+                                        BLOCK=block)  # fmt: skip

@@ -75,7 +75,7 @@ def _fwd_inner(
     return acc_MD, l_M, m_M
 
 
-@_autotune(_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]),
+@_autotune(_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]),
            key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
 @triton.jit
 def _attn_fwd_kernel(
@@ -181,7 +181,7 @@ def _dkdv_inner(
     return dk_ND, dv_ND
 
 
-@_autotune(_configs([(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)]),
+@_autotune(_configs([(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 32, 4, 2)]),
            key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -272,7 +272,7 @@ def _dq_inner(
     return dq_MD
 
 
-@_autotune(_configs([(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)]),
+@_autotune(_configs([(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (32, 32, 4, 2)]),
            key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
 @triton.jit
 def _attn_bwd_dq_kernel(

@@ -37,12 +37,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def device(op: str, *tensors: torch.Tensor, interpreted: bool | None = None) -> None:
-    """All tensors on one device that a Triton kernel can reach: CUDA, or CPU when interpreting.
+    """Plain tensors, all on one device that a Triton kernel can reach: CUDA, or CPU when
+    interpreting.
 
     ``interpreted`` is how the kernel module was actually decorated (it reads ``TRITON_INTERPRET``
     once, at import); None means: not imported yet, judge by the environment now.
     """
+    for t in tensors:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or _functorch_wrapped(t):
+            raise ValueError(
+                f"{op}: the Triton kernel takes plain tensors; got a {type(t).__name__} (a tensor "
+                "subclass or one under a torch.func transform): use COLFUNC_KERNELS=auto or torch"
+            )
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"{op}: tensors are on different devices {sorted(map(str, devices))}")
@@ -235,7 +246,15 @@ def adamw(
     weight_decay: float,
 ) -> None:
     """The fused AdamW's lists (float params and grads, fp32 moments) and hyperparameters."""
-    adamw_lists("adamw_", params, grads, exp_avgs, exp_avg_sqs,
-                param_dtypes=FLOAT_DTYPES, grad_dtypes=FLOAT_DTYPES)  # fmt: skip
-    adamw_hparams("adamw_", step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay)  # fmt: skip
+    adamw_lists(
+        "adamw_",
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_dtypes=FLOAT_DTYPES,
+        grad_dtypes=FLOAT_DTYPES,
+    )
+    adamw_hparams(
+        "adamw_", step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+    )

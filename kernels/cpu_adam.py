@@ -40,7 +40,7 @@ def _build() -> ModuleType:
     module: ModuleType = cpp_extension.load(
         name="colfunc_cpu_adam",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-fopenmp"],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         verbose=False,
@@ -48,13 +48,19 @@ def _build() -> ModuleType:
     return module
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The compiled module, or None (with one warning) where it cannot be built."""
+def _prebuilt() -> ModuleType | None:
     try:
         return importlib.import_module("colfunc.kernels._cpu_adam")
     except ImportError:
-        pass
+        return None
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None (with one warning) where it cannot be built."""
+    module = _prebuilt()
+    if module is not None:
+        return module
     try:
         return _build()
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:

@@ -164,6 +164,27 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(
     assert {**cut[4], "loss": None} == {**straight[3], "loss": None}
 
 
+def test_train_uses_the_cores_other_work_leaves_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    seen: list[int] = []
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for load, extra in [(0.2, []), (1.6, []), (7.0, []), (7.0, ["--threads", "3"])]:
+            monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+            assert main(["train", *extra]) == 0
+            assert torch.get_num_threads() == 4  # restored afterwards
+        assert seen == [4, 2, 1, 3]
+        assert main(["train", "--threads", "0"]) == 2
+        _one_error_line(capsys.readouterr().err, "--threads")
+    finally:
+        torch.set_num_threads(before)
+
+
 def _snapshot(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()

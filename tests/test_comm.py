@@ -126,9 +126,12 @@ def run_cases(cases: list[Case], mesh: Mesh) -> list[dict[str, Any]]:
             )
             sent = led.as_dict()
         y.backward(case.cots[mesh.rank])
+        with torch.no_grad():  # the path without an autograd node
+            y_no_grad = getattr(comm, case.op)(x, case.axes, **case.kw)
         results.append(
             {
                 "y": y.detach(),
+                "y_no_grad": y_no_grad,
                 "grad": x.grad,
                 "sent": sent,
                 "kept": torch.equal(x.detach(), case.xs[mesh.rank]),
@@ -147,6 +150,7 @@ def check_case(case: Case, got: list[dict[str, Any]]) -> None:
     for r, res in enumerate(got):
         where = f"{case.op}{case.kw} over {case.axes} on {case.shape}, rank {r}"
         torch.testing.assert_close(res["y"], ys[r].detach(), rtol=0, atol=0, msg=where)
+        assert torch.equal(res["y_no_grad"], res["y"]), where
         torch.testing.assert_close(res["grad"], xs[r].grad, rtol=1e-6, atol=1e-6, msg=where)
         assert res["kept"], f"{where}: the input was modified"
         g = group_of(case.shape, r, case.axes)

@@ -63,6 +63,16 @@ def test_fields_that_change_together_are_set_together() -> None:
     assert (cfg.model.n_head, cfg.model.d_model) == (3, 96)
 
 
+def test_derived_fields_follow_what_they_derive_from() -> None:
+    # gpt.Config resolves d_ff=None to 4 * d_model: a wider model gets a wider MLP...
+    wide = config.load(None, ["model.d_model=256"]).model
+    assert wide == gpt.Config(vocab_size=256, n_layer=4, n_head=4, d_model=256, max_seq_len=128)
+    # ...unless d_ff is set, here or in the config file
+    assert config.load(None, ["model.d_model=256", "model.d_ff=300"]).model.d_ff == 300
+    explicit = config.load(EXAMPLES / "llama_tiny.py", ["model.n_head=8"]).model
+    assert explicit.n_kv_heads == 2  # given explicitly in llama_tiny.py
+
+
 @pytest.mark.parametrize(
     ("item", "names"),
     [
@@ -133,7 +143,9 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
         tmp_path / "wrong.py",
         (EXAMPLES / "gpt_tiny.py").read_text() + "\noptim = dict(lr=1.0)\n",
     )
-    with pytest.raises(ValueError, match=r"optim must be a colfunc\.config\.OptimConfig"):
+    with pytest.raises(
+        ValueError, match=r"wrong\.py.*optim must be a colfunc\.config\.OptimConfig"
+    ):
         config.load(wrong)
 
 

@@ -242,6 +242,14 @@ def test_random_values_do_not_depend_on_creation_order():
     assert len(keys) == 2 * len(paths)
 
 
+def test_random_values_are_pinned():
+    # Keys and values are part of the contract: a run re-initialised on another machine or with
+    # another version starts from the same weights.
+    assert cfr.key(0, "embed") == 844691895346051316
+    expected = torch.tensor([-0.00333096319809556, 0.7955376505851746, 0.43649256229400635])
+    assert torch.equal(cfr.normal(0, "blocks.wq", (3,), std=1.0), expected)
+
+
 def test_random_errors():
     with pytest.raises(TypeError, match="seed"):
         cfr.key("0", "w")

@@ -233,6 +233,27 @@ def test_bf16_params_keep_fp32_state_and_update_as_fp32():
         assert {x.dtype for x in tree.leaves(new_params)} == {torch.bfloat16}
 
 
+def test_fp64_params_keep_fp64_state_and_match_torch():
+    params = tree.map(lambda x: x.double(), make_params([[4, 3], [3]], seed=6))
+    grads_seq = make_grads(params, STEPS, seed=6)
+    grads_seq = [tree.map(lambda x: x.double(), g) for g in grads_seq]
+    opt = optim.adamw(0.01, amsgrad=True)
+    assert {x.dtype for x in tree.tensors(opt.init(params))} == {torch.float64}
+    ours = run_ours(opt, params, grads_seq)
+    ref = run_torch(lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True), params, grads_seq)
+    assert max_diff(ours, ref) <= 1e-14
+
+
+def test_integer_leaves_are_left_alone():
+    params = {"w": torch.tensor([1.0, -2.0]), "pos": torch.tensor([1000, 2000])}
+    opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(0.1, weight_decay=0.5))
+    step = cf.train_step(lambda p, b: (p["w"] * p["pos"]).sum() / 1000, opt)
+    state, metrics = step(step.init(params), None)
+    assert state.params["pos"] is params["pos"]
+    assert torch.equal(metrics["grad_norm"], torch.tensor([1.0, 2.0]).norm())
+    assert not torch.equal(state.params["w"], params["w"])
+
+
 # ---------------------------------------------------------------------------------------------
 # purity: nothing passed in is written, and what comes out shares no memory with it
 

@@ -181,4 +181,6 @@ def loss(cfg: Config) -> Layered:
         logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
         return nn.next_token_loss(logits_BSV, batch["labels"])
 
-    return layered(pre, block, post, name="gpt")
+    # the heads and the vocabulary are what the tensor-parallel plan splits
+    divisors = {"n_head": cfg.n_head, "vocab_size": cfg.vocab_size}
+    return layered(pre, block, post, name="gpt", divisors=divisors)

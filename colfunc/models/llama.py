@@ -204,4 +204,6 @@ def loss(cfg: Config) -> Layered:
         logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
         return nn.next_token_loss(logits_BSV, batch["labels"])
 
-    return layered(pre, block, post, name="llama")
+    # the heads and the vocabulary are what the tensor-parallel plan splits
+    divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}
+    return layered(pre, block, post, name="llama", divisors=divisors)

@@ -107,8 +107,9 @@ def cpu_adamw_(
     op = "cpu_adamw_"
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     checks.adamw_lists(op, *lists, param_dtypes=(torch.float32,), grad_dtypes=GRAD_DTYPES)
-    checks.adamw_hparams(op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay)  # fmt: skip
+    checks.adamw_hparams(
+        op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+    )
     _check_cpu(op, lists, params_bf16_out)
     if not params:
         return
@@ -116,21 +117,34 @@ def cpu_adamw_(
 
     ext = cpu_adam.extension()
     if ext is None:
-        _torch_fused(*lists, params_bf16_out, step=step, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay)  # fmt: skip
+        _torch_fused(
+            *lists,
+            params_bf16_out,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         return
     outs = [0] * len(params) if params_bf16_out is None else [t.data_ptr() for t in params_bf16_out]
+    # Each scalar in double, then rounded to float by pybind11: as torch's kernels receive them.
+    hyper = ext.Hyper(
+        decay=1.0 - lr * weight_decay,
+        lerp_weight=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        eps=eps,
+        neg_step_size=-lr / (1.0 - beta1**step),
+        bc2_sqrt=(1.0 - beta2**step) ** 0.5,
+    )
     ext.adamw_step(
         *([t.data_ptr() for t in ts] for ts in lists),
         outs,
         [p.numel() for p in params],
         [g.dtype == torch.bfloat16 for g in grads],
-        1.0 - lr * weight_decay,
-        beta1,
-        beta2,
-        eps,
-        lr / (1.0 - beta1**step),
-        (1.0 - beta2**step) ** 0.5,
+        hyper,
         simd,
         torch.get_num_threads(),
     )

@@ -3,7 +3,8 @@
 ``COLFUNC_KERNELS`` is read at every call, so a script or a test can switch it at any time:
 
 - ``auto`` (the default): the Triton kernel for CUDA tensors it takes, when Triton is installed;
-  the reference for everything else (CPU tensors, a head dim the kernel lacks).
+  the reference for everything else (CPU tensors, a head dim the kernel lacks, tensor subclasses
+  such as a ShardedTensor, tensors under a ``torch.func`` transform).
 - ``triton``: the Triton kernel always; CPU tensors only under ``TRITON_INTERPRET=1``. Inputs the
   kernel does not take raise ValueError before anything is launched.
 - ``torch``: the reference always.
@@ -67,9 +68,11 @@ def _use_triton(op: str, check: Callable[[], None], tensors: Sequence[torch.Tens
     if choice == "auto":
         if not (tensors and all(t.is_cuda for t in tensors) and _triton_installed()):
             return False
+        # A case the kernel lacks (or a tensor subclass) goes to the reference, which covers it.
         try:
             check()
-        except ValueError:  # a case the kernel lacks: the reference covers it
+            checks.device(op, *tensors)
+        except ValueError:
             return False
         return True
     if not _triton_installed():

@@ -77,7 +77,7 @@ def layer_norm(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as LLaMA does)."""
-    x32 = x.float()
+    x32 = x if x.dtype == torch.float64 else x.float()  # widen half types, never narrow
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     y = y.to(x.dtype)
     return y if weight is None else weight * y
@@ -92,7 +92,8 @@ def cross_entropy(
             f"cross_entropy expects logits[N,V] and labels[N]; got {tuple(logits_NV.shape)} and "
             f"{tuple(labels_N.shape)}"
         )
-    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=ignore_index)
+    wide = logits_NV if logits_NV.dtype == torch.float64 else logits_NV.float()  # never narrow
+    return F.cross_entropy(wide, labels_N, ignore_index=ignore_index)
 
 
 def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,9 @@ def adamw_(
 ) -> None:
     """One AdamW update in place, operation for operation as ``torch.optim.AdamW`` does it.
 
-    ``step`` is the 1-based count of this update (for the bias corrections). The moments are fp32;
-    a bf16 or fp16 param is updated in fp32 and rounded back once.
+    ``step`` is the 1-based count of this update (for the bias corrections). The arithmetic runs
+    in the moments' dtype (fp32 for the kernels; fp64 moments keep fp64 params exact): a bf16 or
+    fp16 param is updated in fp32 and rounded back once.
     """
     lengths = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs)}
     if len(lengths) != 1:
@@ -142,11 +144,11 @@ def adamw_(
     step_size = lr / (1.0 - beta1**step)
     bc2_sqrt = (1.0 - beta2**step) ** 0.5
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        p32, g32 = p.float(), g.float()  # the tensors themselves when already fp32
-        p32.mul_(1.0 - lr * weight_decay)
-        m.lerp_(g32, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
+        p_wide, g_wide = p.to(m.dtype), g.to(m.dtype)  # the tensors themselves when equal
+        p_wide.mul_(1.0 - lr * weight_decay)
+        m.lerp_(g_wide, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g_wide, g_wide, value=1.0 - beta2)
         denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        p32.addcdiv_(m, denom, value=-step_size)
-        if p32 is not p:
-            p.copy_(p32)
+        p_wide.addcdiv_(m, denom, value=-step_size)
+        if p_wide is not p:
+            p.copy_(p_wide)

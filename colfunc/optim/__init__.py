@@ -2,7 +2,8 @@
 
 Each optimizer is a :class:`GradientTransformation`: ``init(params) -> state`` and a pure
 ``update(grads, state, params) -> (updates, state)``; ``apply_updates(params, updates)`` gives the
-new parameters. States are pytrees (fp32 tensors mirroring the parameters, Python int counters).
+new parameters. States are pytrees: tensors mirroring the parameters in fp32 (fp64 for fp64 parameters),
+and Python int counters.
 
 Example:
     >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(3e-4, 100, 10_000)))

@@ -1,6 +1,6 @@
 """Gradient accumulation over ``k`` calls (optax's ``MultiSteps``).
 
-The first ``k - 1`` calls add the gradients into an fp32 sum and return zero updates; the ``k``-th
+The first ``k - 1`` calls add the gradients into an fp32 (or fp64) sum and return zero updates; the ``k``-th
 applies the inner optimizer to the mean gradient and starts a new sum. With ``k`` equal
 micro-batches and a mean loss, this is one step on the whole batch (up to rounding).
 """
@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from colfunc import tree
-from colfunc.optim.base import GradientTransformation, fp32_leaves, fp32_zeros
+from colfunc.optim.base import GradientTransformation, state_zeros, wide_leaves
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -21,7 +21,7 @@ PyTree = Any
 
 class AccumulateState(NamedTuple):
     """``micro_step``: gradients summed since the last inner update (``0 <= micro_step < k``);
-    ``grad_sum``: their fp32 sum, mirroring the parameters; ``inner``: the inner optimizer's state.
+    ``grad_sum``: their sum, mirroring the parameters; ``inner``: the inner optimizer's state.
     """
 
     micro_step: int
@@ -45,14 +45,14 @@ def accumulate(opt: GradientTransformation, k: int) -> GradientTransformation:
         raise ValueError(f"accumulate: k must be >= 1, got {k}")
 
     def init(params: PyTree) -> AccumulateState:
-        return AccumulateState(0, fp32_zeros(params), opt.init(params))
+        return AccumulateState(0, state_zeros(params), opt.init(params))
 
     def update(
         grads: PyTree, state: AccumulateState, params: PyTree
     ) -> tuple[PyTree, AccumulateState]:
         treedef = tree.structure(params)
         total = torch._foreach_add(
-            fp32_leaves(treedef, state.grad_sum), fp32_leaves(treedef, grads)
+            wide_leaves(treedef, state.grad_sum), wide_leaves(treedef, grads)
         )
         if state.micro_step + 1 < k:
             zeros = tree.map(torch.zeros_like, params)
@@ -61,7 +61,7 @@ def accumulate(opt: GradientTransformation, k: int) -> GradientTransformation:
             )
         mean = tree.unflatten(treedef, torch._foreach_div(total, float(k)))
         updates, inner = opt.update(mean, state.inner, params)
-        return updates, AccumulateState(0, fp32_zeros(params), inner)
+        return updates, AccumulateState(0, state_zeros(params), inner)
 
     def current_lr(state: AccumulateState) -> float | None:
         return opt.lr(state.inner)

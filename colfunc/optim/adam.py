@@ -9,9 +9,9 @@ With ``t`` the update number from 1, ``g`` the gradient and ``p`` the parameter:
              - lr * weight_decay * p                     (AdamW: decoupled decay)
 
 Adam instead adds ``weight_decay * p`` to ``g`` first (L2 regularisation). The moments are fp32
-whatever the parameters' dtype. Each line is one ``torch._foreach_*`` pass over all tensors (the
-order of operations follows torch's ``foreach`` implementation, so results agree to rounding);
-new tensors come out and nothing passed in is written.
+whatever the parameters' dtype (fp64 for fp64 parameters). Each line is one ``torch._foreach_*``
+pass over all tensors (the order of operations follows torch's ``foreach`` implementation, so
+results agree to rounding); new tensors come out and nothing passed in is written.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from colfunc.optim.base import (
     Tensors,
     check_lr,
     check_number,
-    fp32_leaves,
-    fp32_zeros,
     learning_rate,
+    state_zeros,
+    wide_leaves,
 )
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -38,7 +38,7 @@ PyTree = Any
 
 
 class AdamState(NamedTuple):
-    """``step``: updates done; the moments mirror the parameters' tree, in fp32.
+    """``step``: updates done; the moments mirror the parameters' tree, in fp32 (or fp64).
 
     ``max_exp_avg_sq`` is the running maximum of ``exp_avg_sq`` with ``amsgrad``, else None.
     """
@@ -67,13 +67,13 @@ def _scale_by_adam(
     weight_decay = check_number(owner, "weight_decay", weight_decay, low=0.0)
 
     def init(params: PyTree) -> AdamState:
-        max_sq = fp32_zeros(params) if amsgrad else None
-        return AdamState(0, fp32_zeros(params), fp32_zeros(params), max_sq)
+        max_sq = state_zeros(params) if amsgrad else None
+        return AdamState(0, state_zeros(params), state_zeros(params), max_sq)
 
     def update(grads: PyTree, state: AdamState, params: PyTree) -> tuple[PyTree, AdamState]:
         treedef = tree.structure(params)
-        ps = fp32_leaves(treedef, params)
-        gs: Tensors = fp32_leaves(treedef, grads)
+        ps = wide_leaves(treedef, params)
+        gs: Tensors = wide_leaves(treedef, grads)
         lr_t = learning_rate(lr, state.step)
         t = state.step + 1
         if weight_decay and not decoupled:

@@ -60,23 +60,35 @@ def check_number(
     return float(value)
 
 
-def fp32_leaves(treedef: Any, t: PyTree) -> list[torch.Tensor]:
-    """The leaves of ``t`` (of structure ``treedef``) as fp32 tensors; fp32 ones are not copied."""
-    return [x.float() for x in treedef.flatten_up_to(t)]
+def state_dtype(x: torch.Tensor) -> torch.dtype:
+    """Optimizer arithmetic and state are fp32, or fp64 for fp64 values (never narrower)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def fp32_zeros(params: PyTree) -> PyTree:
-    """An fp32 zero tensor shaped like each leaf of ``params`` (optimizer state slots)."""
-    return tree.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+def wide_leaves(treedef: Any, t: PyTree) -> list[torch.Tensor]:
+    """The leaves of ``t`` (of structure ``treedef``) in :func:`state_dtype`, copied only if cast."""
+    return [x.to(state_dtype(x)) for x in treedef.flatten_up_to(t)]
+
+
+def state_zeros(params: PyTree) -> PyTree:
+    """A zero tensor in :func:`state_dtype` shaped like each leaf of ``params`` (state slots)."""
+    return tree.map(lambda p: torch.zeros_like(p, dtype=state_dtype(p)), params)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    """``params + updates`` leafwise, as new tensors (in the parameters' dtype)."""
-    flat, treedef = tree.flatten_with_paths(params)
-    ups = treedef.flatten_up_to(updates)
-    ps = [p for _, p in flat]
-    new = torch._foreach_add(ps, [u.to(p.dtype) for p, u in zip(ps, ups)])
-    return tree.unflatten(treedef, new)
+    """``params + updates`` leafwise, as new tensors (in the parameters' dtype).
+
+    Leaves that are not floating-point tensors (integer buffers, counters) are kept as they are:
+    no optimizer trains them.
+    """
+    treedef = tree.structure(params)
+    ps, ups = tree.leaves(params), treedef.flatten_up_to(updates)
+    floats = [i for i, p in enumerate(ps) if isinstance(p, torch.Tensor) and p.is_floating_point()]
+    new = torch._foreach_add([ps[i] for i in floats], [ups[i].to(ps[i].dtype) for i in floats])
+    out = list(ps)
+    for i, p in zip(floats, new):
+        out[i] = p
+    return tree.unflatten(treedef, out)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from colfunc import tree
+from colfunc import core, tree
 from colfunc.optim.base import GradientTransformation, check_number
 
 __all__ = ["clip_by_global_norm", "global_norm"]
@@ -20,14 +20,22 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     One norm per tensor, then the norm of those norms: the same reduction order as
     ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients.
     """
-    ts = tree.tensors(grads)
+    # integer "gradients" (zeros, of integer leaves) count as floats
+    ts = [t if t.is_floating_point() else t.float() for t in tree.tensors(grads)]
     if not ts:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
     norms = torch._foreach_norm(ts, 2.0, dtype=dtype)
     device = ts[0].device
+    frame = core.innermost(core.NormReduction)
+    if frame is not None:  # the leaves are local pieces of distributed tensors
+        return frame.reduce([n.to(device).square() for n in norms]).sqrt()
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -45,11 +53,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return ()
 
     def update(grads: PyTree, state: tuple[()], params: PyTree) -> tuple[PyTree, tuple[()]]:
-        flat, treedef = tree.flatten_with_paths(grads)
-        gs = [g for _, g in flat]
-        if not gs:
+        gs, treedef = tree.leaves(grads), tree.structure(grads)
+        floats = [i for i, g in enumerate(gs) if _is_float(g)]
+        if not floats:
             return grads, state
         coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
-        return tree.unflatten(treedef, torch._foreach_mul(gs, coef.to(gs[0].device))), state
+        scaled = torch._foreach_mul([gs[i] for i in floats], coef.to(gs[floats[0]].device))
+        out = list(gs)  # other leaves (integer "gradients" of integer leaves) pass unchanged
+        for i, g in zip(floats, scaled):
+            out[i] = g
+        return tree.unflatten(treedef, out), state
 
     return GradientTransformation(init, update)

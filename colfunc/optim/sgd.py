@@ -9,7 +9,7 @@ With ``g`` the gradient and ``p`` the parameter::
     update = -lr * d
 
 Without momentum there is no buffer and ``d = g``. The buffer is fp32 whatever the parameters'
-dtype; new tensors come out and nothing passed in is written.
+dtype (fp64 for fp64 parameters); new tensors come out and nothing passed in is written.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from colfunc.optim.base import (
     Tensors,
     check_lr,
     check_number,
-    fp32_leaves,
-    fp32_zeros,
     learning_rate,
+    state_zeros,
+    wide_leaves,
 )
 
 __all__ = ["SgdState", "sgd"]
@@ -67,13 +67,13 @@ def sgd(
         )
 
     def init(params: PyTree) -> SgdState:
-        return SgdState(0, fp32_zeros(params) if momentum else None)
+        return SgdState(0, state_zeros(params) if momentum else None)
 
     def update(grads: PyTree, state: SgdState, params: PyTree) -> tuple[PyTree, SgdState]:
         treedef = tree.structure(params)
-        gs: Tensors = fp32_leaves(treedef, grads)
+        gs: Tensors = wide_leaves(treedef, grads)
         if weight_decay:
-            gs = torch._foreach_add(gs, fp32_leaves(treedef, params), alpha=weight_decay)
+            gs = torch._foreach_add(gs, wide_leaves(treedef, params), alpha=weight_decay)
         buf: Tensors | None = None
         d: Tensors = gs
         if momentum:

@@ -44,9 +44,10 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 def _run(mesh: Mesh, call: Call, x: torch.Tensor) -> torch.Tensor:
     """Record ``call`` in the ledger, then run it on the mesh's world."""
-    n, index = len(call.group), call.group.index(mesh.rank)
+    n = len(call.group)
     led = mesh.ledger
     if led.enabled:
+        index = call.group.index(mesh.rank)
         nbytes = x.numel() * x.element_size()
         if call.op == "all_gather":
             nbytes *= n
@@ -99,7 +100,21 @@ def _group_call(mesh: Mesh, op: str, axes: tuple[str, ...], **kw: Any) -> Call:
 # --- autograd functions (forward/setup_context split, so torch.func transforms work) ---------
 
 
-class _AllReduce(torch.autograd.Function):
+class _Collective(torch.autograd.Function):
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        # The per-call cost matters next to a ~1 ms collective. Function.apply binds default
+        # arguments through inspect.signature on every call (tens of microseconds); every
+        # argument is passed here, so outside torch.func transforms go to the C entry point that
+        # Function.apply ends in, and with nothing to differentiate skip the autograd node.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        if args[0].requires_grad and torch.is_grad_enabled():
+            return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]
+        return cls.forward(*args)
+
+
+class _AllReduce(_Collective):
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], op: str) -> torch.Tensor:
         call = _group_call(mesh, "all_reduce", axes, reduce="sum" if op == "avg" else op)
@@ -122,7 +137,7 @@ class _AllReduce(torch.autograd.Function):
         return all_reduce(g, ctx.axes, "sum", ctx.mesh) * hit / count, None, None, None
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(_Collective):
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dim: int) -> torch.Tensor:
         return _run(mesh, _group_call(mesh, "all_gather", axes, dim=dim), x)
@@ -136,7 +151,7 @@ class _AllGather(torch.autograd.Function):
         return reduce_scatter(g, ctx.axes, ctx.dim, "sum", ctx.mesh), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(_Collective):
     @staticmethod
     def forward(
         x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dim: int, op: str
@@ -157,7 +172,7 @@ class _ReduceScatter(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(_Collective):
     @staticmethod
     def forward(
         x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], split_dim: int, concat_dim: int
@@ -175,7 +190,7 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-class _PPermute(torch.autograd.Function):
+class _PPermute(_Collective):
     @staticmethod
     def forward(
         x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
@@ -192,7 +207,7 @@ class _PPermute(torch.autograd.Function):
         return ppermute(g, ctx.axes, inverse, ctx.mesh), None, None, None
 
 
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(_Collective):
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], src: int) -> torch.Tensor:
         return _run(mesh, _group_call(mesh, "broadcast", axes, root=src), x)
@@ -206,7 +221,7 @@ class _Broadcast(torch.autograd.Function):
         return _Reduce.apply(g, ctx.mesh, ctx.axes, ctx.src), None, None, None
 
 
-class _Reduce(torch.autograd.Function):
+class _Reduce(_Collective):
     """Sum into group index ``dst``, zeros elsewhere: broadcast's transpose (not public)."""
 
     @staticmethod

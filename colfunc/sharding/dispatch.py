@@ -53,6 +53,12 @@ class _Diagnostics:
 _DIAG = _Diagnostics()
 
 
+# Meta outputs by (op, argument shapes and values); read only for shapes and strides, so sharing
+# them between calls and threads is safe.
+_META_CACHE: dict[Any, Any] = {}
+_META_CACHE_SIZE = 4096
+
+
 @contextmanager
 def strict() -> Iterator[None]:
     """Inside the block, an op without a propagation rule raises instead of falling back."""
@@ -103,7 +109,9 @@ def _mesh_of(flat: list[Any]) -> Mesh:
             if mesh is None:
                 mesh = x._mesh
             elif x._mesh != mesh:
-                raise ValueError(f"an op mixes ShardedTensors on different meshes: {mesh} and {x._mesh}")
+                raise ValueError(
+                    f"an op mixes ShardedTensors on different meshes: {mesh} and {x._mesh}"
+                )
     assert mesh is not None
     return mesh
 
@@ -116,13 +124,45 @@ def _spec(x: torch.Tensor, mesh: Mesh) -> Spec:
 def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device):  # e.g. _to_copy(device=...): stay on meta
+        return torch.device("meta")
     return x
+
+
+def _global_meta(func: Any, args: Any, kwargs: Any, flat: list[Any], tree: Any) -> Any:
+    """The op's outputs as meta tensors of the global shapes, memoised: running meta kernels
+    (often Python decompositions) costs more than the rest of a dispatch."""
+    key: Any = (
+        func,
+        tree,
+        *(
+            (tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
+            for x in flat
+        ),
+    )
+    try:
+        return _META_CACHE[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument: no memo
+        key = None
+    out = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
+    if key is not None:
+        if len(_META_CACHE) >= _META_CACHE_SIZE:
+            _META_CACHE.clear()
+        _META_CACHE[key] = out
+    return out
 
 
 def _is_inplace(func: Any) -> bool:
     name = func.overloadpacket.__name__
     args = func._schema.arguments
-    return name.endswith("_") and bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return (
+        name.endswith("_")
+        and bool(args)
+        and args[0].alias_info is not None
+        and args[0].alias_info.is_write
+    )
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -138,7 +178,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if rule is None:
         plan = _fallback(func, [specs[i] for i in tensors])
     else:
-        spec_args, spec_kwargs = pytree.tree_unflatten([specs.get(i, x) for i, x in enumerate(flat)], tree)
+        spec_args, spec_kwargs = pytree.tree_unflatten(
+            [specs.get(i, x) for i, x in enumerate(flat)], tree
+        )
         got = rule(*spec_args, **spec_kwargs)
         plan = got if isinstance(got, Plan) else Plan(outputs=got)
 
@@ -157,12 +199,39 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         lflat, ltree = pytree.tree_flatten((call_args, call_kwargs))
         lflat = [local_of.get(id(x), x) if isinstance(x, Spec) else x for x in lflat]
     else:
-        lflat, ltree = [local_of[id(specs[i])] if i in specs else x for i, x in enumerate(flat)], tree
+        lflat, ltree = (
+            [local_of[id(specs[i])] if i in specs else x for i, x in enumerate(flat)],
+            tree,
+        )
     largs, lkwargs = pytree.tree_unflatten(lflat, ltree)
-    out = (plan.compute or func)(*largs, **lkwargs)
+    out = (plan.compute or _empty_safe(func))(*largs, **lkwargs)
 
-    meta_out = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
-    return _wrap(out, meta_out, plan.outputs, mesh)
+    return _wrap(out, _global_meta(func, args, kwargs, flat, tree), plan.outputs, mesh)
+
+
+def _empty_safe(func: Any) -> Any:
+    """``func``, but on an empty shard whose outputs are all empty, the empty outputs without
+    running the kernel (some kernels, e.g. CPU flash attention, fault on empty inputs)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(x, torch.Tensor) and x.numel() == 0 for x in leaves):
+            return func(*args, **kwargs)
+        device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+        meta = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
+        outs = pytree.tree_leaves(meta)
+        if any(isinstance(m, torch.Tensor) and m.numel() > 0 for m in outs):
+            return func(*args, **kwargs)
+        return pytree.tree_map(
+            lambda m: (
+                torch.empty(m.shape, dtype=m.dtype, device=device)
+                if isinstance(m, torch.Tensor)
+                else m
+            ),
+            meta,
+        )
+
+    return run
 
 
 def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh) -> Any:
@@ -174,7 +243,9 @@ def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh) -> Any:
         return ShardedTensor(x, mesh, tuple(pl), tuple(m.shape), tuple(m.stride()))
 
     if isinstance(out, tuple | list):
-        wrapped = [one(x, m, outputs if single else outputs[i]) for i, (x, m) in enumerate(zip(out, meta))]
+        wrapped = [
+            one(x, m, outputs if single else outputs[i]) for i, (x, m) in enumerate(zip(out, meta))
+        ]
         return type(out)(wrapped)
     return one(out, meta, outputs if single else outputs[0])
 
@@ -198,7 +269,9 @@ def _functional(func: Any) -> Any:
     packet = getattr(torch.ops.aten, name, None)
     overload = getattr(packet, func._overloadname, None) if packet is not None else None
     if overload is None:
-        raise NotImplementedError(f"in-place {func} on a ShardedTensor: no out-of-place aten.{name}")
+        raise NotImplementedError(
+            f"in-place {func} on a ShardedTensor: no out-of-place aten.{name}"
+        )
     return overload
 
 
@@ -210,6 +283,8 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "ShardedTensor (distribute it) first"
         )
     out = dispatch(_functional(func), args, kwargs)
-    local = redistribute_local(out._local, tuple(out.shape), self._mesh, out._placements, self._placements)
+    local = redistribute_local(
+        out._local, tuple(out.shape), self._mesh, out._placements, self._placements
+    )
     self._local.copy_(local)
     return self

@@ -62,7 +62,7 @@ class Mesh:
     _rank: int
     _size: int
     _coords: tuple[int, ...]
-    _cache: dict[tuple[str, ...], tuple[int, ...]]
+    _cache: dict[Axes, tuple[tuple[str, ...], tuple[int, ...]]]
     world: Any
     ledger: Ledger
 
@@ -130,23 +130,32 @@ class Mesh:
         """The world's backend name (``"threads"``, ``"gloo"``, ...), or ``"none"``."""
         return self.world.name if self.world is not None else "none"
 
+    def _lookup(self, axes: Axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        # cached per argument as given: collectives look their group up on every call
+        try:
+            hit = self._cache.get(axes)
+        except TypeError:  # unhashable: validation below says what is wrong
+            hit = None
+        if hit is None:
+            names = (axes,) if isinstance(axes, str) else axes
+            if not isinstance(names, tuple) or not all(isinstance(a, str) for a in names):
+                raise TypeError(f"axis must be an axis name or a tuple of axis names; got {axes!r}")
+            known = self.axis_names
+            for a in names:
+                if a not in known:
+                    raise ValueError(f"unknown mesh axis {a!r}; this mesh has axes {known}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"axis tuple {names!r} names an axis twice")
+            hit = self._cache[axes] = (names, self._group_of(self._coords, names))
+        return hit
+
     def axes(self, axes: Axes) -> tuple[str, ...]:
         """``axes`` as a validated tuple of axis names (a name gives a 1-tuple)."""
-        names = (axes,) if isinstance(axes, str) else axes
-        if not isinstance(names, tuple) or not all(isinstance(a, str) for a in names):
-            raise TypeError(f"axis must be an axis name or a tuple of axis names; got {axes!r}")
-        known = self.axis_names
-        for a in names:
-            if a not in known:
-                raise ValueError(f"unknown mesh axis {a!r}; this mesh has axes {known}")
-        if len(set(names)) != len(names):
-            raise ValueError(f"axis tuple {names!r} names an axis twice")
-        return names
+        return self._lookup(axes)[0]
 
     def axis_size(self, axes: Axes) -> int:
         """The size of an axis, or the product of the sizes of a tuple of axes."""
-        shape = dict(self._items)
-        return math.prod(shape[a] for a in self.axes(axes))
+        return len(self._lookup(axes)[1])
 
     def group_ranks(self, axes: Axes) -> tuple[int, ...]:
         """The global ranks of this rank's group over ``axes``, ordered by group coordinate.
@@ -154,11 +163,7 @@ class Mesh:
         The group coordinate is row-major over ``axes`` in the order given; the other axes are
         held at this rank's coordinates.
         """
-        names = self.axes(axes)
-        got = self._cache.get(names)
-        if got is None:
-            got = self._cache[names] = self._group_of(self._coords, names)
-        return got
+        return self._lookup(axes)[1]
 
     def axis_index(self, axes: Axes) -> int:
         """This rank's index within its group over ``axes``."""

@@ -6,7 +6,7 @@ A sharded tensor has one placement per mesh axis:
   ``ceil(n / k)`` elements, the last non-empty one possibly shorter and any after it empty.
 - ``Replicate()``: every rank of the axis holds the same values.
 - ``Partial(op)``: every rank holds a piece; the value is the ``op`` ("sum", "avg", "max") of the
-  pieces over the axis.
+  pieces over the axis. Partial axes of one tensor must commute (sum with avg, max with max).
 
 When several axes shard one dim, the earlier mesh axis splits first (major) and each later axis
 splits the chunk it is given, so ``P(("dp", "tp"))`` on a ``{"dp": 2, "tp": 2}`` mesh gives rank
@@ -126,6 +126,12 @@ def normalize_placements(mesh: Mesh, placements: Any, ndim: int) -> Placements:
                 )
             p = Shard(p.dim % ndim)
         out.append(p)
+    ops = {p.op for p in out if isinstance(p, Partial)}
+    if "max" in ops and len(ops) > 1:
+        raise ValueError(
+            f"placements {tuple(out)} mix Partial('max') with {sorted(ops - {'max'})}: reducing the "
+            "axes in different orders would give different values; reduce one of them first"
+        )
     return tuple(out)
 
 

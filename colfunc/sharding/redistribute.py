@@ -74,7 +74,9 @@ def _parent_size(shape: Sequence[int], mesh: Mesh, cur: list[Placement], a: int,
     return local_shape(shape, mesh, tuple(outer))[dim]
 
 
-def _gather(x: torch.Tensor, shape: Sequence[int], mesh: Mesh, cur: list[Placement], a: int) -> torch.Tensor:
+def _gather(
+    x: torch.Tensor, shape: Sequence[int], mesh: Mesh, cur: list[Placement], a: int
+) -> torch.Tensor:
     dim = _shard_dim(cur[a])
     assert dim is not None
     axis = mesh.axis_names[a]
@@ -136,14 +138,18 @@ def redistribute_local(
     cur = list(src)
 
     def splits_elsewhere(a: int, dim: int) -> bool:
-        return any(b != a and dim in (_shard_dim(cur[b]), _shard_dim(dst[b])) for b in range(len(names)))
+        return any(
+            b != a and dim in (_shard_dim(cur[b]), _shard_dim(dst[b])) for b in range(len(names))
+        )
 
     for a in reversed(range(len(names))):  # phase 1: undo shards, innermost axis first
         p, q = cur[a], dst[a]
         if not changing[a] or not isinstance(p, Shard):
             continue
-        if isinstance(q, Shard) and q != p and not (
-            splits_elsewhere(a, p.dim) or splits_elsewhere(a, q.dim)
+        if (
+            isinstance(q, Shard)
+            and q != p
+            and not (splits_elsewhere(a, p.dim) or splits_elsewhere(a, q.dim))
         ):
             x, cur[a] = _all_to_all(x, shape, mesh, cur, a, q.dim), q
         else:

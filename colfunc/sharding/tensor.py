@@ -59,7 +59,7 @@ class ShardedTensor(torch.Tensor):
     _mesh: Mesh
     _placements: Placements
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
@@ -72,7 +72,7 @@ class ShardedTensor(torch.Tensor):
         requires_grad: bool = False,
     ) -> ShardedTensor:
         shape = tuple(shape)
-        r = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        r = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
             strides=_contiguous_strides(shape) if stride is None else stride,
@@ -109,13 +109,20 @@ class ShardedTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], meta: tuple[Mesh, Placements], outer_size: Any, outer_stride: Any
+        inner: dict[str, torch.Tensor],
+        meta: tuple[Mesh, Placements],
+        outer_size: Any,
+        outer_stride: Any,
     ) -> ShardedTensor:
         mesh, placements = meta
-        return ShardedTensor(inner["_local"], mesh, placements, tuple(outer_size), tuple(outer_stride))
+        return ShardedTensor(
+            inner["_local"], mesh, placements, tuple(outer_size), tuple(outer_stride)
+        )
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         from colfunc.sharding.dispatch import dispatch
 
         return dispatch(func, args, kwargs or {})
@@ -142,7 +149,7 @@ class ShardedTensor(torch.Tensor):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(x: ShardedTensor, placements: Placements) -> ShardedTensor:  # type: ignore[override]
+    def forward(x: ShardedTensor, placements: Placements) -> ShardedTensor:
         local = redistribute_local(x._local, x.shape, x._mesh, x._placements, placements)
         return ShardedTensor(local, x._mesh, placements, tuple(x.shape))
 
@@ -151,13 +158,13 @@ class _Redistribute(torch.autograd.Function):
         ctx.src = inputs[0]._placements
 
     @staticmethod
-    def backward(ctx: Any, g: ShardedTensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: ShardedTensor) -> tuple[Any, ...]:
         return g.redistribute(grad_placements(ctx.src)), None
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(x: ShardedTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: ShardedTensor) -> torch.Tensor:
         # a fresh tensor object: autograd writes its metadata on what forward returns
         return x._local.view_as(x._local)
 
@@ -167,13 +174,13 @@ class _ToLocal(torch.autograd.Function):
         ctx.mesh, ctx.placements, ctx.shape = x._mesh, x._placements, tuple(x.shape)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return _FromLocal.apply(g, ctx.mesh, grad_placements(ctx.placements), ctx.shape)
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         local: torch.Tensor, mesh: Mesh, placements: Placements, shape: tuple[int, ...]
     ) -> ShardedTensor:
         return ShardedTensor(local.detach(), mesh, placements, shape)
@@ -183,7 +190,7 @@ class _FromLocal(torch.autograd.Function):
         ctx.placements = inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, g: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Any) -> tuple[Any, ...]:
         if isinstance(g, ShardedTensor):
             g = g.redistribute(grad_placements(ctx.placements)).to_local()
         return g, None, None, None
@@ -203,7 +210,9 @@ def distribute(t: torch.Tensor, mesh: Mesh | None = None, placements: Any = None
         raise TypeError(f"distribute: t must be a plain torch.Tensor, got {type(t).__name__}")
     mesh = current_mesh() if mesh is None else mesh
     n = len(mesh.axis_names)
-    pl = normalize_placements(mesh, [Replicate()] * n if placements is None else placements, t.dim())
+    pl = normalize_placements(
+        mesh, [Replicate()] * n if placements is None else placements, t.dim()
+    )
     full = t.detach()
     local = redistribute_local(full, tuple(t.shape), mesh, (Replicate(),) * n, pl)
     if local is full:
@@ -224,10 +233,14 @@ def from_local(
     on every rank. With ``shape`` each rank checks only its own shard, without communication.
     """
     if not isinstance(local, torch.Tensor) or isinstance(local, ShardedTensor):
-        raise TypeError(f"from_local: local must be a plain torch.Tensor, got {type(local).__name__}")
+        raise TypeError(
+            f"from_local: local must be a plain torch.Tensor, got {type(local).__name__}"
+        )
     mesh = current_mesh() if mesh is None else mesh
     n = len(mesh.axis_names)
-    pl = normalize_placements(mesh, [Replicate()] * n if placements is None else placements, local.dim())
+    pl = normalize_placements(
+        mesh, [Replicate()] * n if placements is None else placements, local.dim()
+    )
     if shape is None:
         shape = _global_shape(local, mesh, pl)
     else:
@@ -263,7 +276,8 @@ def _global_shape(local: torch.Tensor, mesh: Mesh, pl: Placements) -> tuple[int,
         raise ValueError(
             f"from_local: the local shapes do not fit placements {pl} on mesh {mesh.shape}: "
             + "; ".join(
-                f"rank {r} has {shapes[r]}, expected {local_shape(shape, meshes[r], pl)}" for r in bad
+                f"rank {r} has {shapes[r]}, expected {local_shape(shape, meshes[r], pl)}"
+                for r in bad
             )
             + f" (global shape {tuple(shape)} from rank 0's group; all local shapes: "
             + f"{dict(enumerate(shapes))})"

@@ -72,44 +72,51 @@ class TorchWorld:
     def ledger(self, rank: int) -> Ledger:
         return self._ledger
 
+    def process_group(self, ranks: tuple[int, ...]) -> Any:
+        """The process group of an ordered group of ranks (``mesh.group_ranks(axes)``), for raw
+        torch.distributed calls beside ours."""
+        return self._groups[tuple(ranks)]
+
     def collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
-        pg = self._groups[call.group]
-        n, i = len(call.group), call.group.index(rank)
-        op = call.op
-        if op in ("all_reduce", "reduce", "broadcast"):
+        # dim 0 is the common case and the layout the single-tensor ops work in: no reshuffle
+        pg, op, n = self._groups[call.group], call.op, len(call.group)
+        if op == "all_reduce":
             out = x.clone(memory_format=torch.contiguous_format)
-            if op == "all_reduce":
-                dist.all_reduce(out, op=_RED[call.reduce], group=pg)
-            elif op == "broadcast":
-                dist.broadcast(out, src=call.group[call.root], group=pg)
-            else:
-                dist.reduce(out, dst=call.group[call.root], op=dist.ReduceOp.SUM, group=pg)
-                if i != call.root:  # only the destination's buffer holds the sum
-                    out.zero_()
+            dist.all_reduce(out, op=_RED[call.reduce], group=pg)
             return out
         if op == "all_gather":
+            out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo concatenates along dim 0 only
+            _all_gather_single(out, x.contiguous(), group=pg)
             d = call.dim
-            buf = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo takes only the dim-0 concat
-            _all_gather_single(buf, x.contiguous(), group=pg)
-            return buf.view(n, *x.shape).movedim(0, d).flatten(d, d + 1) if d else buf
+            return out.view(n, *x.shape).movedim(0, d).flatten(d, d + 1) if d else out
         if op in ("reduce_scatter", "all_to_all"):
             d = call.dim if op == "reduce_scatter" else call.split_dim
             c = x.shape[d] // n
-            # chunks along d moved to a leading axis: the layout the single-tensor ops split
-            xs = x.unflatten(d, (n, c)).movedim(d, 0).contiguous() if d else x.contiguous()
+            # with d moved to the front, chunk j along d is rows [j*c, (j+1)*c): what the ops split
+            xs = x.movedim(d, 0).contiguous() if d else x.contiguous()
             if op == "reduce_scatter":
-                out = x.new_empty((*x.shape[:d], c, *x.shape[d + 1 :]))
-                # gloo takes the chunks only as one concatenation along dim 0
-                _reduce_scatter_single(out, xs.flatten(0, 1) if d else xs, group=pg)
-                return out
+                out = x.new_empty((c, *xs.shape[1:]))
+                _reduce_scatter_single(out, xs, group=pg)
+                return out.movedim(0, d).contiguous() if d else out
             got = torch.empty_like(xs)
             dist.all_to_all_single(got, xs, group=pg)
             cd = call.concat_dim
-            got = got if d else got.unflatten(0, (n, c))
+            if d == 0 and cd == 0:
+                return got
+            got = got.unflatten(0, (n, c)).movedim(1, d + 1)  # [n, *chunk shape]
             return got.movedim(0, cd).flatten(cd, cd + 1)
         if op == "ppermute":
-            return self._ppermute(call, x, i, pg)
-        raise ValueError(f"unknown collective {op!r}")
+            return self._ppermute(call, x, call.group.index(rank), pg)
+        out = x.clone(memory_format=torch.contiguous_format)
+        if op == "broadcast":
+            dist.broadcast(out, src=call.group[call.root], group=pg)
+        elif op == "reduce":
+            dist.reduce(out, dst=call.group[call.root], op=dist.ReduceOp.SUM, group=pg)
+            if call.group.index(rank) != call.root:  # only the destination's buffer holds the sum
+                out.zero_()
+        else:
+            raise ValueError(f"unknown collective {op!r}")
+        return out
 
     def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
         out = None

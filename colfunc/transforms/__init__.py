@@ -2,5 +2,7 @@
 
 from colfunc.transforms.amp import amp
 from colfunc.transforms.remat import remat
+from colfunc.transforms.shard import shard
+from colfunc.transforms.zero import zero
 
-__all__ = ["amp", "remat"]
+__all__ = ["amp", "remat", "shard", "zero"]

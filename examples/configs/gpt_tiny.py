@@ -23,7 +23,7 @@ optim = OptimConfig(
 data = DataConfig(corpus="stdlib", val_fraction=0.05, batch_size=16, seq_len=128, seed=0)
 
 train = TrainConfig(
-    steps=1000,
+    steps=300,
     log_every=10,
     eval_every=100,
     eval_batches=8,

@@ -7,7 +7,8 @@
 // everywhere) or a portable scalar loop. The arithmetic follows torch.optim.AdamW.
 //
 // The Python side (colfunc.ops.cpu_adam) validates every tensor and passes raw addresses: this
-// file needs only pybind11, which keeps its compile to seconds.
+// file needs only pybind11, which keeps its compile to seconds. Built with -ffp-contract=off: a
+// multiply and add that the compiler fused would round differently from torch.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -29,11 +30,15 @@ namespace {
 
 constexpr int64_t kChunk = 1 << 14;  // elements per work item: 64 KB of fp32, a multiple of 8
 
+// Scalars as torch.optim.AdamW rounds them: computed in double on the host, then cast to float.
 struct Hyper {
-  float decay;      // 1 - lr * weight_decay
-  float beta1, beta2, eps;
-  float step_size;  // lr / (1 - beta1^step)
-  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float decay;          // 1 - lr * weight_decay
+  float lerp_weight;    // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
 };
 
 struct Tensors {
@@ -61,17 +66,21 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Operation for operation as torch's CPU kernels: mul_ (decay); lerp_ as one fused multiply-add
+// from the nearer end; mul_ then addcmul_ (fused); sqrt, div, add_; addcdiv_ as p + (c * m) / d.
+// Matching the roundings keeps the result within an ulp or two of torch at any learning rate.
 void update_scalar(const Tensors& t, const Hyper& h, int64_t begin, int64_t end) {
+  const bool near_start = h.lerp_weight < 0.5f;
+  const float coeff = near_start ? h.lerp_weight : h.lerp_weight - 1.0f;
   const float* g32 = static_cast<const float*>(t.grad);
   const uint16_t* g16 = static_cast<const uint16_t*>(t.grad);
   for (int64_t i = begin; i < end; ++i) {
     const float g = t.grad_bf16 ? bf16_to_float(g16[i]) : g32[i];
-    float p = t.param[i] * h.decay;
-    float m = t.exp_avg[i];
-    m = m + (1.0f - h.beta1) * (g - m);
-    const float v = t.exp_avg_sq[i] * h.beta2 + (1.0f - h.beta2) * g * g;
+    const float m_old = t.exp_avg[i];
+    const float m = std::fma(coeff, g - m_old, near_start ? m_old : g);
+    const float v = std::fma(h.one_minus_beta2 * g, g, t.exp_avg_sq[i] * h.beta2);
     const float denom = std::sqrt(v) / h.bc2_sqrt + h.eps;
-    p = p - h.step_size * (m / denom);
+    const float p = t.param[i] * h.decay + (h.neg_step_size * m) / denom;
     t.param[i] = p;
     t.exp_avg[i] = m;
     t.exp_avg_sq[i] = v;
@@ -97,29 +106,30 @@ __attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* dst, __m2
 
 __attribute__((target("avx2,fma"))) void update_avx2(const Tensors& t, const Hyper& h,
                                                       int64_t begin, int64_t end) {
+  const bool near_start = h.lerp_weight < 0.5f;
+  const __m256 coeff = _mm256_set1_ps(near_start ? h.lerp_weight : h.lerp_weight - 1.0f);
   const __m256 decay = _mm256_set1_ps(h.decay);
-  const __m256 one_minus_beta1 = _mm256_set1_ps(1.0f - h.beta1);
   const __m256 beta2 = _mm256_set1_ps(h.beta2);
-  const __m256 one_minus_beta2 = _mm256_set1_ps(1.0f - h.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
   const __m256 eps = _mm256_set1_ps(h.eps);
-  const __m256 step_size = _mm256_set1_ps(h.step_size);
+  const __m256 neg_step_size = _mm256_set1_ps(h.neg_step_size);
   const __m256 bc2_sqrt = _mm256_set1_ps(h.bc2_sqrt);
   const float* g32 = static_cast<const float*>(t.grad);
   const uint16_t* g16 = static_cast<const uint16_t*>(t.grad);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const __m256 g = t.grad_bf16 ? load_bf16x8(g16 + i) : _mm256_loadu_ps(g32 + i);
-    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(t.param + i), decay);
-    __m256 m = _mm256_loadu_ps(t.exp_avg + i);
-    m = _mm256_fmadd_ps(one_minus_beta1, _mm256_sub_ps(g, m), m);
-    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g,
-                                     _mm256_mul_ps(_mm256_loadu_ps(t.exp_avg_sq + i), beta2));
+    const __m256 m_old = _mm256_loadu_ps(t.exp_avg + i);
+    const __m256 m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m_old), near_start ? m_old : g);
+    const __m256 v_old = _mm256_mul_ps(_mm256_loadu_ps(t.exp_avg_sq + i), beta2);
+    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, v_old);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-    const __m256 p_new = _mm256_fnmadd_ps(step_size, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(t.param + i, p_new);
+    const __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t.param + i), decay),
+                                   _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
+    _mm256_storeu_ps(t.param + i, p);
     _mm256_storeu_ps(t.exp_avg + i, m);
     _mm256_storeu_ps(t.exp_avg_sq + i, v);
-    if (t.param_bf16) store_bf16x8(t.param_bf16 + i, p_new);
+    if (t.param_bf16) store_bf16x8(t.param_bf16 + i, p);
   }
   update_scalar(t, h, i, end);
 }
@@ -135,9 +145,8 @@ bool cpu_has_avx2() { return false; }
 void adamw_step(const std::vector<uint64_t>& params, const std::vector<uint64_t>& grads,
                 const std::vector<uint64_t>& exp_avgs, const std::vector<uint64_t>& exp_avg_sqs,
                 const std::vector<uint64_t>& params_bf16, const std::vector<int64_t>& numels,
-                const std::vector<bool>& grads_bf16, float decay, float beta1, float beta2,
-                float eps, float step_size, float bc2_sqrt, bool simd, int num_threads) {
-  const Hyper h{decay, beta1, beta2, eps, step_size, bc2_sqrt};
+                const std::vector<bool>& grads_bf16, const Hyper& h, bool simd,
+                int num_threads) {
   std::vector<Tensors> tensors;
   struct Item {
     int64_t tensor, begin, end;
@@ -172,6 +181,11 @@ void adamw_step(const std::vector<uint64_t>& params, const std::vector<uint64_t>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "AdamW over fp32 states in host memory, AVX2/FMA or scalar, on OpenMP threads";
+  pybind11::class_<Hyper>(m, "Hyper")
+      .def(pybind11::init<float, float, float, float, float, float, float>(),
+           pybind11::arg("decay"), pybind11::arg("lerp_weight"), pybind11::arg("beta2"),
+           pybind11::arg("one_minus_beta2"), pybind11::arg("eps"), pybind11::arg("neg_step_size"),
+           pybind11::arg("bc2_sqrt"));
   m.def("adamw_step", &adamw_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("cpu_has_avx2", &cpu_has_avx2, "Whether this CPU runs the AVX2/FMA loop");
 }

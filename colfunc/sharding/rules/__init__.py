@@ -7,9 +7,7 @@ one, write a function in the family's file (or a new file imported below)::
     def my_op(x: Spec, dim: int) -> Plan: ...
 """
 
-from colfunc.sharding.rules.registry import RULES, Option, Plan, Spec, lookup, pick, rule
-
-from colfunc.sharding.rules import (  # noqa: E402, F401  (importing registers the rules)
+from colfunc.sharding.rules import (  # noqa: F401  (importing registers the rules)
     attention,
     elementwise,
     embedding,
@@ -22,5 +20,6 @@ from colfunc.sharding.rules import (  # noqa: E402, F401  (importing registers t
     softmax,
     views,
 )
+from colfunc.sharding.rules.registry import RULES, Option, Plan, Spec, lookup, pick, rule
 
 __all__ = ["RULES", "Option", "Plan", "Spec", "lookup", "pick", "rule"]

@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from colfunc.sharding.placement import Placement, Shard, dim_chunks
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 

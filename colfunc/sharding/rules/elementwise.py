@@ -9,6 +9,7 @@ position among the tensor arguments) that may be Partial together, the others re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 __all__ = ["options", "pointwise"]
 
@@ -25,7 +26,9 @@ LINEAR = ("sum", "avg")  # a linear map commutes with sums and averages of piece
 IDENTITY = ("sum", "avg", "max")  # a copy (or a cast) commutes with max too
 
 
-def options(specs: Sequence[Spec], partial: Sequence[tuple[int, ...]] = (), ops: Sequence[str] = LINEAR) -> list[Option]:
+def options(
+    specs: Sequence[Spec], partial: Sequence[tuple[int, ...]] = (), ops: Sequence[str] = LINEAR
+) -> list[Option]:
     """The per-axis options of an elementwise op over ``specs`` (see the module docstring)."""
     out_shape = torch.broadcast_shapes(*(s.shape for s in specs))
     n = len(out_shape)
@@ -38,22 +41,37 @@ def options(specs: Sequence[Spec], partial: Sequence[tuple[int, ...]] = (), ops:
         opts.append((Shard(d), ins))
     for group in partial:
         for op in ops:
-            opts.append((Partial(op), [Partial(op) if i in group else R for i in range(len(specs))]))
+            opts.append(
+                (Partial(op), [Partial(op) if i in group else R for i in range(len(specs))])
+            )
     return opts
 
 
-def pointwise(*funcs: Any, partial: Sequence[tuple[int, ...]] = (), ops: Sequence[str] = LINEAR) -> None:
+def pointwise(
+    *funcs: Any, partial: Sequence[tuple[int, ...]] = (), ops: Sequence[str] = LINEAR
+) -> None:
     """Register the elementwise rule for ``funcs``."""
+    # a copy passes a Partial on at no cost: the reduction it owes is the same before and after
+    partial_cost = 0.0 if ops is IDENTITY else 2.0
 
     def elementwise(*args: Any, **kwargs: Any) -> Plan:
         specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
-        return pick(specs, options(specs, partial, ops))
+        numel = math.prod(torch.broadcast_shapes(*(s.shape for s in specs)))
+        return pick(specs, options(specs, partial, ops), out_numel=numel, partial_cost=partial_cost)
 
     rule(*funcs)(elementwise)
 
 
 # copies and casts: any placement passes through
-pointwise(aten.alias, aten.detach, aten.clone, aten._to_copy, aten.lift_fresh, partial=[(0,)], ops=IDENTITY)
+pointwise(
+    aten.alias,
+    aten.detach,
+    aten.clone,
+    aten._to_copy,
+    aten.lift_fresh,
+    partial=[(0,)],
+    ops=IDENTITY,
+)
 pointwise(aten.zero, partial=[(0,)], ops=IDENTITY)  # zeros are the sum, mean and max of zeros
 # linear in every argument together
 pointwise(aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor, partial=[(0, 1)])
@@ -89,6 +107,7 @@ pointwise(
     aten.cos,
     aten.abs,
     aten.sign,
+    aten.sgn,
     aten.erf,
     aten.relu,
     aten.gelu,

@@ -13,14 +13,16 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placements, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 __all__ = ["masked_lookup"]
 
 aten = torch.ops.aten
 
 
-def masked_lookup(table: torch.Tensor, ids: torch.Tensor, dim: int, offset: int, lookup: Any) -> torch.Tensor:
+def masked_lookup(
+    table: torch.Tensor, ids: torch.Tensor, dim: int, offset: int, lookup: Any
+) -> torch.Tensor:
     """``lookup(table, local_ids)`` for the rows ``[offset, offset + len)`` of ``dim`` that this
     rank holds, zeros at ids outside them (``lookup`` takes dim ``dim`` of the table by id)."""
     size = table.shape[dim]
@@ -38,7 +40,13 @@ def _vocab_axes(table: Placements) -> bool:
 
 
 @rule(aten.embedding)
-def embedding(weight: Spec, indices: Spec, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False) -> Plan:
+def embedding(
+    weight: Spec,
+    indices: Spec,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Plan:
     opts: list[Option] = [
         (R, (R, R)),
         (Shard(indices.ndim), (Shard(1), R)),
@@ -46,7 +54,7 @@ def embedding(weight: Spec, indices: Spec, padding_idx: int = -1, scale_grad_by_
         (Partial("sum"), (Shard(0), R)),
         *[(Partial(op), (Partial(op), R)) for op in ("sum", "avg")],
     ]
-    plan = pick([weight, indices], opts)
+    plan = pick([weight, indices], opts, out_numel=indices.numel * weight.shape[1])
     assert plan.inputs is not None
     table = plan.inputs[0]
     assert table is not None
@@ -70,4 +78,4 @@ def embedding_dense_backward(
     if not scale_grad_by_freq:
         opts += [(Partial("sum"), (Shard(d), Shard(d))) for d in range(indices.ndim)]
     opts += [(Partial(op), (Partial(op), R)) for op in ("sum", "avg")]
-    return pick([grad, indices], opts)
+    return pick([grad, indices], opts, out_numel=num_weights * grad.shape[-1])

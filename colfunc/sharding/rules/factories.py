@@ -7,12 +7,14 @@ replicated tensor of that (global) size.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from colfunc.sharding.placement import Partial, Placements
-from colfunc.sharding.rules.registry import R, Plan, Spec, rule
+from colfunc.sharding.rules.registry import Plan, R, Spec, rule
 
 aten = torch.ops.aten
 
@@ -22,9 +24,24 @@ def like(x: Spec, *args: Any, **kwargs: Any) -> Placements:
     return tuple(R if isinstance(p, Partial) else p for p in x.placements)
 
 
-@rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided)
-def new(x: Spec, *args: Any, **kwargs: Any) -> Placements:
-    return (R,) * len(x.placements)
+@rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
+def new(x: Spec, size: Sequence[int], *args: Any, **kwargs: Any) -> Plan:
+    if tuple(size) != x.shape:
+        return Plan(outputs=(R,) * len(x.placements))
+    # x's shape (autograd makes gradient buffers this way): x's splits, each rank its shard
+    pl = like(x)
+    return Plan(outputs=pl, args=(x, x.local_shape(pl), *args), kwargs=kwargs)
+
+
+@rule(aten.new_empty_strided)
+def new_empty_strided(x: Spec, size: Sequence[int], stride: Sequence[int], **kwargs: Any) -> Plan:
+    if tuple(size) != x.shape:
+        return Plan(outputs=(R,) * len(x.placements))
+    # the global strides describe the wrapper; a shard is laid out contiguously
+    pl = like(x)
+    shape = x.local_shape(pl)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    return Plan(outputs=pl, args=(x, shape, strides), kwargs=kwargs)
 
 
 @rule(aten.copy)

@@ -14,7 +14,7 @@ import torch
 
 from colfunc.sharding.placement import Partial, Shard
 from colfunc.sharding.rules.embedding import masked_lookup
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 LINEAR = ("sum", "avg")
@@ -32,7 +32,7 @@ def index_select(x: Spec, dim: int, index: Spec) -> Plan:
     opts += [(Shard(d), (Shard(d), R)) for d in range(x.ndim) if d != dim]
     opts += [(Partial("sum"), (Shard(dim), R))]
     opts += [(Partial(op), (Partial(op), R)) for op in LINEAR]
-    plan = pick([x, index], opts)
+    plan = pick([x, index], opts, out_numel=x.numel // max(x.shape[dim], 1) * index.numel)
     assert plan.inputs is not None and plan.inputs[0] is not None
     source = plan.inputs[0]
     if Shard(dim) not in source:
@@ -52,7 +52,7 @@ def index_add(x: Spec, dim: int, index: Spec, source: Spec, *, alpha: Any = 1) -
     opts: list[Option] = [(R, (R, R, R))]
     opts += [(Shard(d), (Shard(d), R, Shard(d))) for d in _other_dims(x, dim, source)]
     opts += [(Partial(op), (Partial(op), R, Partial(op))) for op in LINEAR]
-    return pick([x, index, source], opts)
+    return pick([x, index, source], opts, out_numel=x.numel)
 
 
 @rule(aten.gather)
@@ -61,7 +61,7 @@ def gather(x: Spec, dim: int, index: Spec, *, sparse_grad: bool = False) -> Plan
     opts: list[Option] = [(R, (R, R))]
     opts += [(Shard(d), (Shard(d), Shard(d))) for d in _other_dims(x, dim, index)]
     opts += [(Partial(op), (Partial(op), R)) for op in LINEAR]
-    return pick([x, index], opts)
+    return pick([x, index], opts, out_numel=index.numel)
 
 
 @rule(aten.scatter)
@@ -72,4 +72,4 @@ def scatter(x: Spec, dim: int, index: Spec, src: Any = None, *rest: Any, **kwarg
     opts += [(Shard(d), [Shard(d)] * len(specs)) for d in _other_dims(x, dim, *specs[1:])]
     if isinstance(src, Spec) and not rest and not kwargs:  # linear in (x, src) together
         opts += [(Partial(op), (Partial(op), R, Partial(op))) for op in LINEAR]
-    return pick(specs, opts)
+    return pick(specs, opts, out_numel=x.numel)

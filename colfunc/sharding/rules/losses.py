@@ -21,7 +21,7 @@ import torch
 
 from colfunc.sharding import comm
 from colfunc.sharding.placement import Partial, Placement, Placements, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -43,7 +43,8 @@ def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_
             opts.append(((reduced, R), [Shard(0), Shard(0)]))
         opts += [((Partial(op), R), [Partial(op), R]) for op in ("sum", "avg")]
     specs = [x, target] + ([weight] if isinstance(weight, Spec) else [])
-    plan = pick(specs, [(o, [*i, R][: len(specs)]) for o, i in opts])
+    n = target.numel if reduction == NONE else 1
+    plan = pick(specs, [(o, [*i, R][: len(specs)]) for o, i in opts], out_numel=(n, 1))
     assert plan.inputs is not None
     xp, tp = plan.inputs[0], plan.inputs[1]
     assert xp is not None and tp is not None
@@ -53,7 +54,9 @@ def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_
     offset, size = x.shard_range(C, xp)
     mesh = x.mesh
 
-    def compute(logp: torch.Tensor, t: torch.Tensor, w: Any, red: int, ignore: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(
+        logp: torch.Tensor, t: torch.Tensor, w: Any, red: int, ignore: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         local_t = _masked_target(t, offset, size, ignore) if class_axes else t
         out, total = aten.nll_loss_forward(logp, local_t, None, SUM if red == MEAN else red, ignore)
         if red == NONE:
@@ -68,7 +71,13 @@ def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_
 
 @rule(aten.nll_loss_backward)
 def nll_loss_backward(
-    grad: Spec, x: Spec, target: Spec, weight: Any, reduction: int, ignore_index: int, total_weight: Spec
+    grad: Spec,
+    x: Spec,
+    target: Spec,
+    weight: Any,
+    reduction: int,
+    ignore_index: int,
+    total_weight: Spec,
 ) -> Plan:
     C = x.ndim - 1
     g_rows: Placement = Shard(0) if reduction == NONE else R
@@ -79,14 +88,26 @@ def nll_loss_backward(
             opts.append((Shard(0), [g_rows, Shard(0), Shard(0), R]))
         opts += [(Partial(op), [Partial(op), R, R, R]) for op in ("sum", "avg")]
     specs = [grad, x, target] + ([weight] if isinstance(weight, Spec) else []) + [total_weight]
-    plan = pick(specs, [(o, [*i[:3], R, i[3]] if len(specs) == 5 else i) for o, i in opts])
+    plan = pick(
+        specs,
+        [(o, [*i[:3], R, i[3]] if len(specs) == 5 else i) for o, i in opts],
+        out_numel=x.numel,
+    )
     assert plan.inputs is not None and plan.inputs[1] is not None
     xp: Placements = plan.inputs[1]
     if not x.axes_on(C, xp):
         return plan
     offset, size = x.shard_range(C, xp)
 
-    def compute(g: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, w: Any, red: int, ignore: int, tw: torch.Tensor) -> torch.Tensor:
+    def compute(
+        g: torch.Tensor,
+        logp: torch.Tensor,
+        t: torch.Tensor,
+        w: Any,
+        red: int,
+        ignore: int,
+        tw: torch.Tensor,
+    ) -> torch.Tensor:
         local_t = _masked_target(t, offset, size, ignore)
         return aten.nll_loss_backward(g, logp, local_t, w, red, ignore, tw)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 S = Shard
@@ -19,7 +19,12 @@ S = Shard
 def _product_options(batch: int) -> list[Option]:
     """Options for ``a[*batch, m, k] @ b[*batch, k, n]`` (``batch`` leading dims, 0 or 1)."""
     m, k, n = batch, batch + 1, batch + 1
-    opts: list[Option] = [(R, (R, R)), (S(m), (S(m), R)), (S(n), (R, S(n))), (Partial(), (S(k), S(batch)))]
+    opts: list[Option] = [
+        (R, (R, R)),
+        (S(m), (S(m), R)),
+        (S(n), (R, S(n))),
+        (Partial(), (S(k), S(batch))),
+    ]
     if batch:
         opts.append((S(0), (S(0), S(0))))
     for op in ("sum", "avg"):
@@ -41,19 +46,25 @@ def _bias_options(bias: Spec, opts: list[Option], out_ndim: int) -> list[Option]
 
 @rule(aten.mm)
 def mm(a: Spec, b: Spec) -> Plan:
-    return pick([a, b], _product_options(0))
+    return pick([a, b], _product_options(0), out_numel=a.shape[0] * b.shape[1])
 
 
 @rule(aten.bmm)
 def bmm(a: Spec, b: Spec) -> Plan:
-    return pick([a, b], _product_options(1))
+    return pick([a, b], _product_options(1), out_numel=a.shape[0] * a.shape[1] * b.shape[2])
 
 
 @rule(aten.addmm)
 def addmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> Plan:
-    return pick([bias, a, b], _bias_options(bias, _product_options(0), 2))
+    return pick(
+        [bias, a, b], _bias_options(bias, _product_options(0), 2), out_numel=a.shape[0] * b.shape[1]
+    )
 
 
 @rule(aten.baddbmm)
 def baddbmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> Plan:
-    return pick([bias, a, b], _bias_options(bias, _product_options(1), 3))
+    return pick(
+        [bias, a, b],
+        _bias_options(bias, _product_options(1), 3),
+        out_numel=a.shape[0] * a.shape[1] * b.shape[2],
+    )

@@ -10,13 +10,14 @@ layers do before a norm, which keeps the norm parameters' gradients replicated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -26,7 +27,9 @@ def _spec_list(*xs: Any) -> list[Spec]:
 
 
 @rule(aten.native_layer_norm)
-def native_layer_norm(x: Spec, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float) -> Plan:
+def native_layer_norm(
+    x: Spec, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float
+) -> Plan:
     batch = x.ndim - len(normalized_shape)
     params = _spec_list(weight, bias)
     opts: list[Option] = [((R, R, R), [R] * (1 + len(params)))]
@@ -50,4 +53,5 @@ def native_layer_norm_backward(
     opts: list[Option] = [((R, R, R), [R] * (4 + len(params)))]
     summed: Placement = Partial("sum")
     opts += [((Shard(d), summed, summed), [Shard(d)] * 4 + [R] * len(params)) for d in range(batch)]
-    return pick([grad, x, mean, rstd, *params], opts)
+    n = math.prod(normalized_shape)
+    return pick([grad, x, mean, rstd, *params], opts, out_numel=(x.numel, n, n))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Placements, Shard
-from colfunc.sharding.rules.registry import R, Plan, Spec, rule
+from colfunc.sharding.rules.registry import Plan, R, Spec, rule
 
 aten = torch.ops.aten
 
@@ -28,7 +28,9 @@ def _dims(x: Spec, dim: Any) -> list[int]:
     return sorted(d % max(x.ndim, 1) for d in dims)
 
 
-def _place(x: Spec, dims: list[int], keepdim: bool, combine: str | None) -> tuple[Placements, Placements]:
+def _place(
+    x: Spec, dims: list[int], keepdim: bool, combine: str | None
+) -> tuple[Placements, Placements]:
     """(input placements needed, output placements); ``combine``: the Partial op a reduced split
     dim leaves, or None where the reduced dim must be whole."""
     ins: list[Placement] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar, cast
 
 import torch
 
@@ -37,7 +37,7 @@ from colfunc.sharding.placement import (
     shard_range,
 )
 
-__all__ = ["R", "RULES", "Option", "Plan", "Spec", "lookup", "pick", "rule"]
+__all__ = ["RULES", "Option", "Plan", "R", "Spec", "lookup", "pick", "rule"]
 
 R = Replicate()
 
@@ -65,7 +65,9 @@ class Spec:
         return tuple(a for a, p in zip(self.mesh.axis_names, pl) if p == Shard(dim))
 
     def local_shape(self, placements: Placements | None = None) -> tuple[int, ...]:
-        return local_shape(self.shape, self.mesh, self.placements if placements is None else placements)
+        return local_shape(
+            self.shape, self.mesh, self.placements if placements is None else placements
+        )
 
     def shard_range(self, dim: int, placements: Placements | None = None) -> tuple[int, int]:
         """``(offset, size)`` of this rank's part of ``dim``."""
@@ -99,10 +101,13 @@ Rule: TypeAlias = Callable[..., "Plan | Outputs"]
 RULES: dict[Any, Rule] = {}
 
 
-def rule(*ops: Any) -> Callable[[Rule], Rule]:
+F = TypeVar("F", bound=Rule)
+
+
+def rule(*ops: Any) -> Callable[[F], F]:
     """Register the decorated function as the rule of ``ops`` (overload packets or overloads)."""
 
-    def register(fn: Rule) -> Rule:
+    def register(fn: F) -> F:
         for op in ops:
             RULES[op] = fn
         return fn
@@ -135,9 +140,44 @@ def _cost(src: Placement, dst: Placement | None) -> float:
     return 2.0
 
 
-def pick(specs: Sequence[Spec], options: Sequence[Option]) -> Plan:
-    """The cheapest option on each mesh axis, combined into a Plan (ties: the earlier option)."""
+def _resplits(src: Placement, dst: Placement | None) -> bool:
+    """Whether ``src -> dst`` splits anew a tensor that is already split or Partial."""
+    return isinstance(dst, Shard) and src != dst and not isinstance(src, Replicate)
+
+
+def pick(
+    specs: Sequence[Spec],
+    options: Sequence[Option],
+    *,
+    out_numel: int | Sequence[int] | None = None,
+    partial_cost: float = 2.0,
+) -> Plan:
+    """The cheapest option on each mesh axis, combined into a Plan (ties: the earlier option).
+
+    An option's cost is the communication that brings the inputs to it, plus, for each Partial
+    output, the all_reduce that will reduce it later (``partial_cost`` times its size
+    ``out_numel``, default the largest input's; 0 for ops that merely copy). Without that price a
+    Partial would ride through every linear op unreduced (Megatron reduces right after the
+    row-parallel layer), and a weight would be gathered rather than an activation reduced.
+
+    Options that would split an input that is already split (or Partial) along another dim
+    (all_to_all, reduce_scatter) are passed over unless no other option remains: such a new
+    layout is cheap for this op but every later op pays for it (a norm that cannot keep its
+    input's split should gather it, not move the split to the batch dim).
+    """
     mesh = specs[0].mesh
+    n_out = len(options[0][0]) if isinstance(options[0][0], tuple) else 1
+    if out_numel is None:
+        out_numel = max(s.numel for s in specs)
+    sizes = [out_numel] * n_out if isinstance(out_numel, int) else list(out_numel)
+
+    def cost(a: int, opt: Option) -> float:
+        outs = opt[0] if isinstance(opt[0], tuple) else (opt[0],)
+        later = sum(n for o, n in zip(outs, sizes) if isinstance(o, Partial))
+        return partial_cost * later + sum(
+            s.numel * _cost(s.placements[a], w) for s, w in zip(specs, opt[1])
+        )
+
     ins: list[list[Placement]] = [[] for _ in specs]
     outs: list[OptionOut] = []
     for a, axis in enumerate(mesh.axis_names):
@@ -148,17 +188,14 @@ def pick(specs: Sequence[Spec], options: Sequence[Option]) -> Plan:
                     best = opt
                     break
         else:
-            best = min(
-                options,
-                key=lambda opt: sum(
-                    s.numel * _cost(s.placements[a], w) for s, w in zip(specs, opt[1])
-                ),
-            )
+            allowed = [
+                o
+                for o in options
+                if not any(_resplits(s.placements[a], w) for s, w in zip(specs, o[1]))
+            ]
+            best = min(allowed or options, key=lambda opt: cost(a, opt))
         for i, (s, w) in enumerate(zip(specs, best[1])):
             ins[i].append(s.placements[a] if w is None else w)
         outs.append(best[0])
-    if isinstance(outs[0], tuple):
-        outputs: Outputs = tuple(zip(*outs))  # type: ignore[arg-type]
-    else:
-        outputs = tuple(outs)  # type: ignore[arg-type]
-    return Plan(outputs=outputs, inputs=[tuple(p) for p in ins])
+    by_output = tuple(zip(*outs)) if isinstance(outs[0], tuple) else tuple(outs)
+    return Plan(outputs=cast(Outputs, by_output), inputs=[tuple(p) for p in ins])

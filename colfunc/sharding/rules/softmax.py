@@ -17,7 +17,7 @@ import torch
 from colfunc.sharding import comm
 from colfunc.sharding.mesh import Mesh
 from colfunc.sharding.placement import Partial, Placements, Shard
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -41,7 +41,9 @@ def _row_max(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.amax(dim, keepdim=True)
 
 
-def _normalise(t: torch.Tensor, dim: int, axes: tuple[str, ...], mesh: Mesh, log: bool) -> torch.Tensor:
+def _normalise(
+    t: torch.Tensor, dim: int, axes: tuple[str, ...], mesh: Mesh, log: bool
+) -> torch.Tensor:
     m = comm.all_reduce(_row_max(t, dim), axes, "max", mesh)
     z = t - m
     s = comm.all_reduce(z.exp().sum(dim, keepdim=True), axes, "sum", mesh)

@@ -18,8 +18,15 @@ from typing import Any
 
 import torch
 
-from colfunc.sharding.placement import Partial, Placement, Placements, Shard, dim_chunks, local_shape
-from colfunc.sharding.rules.registry import R, Option, Plan, Spec, pick, rule
+from colfunc.sharding.placement import (
+    Partial,
+    Placement,
+    Placements,
+    Shard,
+    dim_chunks,
+    local_shape,
+)
+from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -43,7 +50,9 @@ def _remap(x: Spec, where: dict[int, int | None]) -> tuple[Placements, Placement
     return tuple(ins), tuple(outs)
 
 
-def _local_size_call(x: Spec, out_shape: Sequence[int], ins: Placements, outs: Placements, fn: Any) -> Plan:
+def _local_size_call(
+    x: Spec, out_shape: Sequence[int], ins: Placements, outs: Placements, fn: Any
+) -> Plan:
     """A Plan whose local call is ``fn(local, local output shape)``."""
     size = local_shape(out_shape, x.mesh, outs)
 
@@ -107,7 +116,9 @@ def _reshape_target(x: Spec, out_shape: list[int], dim: int) -> int | None:
         rest_in = math.prod(x.shape[d] for d in ins if d > dim)
         rest_out = math.prod(out_shape[d] for d in outs if d > major_out)
         chunks_in = [(o * rest_in, s * rest_in) for o, s in dim_chunks(x.shape[dim], sizes)]
-        chunks_out = [(o * rest_out, s * rest_out) for o, s in dim_chunks(out_shape[major_out], sizes)]
+        chunks_out = [
+            (o * rest_out, s * rest_out) for o, s in dim_chunks(out_shape[major_out], sizes)
+        ]
         return major_out if chunks_in == chunks_out else None
     return None
 
@@ -150,7 +161,9 @@ def unsqueeze(x: Spec, dim: int) -> Placements:
 def squeeze(x: Spec, dim: Any = None) -> Plan:
     asked = range(x.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
     gone = sorted({_norm(d, x.ndim) for d in asked if x.shape[_norm(d, x.ndim)] == 1})
-    ins, outs = _remap(x, {d: None if d in gone else d - sum(g < d for g in gone) for d in range(x.ndim)})
+    ins, outs = _remap(
+        x, {d: None if d in gone else d - sum(g < d for g in gone) for d in range(x.ndim)}
+    )
 
     def compute(t: torch.Tensor, *args: Any) -> torch.Tensor:
         # by the global size-1 dims: a chunk of a longer split dim may also have size 1
@@ -185,7 +198,9 @@ def select(x: Spec, dim: int, index: int) -> Plan:
 
 
 @rule(aten.slice_backward)
-def slice_backward(g: Spec, input_sizes: Sequence[int], dim: int, start: int, end: int, step: int) -> Plan:
+def slice_backward(
+    g: Spec, input_sizes: Sequence[int], dim: int, start: int, end: int, step: int
+) -> Plan:
     dim = _norm(dim, g.ndim)
     ins, outs = _remap(g, {dim: None})
     size = local_shape(input_sizes, g.mesh, outs)
@@ -232,13 +247,17 @@ def _join_options(specs: list[Spec], dim: int, new_dim: bool) -> list[Option]:
 def cat(tensors: Sequence[Spec], dim: int = 0) -> Plan:
     # legacy: 1-D empty tensors are skipped by cat whatever the others' shapes
     specs = [s for s in tensors if s.shape != (0,)] or list(tensors)
-    plan = pick(specs, _join_options(specs, _norm(dim, specs[0].ndim), False))
+    total = sum(s.numel for s in specs)
+    plan = pick(specs, _join_options(specs, _norm(dim, specs[0].ndim), False), out_numel=total)
     assert plan.inputs is not None
     want, kept = iter(plan.inputs), {id(s) for s in specs}
-    return Plan(outputs=plan.outputs, inputs=[next(want) if id(s) in kept else None for s in tensors])
+    return Plan(
+        outputs=plan.outputs, inputs=[next(want) if id(s) in kept else None for s in tensors]
+    )
 
 
 @rule(aten.stack)
 def stack(tensors: Sequence[Spec], dim: int = 0) -> Plan:
     specs = list(tensors)
-    return pick(specs, _join_options(specs, _norm(dim, specs[0].ndim + 1), True))
+    total = sum(s.numel for s in specs)
+    return pick(specs, _join_options(specs, _norm(dim, specs[0].ndim + 1), True), out_numel=total)

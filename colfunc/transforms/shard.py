@@ -1,0 +1,292 @@
+"""``shard``: data parallel over a batch axis and tensor parallel by a plan of path patterns.
+
+Parameters are placed by ``plan``, a mapping of glob path patterns to partition specs (e.g. a
+model's ``tp_plan``: Megatron's column-parallel q/k/v and MLP-in, row-parallel out-projections,
+vocabulary-parallel embedding). A parameter that no pattern names is replicated. The sharded
+parameters are :class:`~colfunc.sharding.ShardedTensor`\\ s, so the unchanged single-device model
+runs on them and the propagation rules insert the collectives.
+
+Every rank is handed the same global batch and keeps its slice along dim 0 over ``batch_axis``;
+after the backward pass the gradients are averaged over that axis in a few large buckets (one
+``all_reduce`` per bucket rather than one per parameter, as DDP does). The loss is the mean of the
+ranks' local means, which is the global mean when every rank holds the same number of counted
+labels (always so without ``-100`` labels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colfunc import core, tree
+from colfunc.core import P
+from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
+from colfunc.sharding.placement import Shard
+from colfunc.step import Step, TrainState, Update
+
+__all__ = ["shard"]
+
+PyTree = Any
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x._local if isinstance(x, ShardedTensor) else x
+
+
+def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(like, ShardedTensor):
+        return ShardedTensor(local, like.mesh, like.placements, tuple(like.shape))
+    return local
+
+
+def all_reduce_buckets(
+    xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
+) -> list[torch.Tensor]:
+    """``all_reduce`` of many tensors over ``axis``, packed into flat buckets of one dtype each."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for idx in by_dtype.values():
+        bucket: list[int] = []
+        size = 0
+        for j, i in enumerate(idx):
+            bucket.append(i)
+            size += xs[i].numel() * xs[i].element_size()
+            if size >= BUCKET_BYTES or j == len(idx) - 1:
+                flat = torch.cat([xs[k].reshape(-1) for k in bucket])
+                reduced = comm.all_reduce(flat, axis, op=op, mesh=mesh)
+                for k, piece in zip(bucket, reduced.split([xs[k].numel() for k in bucket])):
+                    out[k] = piece.view_as(xs[k])
+                bucket, size = [], 0
+    return [x for x in out if x is not None]
+
+
+def _to_local(t: PyTree) -> PyTree:
+    return tree.map(lambda x: _local(x) if isinstance(x, torch.Tensor) else x, t)
+
+
+def _like(template: PyTree, local: PyTree) -> PyTree:
+    """``local``'s leaves wrapped back with the metadata of ``template``'s sharded leaves."""
+    return tree.map(
+        lambda t, x: _rewrap(t, x) if isinstance(t, ShardedTensor) else x, template, local
+    )
+
+
+def _sharded_axes(x: Any) -> tuple[str, ...]:
+    if not isinstance(x, ShardedTensor):
+        return ()
+    return tuple(a for a, pl in zip(x.mesh.axis_names, x.placements) if isinstance(pl, Shard))
+
+
+def norm_reduction(grads: PyTree, mesh: Mesh) -> core.NormReduction:
+    """How the local squared norms of ``grads``' leaves add up to the global squared norm."""
+    axes = [_sharded_axes(g) for g in tree.tensors(grads)]
+
+    def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
+        groups: dict[tuple[str, ...], torch.Tensor] = {}
+        for ax, sq in zip(axes, squares):
+            groups[ax] = groups[ax] + sq if ax in groups else sq
+        total = torch.zeros((), dtype=squares[0].dtype)
+        for ax in sorted(groups):  # the same order on every rank
+            part = groups[ax]
+            total = total + (comm.all_reduce(part, ax, mesh=mesh) if ax else part)
+        return total
+
+    return core.NormReduction(reduce)
+
+
+def local_update(update: Update, mesh: Mesh) -> Update:
+    """Run an update piece on the local shards of sharded parameters, states and gradients.
+
+    Optimizers are elementwise, so updating each shard is updating the whole; only the global
+    gradient norm needs the other ranks, which :func:`norm_reduction` provides.
+    """
+
+    def run(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        local_state = state._replace(
+            params=_to_local(state.params), opt_state=_to_local(state.opt_state)
+        )
+        with core.context(norm_reduction(grads, mesh)):
+            new, info = update(_to_local(grads), local_state)
+        new = new._replace(
+            params=_like(state.params, new.params), opt_state=_like(state.opt_state, new.opt_state)
+        )
+        return new, info
+
+    return run
+
+
+def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
+    if plan is None:
+        return {}
+    if not isinstance(plan, dict):
+        raise TypeError(
+            f"shard: plan must be a dict of path pattern -> cf.P, got {type(plan).__name__}"
+        )
+    for pattern, spec in plan.items():
+        if not isinstance(spec, P):
+            raise TypeError(f"shard: plan[{pattern!r}] must be a cf.P, got {spec!r}")
+        missing = [a for a in spec.axes() if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"shard: plan[{pattern!r}] = {spec!r} uses axis {missing[0]!r}, which the mesh "
+                f"{mesh.shape} lacks; add the axis to the mesh or drop it from the plan"
+            )
+    return dict(plan)
+
+
+def _place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
+    if not plan:
+        return params  # data parallel only: plain tensors, replicated
+    flat = tree.flatten_with_paths(params)[0]
+    unused = [pat for pat in plan if not any(tree.match(pat, p) for p, _ in flat)]
+    if unused:
+        raise ValueError(
+            f"shard: plan pattern {unused[0]!r} matches no parameter; parameter paths look like "
+            f"{[p for p, _ in flat[:4]]}"
+        )
+
+    def place(path: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        # every parameter becomes a ShardedTensor (replicated unless named), so parameters,
+        # gradients and optimizer states have one type and the rules see every operand's placement
+        spec = next((s for pat, s in plan.items() if tree.match(pat, path)), P())
+        placements = placements_from_spec(mesh, spec, x.dim())
+        for axis, pl in zip(mesh.axis_names, placements):
+            if isinstance(pl, Shard) and x.shape[pl.dim] % mesh.axis_size(axis):
+                raise ValueError(
+                    f"shard: {path} has size {x.shape[pl.dim]} on dim {pl.dim}, not divisible by "
+                    f"the {axis!r} axis size {mesh.axis_size(axis)} (e.g. heads by tp); choose a "
+                    "mesh that divides it"
+                )
+        return distribute(x, mesh, placements)
+
+    return tree.map_with_path(place, params)
+
+
+def _split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
+    n, i = mesh.axis_size(axis), mesh.axis_index(axis)
+
+    def split(path: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] % n:
+            raise ValueError(
+                f"shard: batch entry {path!r} has {x.shape[0]} rows, not divisible by the "
+                f"{axis!r} axis size {n}; use a global batch size that is a multiple of {n}"
+            )
+        return x.chunk(n, dim=0)[i]
+
+    return tree.map_with_path(split, batch)
+
+
+def shard(
+    step: Step,
+    mesh: Mesh,
+    plan: dict[str, P] | None = None,
+    batch_axis: str | None = "dp",
+    sequence_parallel: bool = False,
+) -> Step:
+    """Data parallel over ``batch_axis`` and tensor parallel by ``plan``; see the module docs.
+
+    ``batch_axis=None`` (or an axis the mesh does not have, for the default ``"dp"``) turns data
+    parallelism off. Call it on every rank with that rank's mesh.
+
+    Example:
+        >>> def main(mesh):
+        ...     s = cf.shard(cf.train_step(gpt.loss(cfg), optim.adamw(3e-4)), mesh, gpt.tp_plan)
+        >>> cf.launch(main, mesh={"dp": 2, "tp": 2})
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"shard: expected a Step (from cf.train_step), got {type(step).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shard: mesh must be a cf.Mesh (the one launch passes), got {mesh!r}")
+    if sequence_parallel:
+        raise ValueError(
+            "shard: sequence_parallel=True is not available yet; use sequence_parallel=False"
+        )
+    if batch_axis is not None and batch_axis not in mesh.axis_names:
+        if batch_axis != "dp":
+            raise ValueError(
+                f"shard: batch_axis {batch_axis!r} is not a mesh axis; mesh axes are "
+                f"{mesh.axis_names}"
+            )
+        batch_axis = None
+    plan_ = _check_plan(plan, mesh)
+    divisors = getattr(step.loss_fn, "divisors", {})
+    for axis in sorted({a for spec in plan_.values() for a in spec.axes()}):
+        n = mesh.axis_size(axis)
+        for field, value in divisors.items():
+            if value is not None and value % n:
+                raise ValueError(
+                    f"shard: {getattr(step.loss_fn, 'name', 'the model')} has {field}={value}, "
+                    f"not divisible by the {axis!r} axis size {n}; choose a {axis!r} size that "
+                    f"divides it"
+                )
+    if plan_ and "zero" in step.options:
+        raise ValueError(
+            "shard: with a tensor-parallel plan, apply cf.zero outside cf.shard "
+            "(cf.zero(cf.shard(step, mesh, plan), stage)), since zero cuts the shards shard makes"
+        )
+    dp = batch_axis if batch_axis is not None and mesh.axis_size(batch_axis) > 1 else None
+    inner_layout, inner_fb, inner_sync = step.layout, step.forward_backward, step.sync
+    update = local_update(step.update, mesh) if plan_ else step.update
+
+    def layout(params: PyTree) -> PyTree:
+        return _place(inner_layout(params), plan_, mesh)
+
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
+        local_batch = _split_batch(batch, dp, mesh) if dp else batch
+        loss, grads = inner_fb(params, local_batch, extra)
+        if isinstance(loss, ShardedTensor):
+            loss = loss.full_tensor()
+        # gradients take their parameter's placements (a rule may leave one Partial)
+        grads = tree.map(
+            lambda g, p: (
+                g.redistribute(p.placements)
+                if isinstance(p, ShardedTensor) and isinstance(g, ShardedTensor)
+                else g
+            ),
+            grads,
+            params,
+        )
+        return loss, grads
+
+    def sync(grads: PyTree) -> PyTree:
+        grads = inner_sync(grads)
+        if dp is None or "zero" in step.options:  # zero beneath owns the data-parallel reduction
+            return grads
+        flat, treedef = tree.flatten_with_paths(grads)
+        gs = [g for _, g in flat]
+        reduced = all_reduce_buckets([_local(g) for g in gs], dp, mesh)
+        return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, reduced)])
+
+    def loss_over_dp(fb: Any) -> Any:
+        def wrapped(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
+            loss, grads = fb(params, batch, extra)
+            if dp is not None:
+                loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
+            return loss, grads
+
+        return wrapped
+
+    return step.replace(
+        layout=layout,
+        forward_backward=loss_over_dp(forward_backward),
+        sync=sync,
+        update=update,
+        options={
+            **step.options,
+            "mesh": mesh,
+            "batch_axis": dp,
+            "plan": plan_,
+            "sync_before_dp": inner_sync,
+            "update_before_local": step.update,
+        },
+    )

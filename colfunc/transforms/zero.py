@@ -1,0 +1,283 @@
+"""``zero``: ZeRO (Rajbhandari et al. 2020) over the data-parallel axis.
+
+Stage 0 is plain data parallel: gradients are all-reduced and every rank runs the whole update.
+Stage 1 shards the optimizer states: each parameter is flattened, padded to a multiple of ``N``
+(the axis size) and cut in ``N`` chunks; gradients are reduce-scattered so that each rank receives
+the averaged chunk it owns, updates that chunk of the parameter with its chunk of the optimizer
+state, and the new parameters are all-gathered. Stage 2 also keeps only the owned gradient chunk;
+a functional step reduce-scatters the gradients as soon as the backward pass returns them, so
+stages 1 and 2 run the same code (and each sends ``2 * Psi * (N - 1) / N`` elements per step).
+Stage 3 stores the parameters themselves as chunks: the stacked layers are gathered one layer at a
+time inside :func:`colfunc.scan_layers`, under a checkpoint so that the gathered weights are freed
+after the layer's forward pass and gathered again for its backward pass; the gradient of a gather
+is a reduce-scatter, so each rank receives its gradient chunks directly (``3 * Psi * (N - 1) / N``
+for the layers). The parameters outside the stacked layers (embeddings, final norm) are gathered
+once per step and kept until its backward pass (``2 * Psi * (N - 1) / N`` for those).
+
+``zero`` works with or without ``shard`` underneath or on top: tensor-parallel shards are chunked
+over ``axis`` like whole tensors, and ``shard`` leaves the data-parallel reduction to ``zero``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from colfunc import core, tree
+from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
+from colfunc.sharding.placement import Shard
+from colfunc.step import Step, TrainState
+from colfunc.transforms.shard import _local, _rewrap, _sharded_axes, all_reduce_buckets
+
+__all__ = ["zero"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    """How one parameter is cut: its local shape, the chunk length, and stacked or not."""
+
+    shape: tuple[int, ...]
+    stacked: bool  # stacked layers keep their leading axis: chunks are [L, c], one per layer
+    chunk: int
+    template: Any  # the ShardedTensor the parameter was (tensor parallel), else None
+
+
+def _cut(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Tensor, _Chunked]:
+    """This rank's chunk of ``x`` (its local shard, flattened and zero-padded to ``n`` chunks)."""
+    local = _local(x)
+    template = x if isinstance(x, ShardedTensor) else None
+    flat = local.detach().reshape(local.shape[0], -1) if stacked else local.detach().reshape(-1)
+    c = -(-flat.shape[-1] // n)
+    flat = torch.nn.functional.pad(flat, (0, c * n - flat.shape[-1]))
+    return flat[..., i * c : (i + 1) * c].clone(), _Chunked(
+        tuple(local.shape), stacked, c, template
+    )
+
+
+def _whole(flat: torch.Tensor, meta: _Chunked, stacked_layer: bool = False) -> torch.Tensor:
+    """Un-pad and reshape a gathered flat parameter (one layer of a stacked one if asked).
+
+    Tensor-parallel parameters come back as ShardedTensors (differentiably, for one layer).
+    """
+    shape = meta.shape[1:] if stacked_layer else meta.shape
+    local = flat[..., : math.prod(shape[1:] if meta.stacked and not stacked_layer else shape)]
+    local = local.reshape(shape)
+    t = meta.template
+    if t is None:
+        return local
+    if not stacked_layer:
+        return _rewrap(t, local)
+    # one layer of a stacked parameter: drop the layer dim from the global shape and placements
+    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements]
+    return from_local(local, t.mesh, placements, tuple(t.shape)[1:])
+
+
+def _is_stacked(path: str) -> bool:
+    return path == "blocks" or path.startswith("blocks.")
+
+
+def _mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def _reduction(axes: list[tuple[str, ...]], mesh: Mesh) -> core.NormReduction:
+    """Squared norms of chunk leaves: each summed over the axes that partition it."""
+
+    def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
+        groups: dict[tuple[str, ...], torch.Tensor] = {}
+        for ax, sq in zip(axes, squares):
+            groups[ax] = groups[ax] + sq if ax in groups else sq
+        total = torch.zeros((), dtype=squares[0].dtype)
+        for ax in sorted(groups):
+            total = total + comm.all_reduce(groups[ax], ax, mesh=mesh)
+        return total
+
+    return core.NormReduction(reduce)
+
+
+class ZeroLayout:
+    """The cut of every parameter (``state.extra["zero"]``); gathers stage-3 parameters whole."""
+
+    def __init__(self, metas: PyTree, axis: str, mesh: Mesh, stage: int) -> None:
+        self.metas, self.axis, self.mesh, self.stage = metas, axis, mesh, stage
+
+    def gather(self, chunk: torch.Tensor, meta: _Chunked) -> torch.Tensor:
+        return _whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
+
+    def gather_params(self, params: PyTree) -> PyTree:
+        """Whole parameters from stage-3 chunks (a collective; identity for stages 0-2)."""
+        if self.stage < 3:
+            return params
+        with torch.no_grad():
+            return tree.map(self.gather, params, self.metas)
+
+    def __repr__(self) -> str:
+        return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
+
+
+class _Gather:
+    """Context frame for stage 3: gather each layer's chunks inside ``scan_layers``."""
+
+    def __init__(self, layout: ZeroLayout) -> None:
+        self.z = layout
+
+    def layer(self, chunks: PyTree) -> PyTree:
+        z = self.z
+        return tree.map(
+            lambda c, m: _whole(comm.all_gather(c, z.axis, 0, z.mesh), m, stacked_layer=True),
+            chunks,
+            z.metas["blocks"],
+        )
+
+    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
+        def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                return block(self.layer(layer_chunks), x)
+            # the gathered weights are not saved for backward: the checkpoint gathers them again
+            return checkpoint(
+                lambda c, y: block(self.layer(c), y), layer_chunks, x, use_reentrant=False
+            )
+
+        return inner(gathered_block, h, blocks)
+
+
+def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
+    """Shard optimizer states (1), gradients (2) and parameters (3) over ``axis``; see the module.
+
+    Call it on every rank. The mesh is the one ``shard`` bound, else the current mesh (inside
+    ``cf.launch``). Without a data-parallel ``shard`` the batch is not split: every rank computes
+    on the whole batch, and the gradients are still averaged over ``axis``.
+
+    Example:
+        >>> s = cf.zero(cf.shard(cf.train_step(loss_fn, optim.adamw(3e-4)), mesh, plan), stage=2)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"zero: expected a Step (from cf.train_step), got {type(step).__name__}")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if "zero" in step.options:
+        raise ValueError("zero: the step already has zero applied; apply it once")
+    bound: Mesh | None = step.options.get("mesh")
+    if bound is not None and axis not in bound.axis_names:
+        raise ValueError(
+            f"zero: axis {axis!r} is not an axis of the mesh {bound.shape}; pass axis= one of "
+            f"{bound.axis_names}"
+        )
+    # beneath a data-parallel shard, its gradient reduction is replaced, not repeated
+    inner_sync = step.options.get("sync_before_dp", step.sync)
+    # likewise shard's local-update wrapper: zero hands the optimizer chunks, and says itself how
+    # their norms add up
+    inner_update = step.options.get("update_before_local", step.update)
+    whole_update = step.update  # stage 0 updates whole (tensor-parallel) parameters
+    inner_layout, inner_fb = step.layout, step.forward_backward
+    inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
+
+    def mesh_() -> Mesh:
+        m = bound if bound is not None else current_mesh()
+        if axis not in m.axis_names:
+            raise ValueError(
+                f"zero: axis {axis!r} is not an axis of the mesh {m.shape}; pass axis= one of "
+                f"{m.axis_names}"
+            )
+        return m
+
+    def cut(params: PyTree) -> tuple[PyTree, ZeroLayout]:
+        m = mesh_()
+        n, i = m.axis_size(axis), m.axis_index(axis)
+        flat, treedef = tree.flatten_with_paths(params)
+        pairs = [_cut(x, n, i, stage == 3 and _is_stacked(p)) for p, x in flat]
+        chunks = tree.unflatten(treedef, [c for c, _ in pairs])
+        metas = tree.unflatten(treedef, [mt for _, mt in pairs])
+        return chunks, ZeroLayout(metas, axis, m, stage)
+
+    def layout(params: PyTree) -> PyTree:
+        params = inner_layout(params)
+        return cut(params)[0] if stage == 3 else params
+
+    def init_extra(params: PyTree) -> dict[str, Any]:
+        return {**inner_init_extra(params), "zero": cut(inner_layout(params))[1]}
+
+    def init_opt(placed: PyTree) -> PyTree:
+        # stage 0 keeps whole states; the others mirror this rank's chunks (stage 3's parameters
+        # are chunks already)
+        return inner_init_opt(placed if stage in (0, 3) else cut(placed)[0])
+
+    def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
+        if stage < 3:
+            return inner_fb(params, batch, extra)
+        z: ZeroLayout = extra["zero"]
+        with torch.no_grad():  # the whole non-stacked parameters; their grads are scattered below
+            full = {
+                k: v if k == "blocks" else tree.map(z.gather, v, z.metas[k])
+                for k, v in params.items()
+            }
+        with core.context(_Gather(z)):
+            loss, grads = inner_fb(full, batch, extra)
+        n = z.mesh.axis_size(axis)
+        out = {}
+        for k, g in grads.items():
+            if k == "blocks":
+                out[k] = g  # already chunks: the gathers' backward reduce-scattered them
+            else:
+                out[k] = tree.map(
+                    lambda gg, mt: _reduce_scatter_chunk(gg, n, False, axis, z.mesh, "sum"),
+                    g,
+                    z.metas[k],
+                )
+        return loss, out
+
+    def sync(grads: PyTree) -> PyTree:
+        grads = inner_sync(grads)
+        m = mesh_()
+        n = m.axis_size(axis)
+        if stage == 0:
+            flat, treedef = tree.flatten_with_paths(grads)
+            gs = [g for _, g in flat]
+            red = all_reduce_buckets([_local(g) for g in gs], axis, m)
+            return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, red)])
+        if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
+            return tree.map(lambda g: g / n, grads)
+        return tree.map(lambda g: _reduce_scatter_chunk(g, n, False, axis, m, "avg"), grads)
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        if stage == 0:
+            return whole_update(grads, state)
+        z: ZeroLayout = state.extra["zero"]
+        m = z.mesh
+        chunks = state.params if stage == 3 else cut(state.params)[0]
+        # each chunk partitions its local parameter over `axis`, and tensor-parallel shards
+        # partition it further over their own axes
+        axes = [_mesh_axes(m, {axis, *_sharded_axes(mt.template)}) for mt in tree.leaves(z.metas)]
+        with core.context(_reduction(axes, m)):
+            new, info = inner_update(grads, state._replace(params=chunks))
+        if stage == 3:
+            return new, info
+        with torch.no_grad():
+            params = tree.map(z.gather, new.params, z.metas)
+        return new._replace(params=params), info
+
+    return step.replace(
+        layout=layout,
+        init_opt=init_opt,
+        init_extra=init_extra,
+        forward_backward=forward_backward,
+        sync=sync,
+        update=update,
+        options={**step.options, "zero": {"stage": stage, "axis": axis}},
+    )
+
+
+def _reduce_scatter_chunk(
+    g: torch.Tensor, n: int, stacked: bool, axis: str, mesh: Mesh, op: str
+) -> torch.Tensor:
+    """This rank's chunk of ``g`` (flattened, padded to ``n`` chunks), reduced over ``axis``."""
+    flat = _local(g).reshape(-1)
+    c = -(-flat.numel() // n)
+    flat = torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
+    return comm.reduce_scatter(flat, axis, 0, op=op, mesh=mesh)
