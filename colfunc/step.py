@@ -186,7 +186,8 @@ def full_state(state: PyTree) -> PyTree:
     if isinstance(state, TrainState):
         # a transform that stores parameters in pieces of its own keeps, in ``extra``, an object
         # that can put them back together (``gather_params``)
-        for entry in state.extra.values():
+        # (outermost transform first: its entry comes last, since each adds to its inner's)
+        for entry in reversed(list(state.extra.values())):
             if hasattr(entry, "gather_params"):
                 state = state._replace(params=entry.gather_params(state.params))
     return tree.map(full, state)

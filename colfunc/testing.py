@@ -120,7 +120,8 @@ def compositions(
     stages: tuple[int, ...] = (0, 1, 2, 3),
     remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
 ) -> Any:
-    """A strategy of transform compositions: ``{"mesh", "zero", "remat", "order"}``.
+    """A strategy of transform compositions: ``{"mesh", "zero", "remat", "sequence_parallel",
+    "order"}``.
 
     ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
     (innermost first). With a tensor-parallel axis larger than one, ``zero`` comes after
@@ -141,6 +142,7 @@ def compositions(
             "mesh": mesh,
             "zero": d(st.sampled_from(stages)),
             "remat": d(st.sampled_from(remat_policies)),
+            "sequence_parallel": mesh.get("tp", 1) > 1 and d(st.booleans()),
             "order": tuple(order),
         }
 
@@ -154,7 +156,8 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
     for name in composition["order"]:
         if name == "shard":
             tp = mesh.shape.get("tp", 1) > 1
-            step = shard(step, mesh, plan=plan if tp else None)
+            sp = bool(composition.get("sequence_parallel", False))
+            step = shard(step, mesh, plan=plan if tp else None, sequence_parallel=sp)
         elif name == "zero":
             step = zero(step, composition["zero"])
         elif name == "remat":

@@ -255,3 +255,24 @@ def test_head_split_view_keeps_heads_sharded() -> None:
         )
         == [(Replicate(),)] * 2
     )
+
+
+def test_empty_shards_skip_the_kernel() -> None:
+    """4 heads split over 3 ranks leave rank 2 no head, on which the CPU flash attention kernel
+    faults (SIGFPE); the empty outputs are made without running it."""
+    q = dyadic((2, 4, 5, 8), seed=4)
+    leaf = q.clone().requires_grad_()
+    ops.attention(leaf, leaf, leaf).sum().backward()
+
+    def fn(mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        qs = cs.distribute(q, mesh, [Shard(1)]).requires_grad_()
+        with cs.strict():
+            out = ops.attention(qs, qs, qs)
+            out.sum().backward()
+        return out.full_tensor(), qs.grad.full_tensor(), tuple(out.to_local().shape)
+
+    results = launch(fn, mesh={"tp": 3})
+    assert results[2][2] == (2, 0, 5, 8)
+    for out, grad, _ in results:
+        torch.testing.assert_close(out, ops.attention(q, q, q), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, leaf.grad, rtol=1e-6, atol=1e-6)

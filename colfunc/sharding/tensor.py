@@ -8,7 +8,17 @@ dispatch and sees global tensors: gradients are ShardedTensors, computed by the 
 
 ``redistribute``, ``full_tensor``, ``to_local`` and ``from_local`` are differentiable. A
 gradient goes back to the placements of the forward input, with Partial replaced by Replicate
-(the transpose of summing pieces is handing each piece the whole gradient).
+(the transpose of summing pieces is handing each piece the whole gradient). At the boundary to
+plain tensors (``to_local``, ``full_tensor``) a replicated value's gradient is taken to be the
+same on every rank, as when every rank computes the same loss from it; code that calls
+collectives on local tensors itself belongs in :func:`colfunc.sharding.shard_map`, whose
+boundary follows the collectives' own convention instead (the plain loop over ranks).
+
+Rules choose how the global ops run, so gradients take the placements that the backward ops
+produce: a split weight gets a gradient split alike, a replicated norm weight a replicated one
+(under tensor parallelism). An embedding table's gradient cannot know how the table was split
+(the backward op sees only ids and gradient) and comes back replicated unless the table is tied
+to a split head; ``grad.redistribute(param.placements)`` is then a local slice.
 
 Example (inside ``launch(fn, mesh={"tp": 2})``)::
 

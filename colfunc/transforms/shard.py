@@ -184,6 +184,48 @@ def _split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
     return tree.map_with_path(split, batch)
 
 
+class _SequenceParallel:
+    """Frame: the residual stream between layers is split on the sequence dim over ``axis``.
+
+    Megatron-LM's sequence parallelism (Korthikanti et al. 2022): outside the tensor-parallel
+    matmuls, each rank keeps only its part of the sequence, so norms and residual adds are not
+    repeated and their activations are not stored whole on every rank. The propagation rules then
+    all-gather the sequence before the column-parallel matmuls and reduce-scatter the row-parallel
+    outputs back onto it, in place of Megatron's all-reduce.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str) -> None:
+        self.mesh, self.axis = mesh, axis
+
+    def split(self, h: torch.Tensor) -> torch.Tensor:
+        n = self.mesh.axis_size(self.axis)
+        if h.dim() < 2 or h.shape[1] % n:
+            raise ValueError(
+                f"shard: sequence parallelism splits the sequence dim over {self.axis!r} "
+                f"(size {n}); the activations have shape {tuple(h.shape)}: use a sequence length "
+                f"divisible by {n}"
+            )
+        if not isinstance(h, ShardedTensor):
+            h = distribute(h, self.mesh)
+        placements = [
+            Shard(1) if a == self.axis else pl for a, pl in zip(self.mesh.axis_names, h.placements)
+        ]
+        return h.redistribute(placements)
+
+    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
+        return inner(lambda layer, x: self.split(block(layer, x)), self.split(h), blocks)
+
+
+def _sequence_frame(plan: dict[str, P], mesh: Mesh, dp: str | None) -> _SequenceParallel:
+    axes = sorted({a for spec in plan.values() for a in spec.axes()} - {dp})
+    if len(axes) != 1:
+        raise ValueError(
+            "shard: sequence_parallel=True needs a plan that splits parameters over exactly one "
+            f"tensor-parallel axis; the plan uses {axes}"
+        )
+    return _SequenceParallel(mesh, axes[0])
+
+
 def shard(
     step: Step,
     mesh: Mesh,
@@ -205,10 +247,6 @@ def shard(
         raise TypeError(f"shard: expected a Step (from cf.train_step), got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard: mesh must be a cf.Mesh (the one launch passes), got {mesh!r}")
-    if sequence_parallel:
-        raise ValueError(
-            "shard: sequence_parallel=True is not available yet; use sequence_parallel=False"
-        )
     if batch_axis is not None and batch_axis not in mesh.axis_names:
         if batch_axis != "dp":
             raise ValueError(
@@ -239,11 +277,17 @@ def shard(
     def layout(params: PyTree) -> PyTree:
         return _place(inner_layout(params), plan_, mesh)
 
+    seq = _sequence_frame(plan_, mesh, dp) if sequence_parallel else None
+
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch = _split_batch(batch, dp, mesh) if dp else batch
-        loss, grads = inner_fb(params, local_batch, extra)
+        if seq is not None:
+            with core.context(seq):
+                loss, grads = inner_fb(params, local_batch, extra)
+        else:
+            loss, grads = inner_fb(params, local_batch, extra)
         if isinstance(loss, ShardedTensor):
             loss = loss.full_tensor()
         # gradients take their parameter's placements (a rule may leave one Partial)

@@ -31,9 +31,13 @@ def _heads_align(q: Spec, kv: Spec, k: int) -> bool:
     return [(o * (H // K), s * (H // K)) for o, s in dim_chunks(K, [k])] == dim_chunks(H, [k])
 
 
-def _attention_rule(n_out: int, n_split: int, q_at: int = 0) -> Any:
+def _attention_rule(
+    n_out: int, n_split: int, q_at: int = 0, grad_bias_at: int | None = None
+) -> Any:
     """A rule for an op whose first ``n_split`` of ``n_out`` outputs are split like the inputs;
-    the query and key are the tensor arguments at ``q_at`` and ``q_at + 1``."""
+    the query and key are the tensor arguments at ``q_at`` and ``q_at + 1``. Where the op also
+    returns the gradient of a bias (positional argument ``grad_bias_at``), it runs replicated: a
+    broadcast bias's gradient would need a sum over the split."""
 
     def attention(*args: Any, **kwargs: Any) -> Plan:
         specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
@@ -41,18 +45,26 @@ def _attention_rule(n_out: int, n_split: int, q_at: int = 0) -> Any:
         mesh = q.mesh
         outs = lambda p: (p,) * n_split + (R,) * (n_out - n_split)  # noqa: E731
         opts: list[Option] = [(outs(R), [R] * len(specs))]
-        opts.append((outs(Shard(0)), [_split(s, 0) for s in specs]))
-        sizes = {mesh.axis_size(a) for a in mesh.axis_names}
-        if all(_heads_align(q, k, n) for n in sizes):
-            opts.append((outs(Shard(1)), [_split(s, 1) for s in specs]))
+        if grad_bias_at is None or not isinstance(args[grad_bias_at], Spec):
+            opts.append((outs(Shard(0)), [_split(s, 0) for s in specs]))
+            sizes = {mesh.axis_size(a) for a in mesh.axis_names}
+            if all(_heads_align(q, k, n) for n in sizes):
+                opts.append((outs(Shard(1)), [_split(s, 1) for s in specs]))
         return pick(specs, opts)
 
     return attention
 
 
+# CPU
 rule(aten._scaled_dot_product_flash_attention_for_cpu)(_attention_rule(2, 2))
 rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)(_attention_rule(3, 3, q_at=1))
-rule(aten._scaled_dot_product_efficient_attention)(_attention_rule(4, 2))
-rule(aten._scaled_dot_product_efficient_attention_backward)(_attention_rule(4, 3, q_at=1))
+# CUDA: flash, memory-efficient and cuDNN kernels (outputs after the first two: RNG state,
+# sequence offsets)
 rule(aten._scaled_dot_product_flash_attention)(_attention_rule(9, 2))
 rule(aten._scaled_dot_product_flash_attention_backward)(_attention_rule(3, 3, q_at=1))
+rule(aten._scaled_dot_product_efficient_attention)(_attention_rule(4, 2))
+rule(aten._scaled_dot_product_efficient_attention_backward)(
+    _attention_rule(4, 3, q_at=1, grad_bias_at=4)
+)
+rule(aten._scaled_dot_product_cudnn_attention)(_attention_rule(9, 2))
+rule(aten._scaled_dot_product_cudnn_attention_backward)(_attention_rule(3, 3, q_at=1))

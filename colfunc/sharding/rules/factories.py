@@ -1,8 +1,9 @@
 """Tensors made from another tensor's metadata: the ``*_like`` and ``new_*`` factories, and copy.
 
 ``zeros_like(x)`` keeps ``x``'s splits (each rank makes its shard's shape) but never its
-Partial: a Partial of ones would sum to the number of ranks. ``new_zeros(size)`` is a new
-replicated tensor of that (global) size.
+Partial: a Partial of ones would sum to the number of ranks. ``x.new_zeros(size)`` likewise when
+``size`` is ``x``'s shape (autograd builds gradient buffers so), else a replicated tensor. A copy
+into ``x`` takes ``x``'s placements.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def like(x: Spec, *args: Any, **kwargs: Any) -> Placements:
 def new(x: Spec, size: Sequence[int], *args: Any, **kwargs: Any) -> Plan:
     if tuple(size) != x.shape:
         return Plan(outputs=(R,) * len(x.placements))
-    # x's shape (autograd makes gradient buffers this way): x's splits, each rank its shard
     pl = like(x)
     return Plan(outputs=pl, args=(x, x.local_shape(pl), *args), kwargs=kwargs)
 

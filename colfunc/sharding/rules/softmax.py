@@ -16,7 +16,7 @@ import torch
 
 from colfunc.sharding import comm
 from colfunc.sharding.mesh import Mesh
-from colfunc.sharding.placement import Partial, Placements, Shard
+from colfunc.sharding.placement import Partial, Shard
 from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
 aten = torch.ops.aten
@@ -28,10 +28,6 @@ def _options(n_inputs: int, ndim: int, linear_first: bool) -> list[Option]:
     if linear_first:
         opts += [(Partial(op), [Partial(op)] + [R] * (n_inputs - 1)) for op in ("sum", "avg")]
     return opts
-
-
-def _split_axes(x: Spec, dim: int, pl: Placements) -> tuple[str, ...]:
-    return x.axes_on(dim, pl)
 
 
 def _row_max(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -55,7 +51,7 @@ def _forward(log: bool) -> Any:
         dim = dim % max(x.ndim, 1)
         plan = pick([x], _options(1, x.ndim, False))
         assert plan.inputs is not None and plan.inputs[0] is not None
-        axes = _split_axes(x, dim, plan.inputs[0])
+        axes = x.axes_on(dim, plan.inputs[0])
         if not axes:
             return plan
 
@@ -76,7 +72,7 @@ def _backward(log: bool) -> Any:
         dim = dim % max(grad.ndim, 1)
         plan = pick([grad, output], _options(2, grad.ndim, True))
         assert plan.inputs is not None and plan.inputs[1] is not None
-        axes = _split_axes(grad, dim, plan.inputs[1])
+        axes = grad.axes_on(dim, plan.inputs[1])
         if not axes:
             return plan
 
