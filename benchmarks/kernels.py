@@ -74,8 +74,9 @@ def attention_rows(peak_tflops: float | None) -> None:
 def _attention_case(
     B: int, H: int, Hkv: int, T: int, D: int, causal: bool, peak_tflops: float | None
 ) -> None:
-    from colfunc.kernels import attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from colfunc.kernels import attention
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v = (
@@ -196,7 +197,6 @@ def _norm_rows(peak_gbps: float | None) -> None:
 def _cross_entropy_rows(peak_gbps: float | None) -> None:
     """Forward reads the logits; backward reads them and writes their gradient."""
     from colfunc.kernels import cross_entropy
-
     from colfunc.ops import reference
 
     N, V = CE_SHAPE
@@ -228,7 +228,6 @@ def _cross_entropy_rows(peak_gbps: float | None) -> None:
 def _rope_row(peak_gbps: float | None) -> None:
     """Reads x, writes the rotated x (the tables are negligible)."""
     from colfunc.kernels import rope
-
     from colfunc.ops import reference
 
     x = _randn(*ROPE_SHAPE).requires_grad_()

@@ -17,9 +17,9 @@ from colfunc import (
     tree,
 )
 from colfunc.core import Layered, P, layered, scan_layers
-from colfunc.sharding import Mesh, launch
+from colfunc.sharding import Mesh, launch, shard_map
 from colfunc.step import Step, TrainState, full_state, train_step
-from colfunc.transforms import amp, remat, shard, zero
+from colfunc.transforms import amp, pipeline, remat, shard, zero
 
 __version__ = "0.1.0"
 
@@ -42,10 +42,12 @@ __all__ = [
     "nn",
     "ops",
     "optim",
+    "pipeline",
     "random",
     "remat",
     "scan_layers",
     "shard",
+    "shard_map",
     "sharding",
     "testing",
     "train_step",

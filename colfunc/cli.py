@@ -76,7 +76,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.name is not None:
             cfg = config.override(cfg, [f"train.name={args.name}"])
         stem = Path(args.config).stem if args.config else "gpt_tiny"
-        name = cfg.train.name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # under torchrun every rank must pick the same name: the launch's id makes it unique
+        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+        name = cfg.train.name or f"{stem}-{stamp}"
         with _threads(args.threads):
             train.run(cfg, Path(cfg.train.out_dir) / name, progress=not args.no_progress)
         return 0
@@ -148,6 +150,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from colfunc.sharding import run_cli
+
+    if args.target == "train":  # every rank runs `python -m colfunc train ...`
+        script, rest = "-m", ["colfunc", "train", *args.args]
+    elif args.target.endswith(".py"):
+        if not Path(args.target).is_file():
+            raise ValueError(f"colfunc run: no such script {args.target!r}")
+        script, rest = args.target, list(args.args)
+    else:
+        raise ValueError(
+            f"colfunc run: {args.target!r} is neither a .py script nor a colfunc command (train)"
+        )
+    return run_cli(
+        args.n,
+        script,
+        rest,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="colfunc", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -178,6 +204,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser(
+        "run",
+        help="run a script, or a colfunc command such as train, as N ranks under torchrun",
+    )
+    p.add_argument(
+        "-n", "--nproc-per-node", dest="n", type=int, required=True, help="ranks per node"
+    )
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("target", help="a script.py, or a colfunc command (train)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_run)
+
     p = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
     p.add_argument("name")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -186,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from colfunc.sharding import RankFailedError
+
     """Run the ``colfunc`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     try:
         args = _parser().parse_args(argv)
@@ -195,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: Any = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RankFailedError) as e:
+        if isinstance(e, RankFailedError):  # a parallel run: report the rank's own error
+            if not isinstance(e.__cause__, ValueError | OSError):
+                raise
+            e = e.__cause__
         message = " ".join(str(e).split())  # one line, whatever the message
         print(f"colfunc: error: {message}", file=sys.stderr)
         return 2

@@ -141,7 +141,7 @@ class TrainConfig:
 
     steps: int = 300
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 8
     seed: int = 0
     name: str = ""

@@ -13,7 +13,7 @@ next frame's version (finally the plain loop).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -164,7 +164,7 @@ class Layered:
         post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
         *,
         name: str = "layered",
-        divisors: dict[str, int] | None = None,
+        divisors: Mapping[str, int | None] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
             if not callable(fn):
@@ -192,7 +192,7 @@ def layered(
     post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
     *,
     name: str = "layered",
-    divisors: dict[str, int] | None = None,
+    divisors: Mapping[str, int | None] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
 

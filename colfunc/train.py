@@ -17,7 +17,9 @@ a resumed run continues exactly: 20 steps equal 10 steps, a checkpoint, and 10 m
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,10 +27,11 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, data, optim, tree
+from colfunc import checkpoint, data, optim, parallel, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.generate import complete
-from colfunc.step import TrainState, train_step
+from colfunc.sharding import Mesh, launch
+from colfunc.step import TrainState, full_state, train_step
 
 __all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "plot", "run"]
 
@@ -175,28 +178,55 @@ def run(
     checkpoint resumes it: training continues from ``state.step`` and appends to the run folder.
     ``stop_at`` ends the run early at that step (the learning-rate schedule still spans
     ``train.steps``). Ctrl-C saves a checkpoint before it stops.
+
+    With a ``parallel`` section the same loop runs on every rank of its mesh (threads in this
+    process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder, whose
+    checkpoint then holds the gathered parameters (the model, for ``colfunc generate``) but not
+    the sharded optimizer state, so such a run cannot be resumed yet.
     """
     run_dir = Path(run_dir)
-    if cfg.parallel:
+    pc = parallel.parse(cfg.parallel) if cfg.parallel else None
+    if pc is not None and state is not None:
         raise ValueError(
-            f"parallel={cfg.parallel!r}: parallel training is not available in `colfunc train` "
-            f"yet; remove the parallel section or leave it empty"
+            "resuming a run with a parallel section is not available yet (its checkpoint holds "
+            "the parameters only); start a new run"
         )
-    if state is None and run_dir.exists():
+    lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
+    if state is None and lead_process and run_dir.exists():
         raise ValueError(
             f"run folder {str(run_dir)!r} already exists; pick another name (--name) or "
             f"continue it with --resume {run_dir}"
         )
     t_start = time.perf_counter()
+    corpus = data.load_corpus(cfg.data.corpus, cfg.data.val_fraction)
+    _check_corpus(corpus, cfg)
+    body = functools.partial(_train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start)
+    if pc is None:
+        return body(None)
+    return launch(body, mesh=pc.mesh_shape, backend=parallel.backend(pc), timeout=600.0)[0]
+
+
+def _train(
+    cfg: RunConfig,
+    run_dir: Path,
+    corpus: data.Corpus,
+    state: TrainState | None,
+    stop_at: int | None,
+    progress: bool,
+    pc: parallel.ParallelConfig | None,
+    t_start: float,
+    mesh: Mesh | None,
+) -> TrainState:
+    """The loop on one rank (``mesh`` None: the single-device run); rank 0 does all the I/O."""
+    lead = mesh is None or mesh.rank == 0
     tc, dc = cfg.train, cfg.data
     stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
     tokens_per_step = dc.batch_size * dc.seq_len
-
-    corpus = data.load_corpus(dc.corpus, dc.val_fraction)
-    _check_corpus(corpus, cfg)
     model = model_module(cfg.model)
     loss_fn = model.loss(cfg.model)
     step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps))
+    if pc is not None and mesh is not None:
+        step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
     fresh = step_fn.init(model.init(cfg.model, seed=tc.seed))
     if state is not None:
         _check_resumable(state, fresh)
@@ -204,16 +234,32 @@ def run(
         data.batch_at(corpus.val, dc.batch_size, dc.seq_len, dc.seed, i)
         for i in range(tc.eval_batches)
     ]
-    log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start)
+
+    def validation(state: TrainState) -> float | None:
+        # a collective under a mesh (the parameters are gathered), evaluated on rank 0
+        params = state.params if mesh is None else full_state(state).params
+        return evaluate(loss_fn, params, val_batches) if lead else None
+
+    def saved(state: TrainState) -> TrainState:
+        if mesh is None:
+            return state
+        return TrainState(full_state(state).params, (), state.step, {})
+
+    log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
     state = fresh if state is None else state
-    n_params = sum(x.numel() for x in tree.tensors(state.params))
-    print(
-        f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
-        f"({n_params / 1e6:.2f}M parameters) on {dc.corpus!r} ({corpus.train.numel() / 1e6:.1f} "
-        f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) on {torch.get_num_threads()} "
-        f"CPU threads into {run_dir}/",
-        flush=True,
+    n_params = sum(x.numel() for x in tree.tensors(model.init(cfg.model, seed=tc.seed)))
+    where = (
+        f"{torch.get_num_threads()} CPU threads"
+        if mesh is None
+        else f"mesh {mesh.shape} ({mesh.backend})"
     )
+    if lead:
+        print(
+            f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
+            f"({n_params / 1e6:.2f}M parameters) on {dc.corpus!r} ({corpus.train.numel() / 1e6:.1f} "
+            f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) on {where} into {run_dir}/",
+            flush=True,
+        )
 
     from tqdm import tqdm
 
@@ -221,7 +267,7 @@ def run(
         total=stop,
         initial=state.step,
         unit="step",
-        disable=not progress,
+        disable=not (progress and lead),
         mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
         dynamic_ncols=True,
     )
@@ -230,7 +276,9 @@ def run(
     t_interval = time.perf_counter()
     try:
         if state.step == 0:
-            log.emit({"step": 0, "val_loss": evaluate(loss_fn, state.params, val_batches)})
+            val = validation(state)
+            if log is not None:
+                log.emit({"step": 0, "val_loss": val})
         while state.step < stop:
             batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
             state, metrics = step_fn(state, batch)
@@ -242,31 +290,37 @@ def run(
             seconds = time.perf_counter() - t_interval
             record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
             if s % tc.eval_every == 0 or s == stop:
-                record["val_loss"] = evaluate(loss_fn, state.params, val_batches)
-            log.emit(record)
+                record["val_loss"] = validation(state)
+            if log is not None:
+                log.emit(record)
             shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
-            if "val_loss" in record:
+            if record.get("val_loss") is not None:
                 shown["val"] = f"{record['val_loss']:.3f}"
             bar.set_postfix(shown, refresh=False)
             losses, t_interval = [], time.perf_counter()
     except KeyboardInterrupt:
         bar.close()  # before the message below, so the bar does not redraw over it
-        if losses:  # the steps since the last record, so that the history is complete
-            seconds = time.perf_counter() - t_interval
-            log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
-        checkpoint.save(run_dir / CHECKPOINT, state, cfg)
-        plot(log.records, run_dir / PLOT, title=run_dir.name)
-        print(
-            f"colfunc: interrupted at step {state.step}; checkpoint saved. Continue with: "
-            f"colfunc train --resume {run_dir}",
-            file=sys.stderr,
-        )
+        if log is not None and mesh is None:
+            if losses:  # the steps since the last record, so that the history is complete
+                seconds = time.perf_counter() - t_interval
+                log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
+            checkpoint.save(run_dir / CHECKPOINT, state, cfg)
+            plot(log.records, run_dir / PLOT, title=run_dir.name)
+            print(
+                f"colfunc: interrupted at step {state.step}; checkpoint saved. Continue with: "
+                f"colfunc train --resume {run_dir}",
+                file=sys.stderr,
+            )
         raise
     finally:
         bar.close()
-        log.close()
+        if log is not None:
+            log.close()
 
-    checkpoint.save(run_dir / CHECKPOINT, state, cfg)
+    final = saved(state)
+    if log is None:
+        return state
+    checkpoint.save(run_dir / CHECKPOINT, final, cfg)
     plot(log.records, run_dir / PLOT, title=run_dir.name)
     last_val = next((r["val_loss"] for r in reversed(log.records) if "val_loss" in r), None)
     val_text = f", validation loss {last_val:.3f} nats/byte" if last_val is not None else ""
@@ -275,6 +329,6 @@ def run(
         flush=True,
     )
     if tc.sample_tokens:
-        text = complete(cfg, state.params, tc.sample_prompt, tc.sample_tokens)
+        text = complete(cfg, final.params, tc.sample_prompt, tc.sample_tokens)
         print(f"--- sample (temperature 0.8, top-k 40) ---\n{text}\n---", flush=True)
     return state

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+
 from colfunc.kernels import checks
 
 __all__ = ["adamw_"]

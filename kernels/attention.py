@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
 from colfunc.kernels import checks
 
 __all__ = ["attention"]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
 from colfunc.kernels import checks
 
 __all__ = ["rope"]

@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from colfunc.kernels import adamw, attention, cross_entropy, norms, rope
-
 import colfunc.ops as ops
+from colfunc.kernels import adamw, attention, cross_entropy, norms, rope
 from colfunc.ops import reference
 
 _STALE = [m.__name__ for m in (adamw, attention, cross_entropy, norms, rope) if not m.INTERPRETED]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from colfunc.kernels import checks
 
 import colfunc.ops as ops
+from colfunc.kernels import checks
 from colfunc.ops import dispatch, reference
 
 KERNEL_MODULES = {

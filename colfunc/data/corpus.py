@@ -135,9 +135,8 @@ def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
 
     # Every file landed on one side: split the concatenation by position instead.
     everything = _to_tensor(train + val)
-    files = tuple(sorted(train_files + val_files))
-    n_val = max(1, round(everything.numel() * val_fraction))
     if everything.numel() < 2:
-        raise ValueError(f"corpus {source!r} has {everything.numel()} byte; it cannot be split")
-    cut = everything.numel() - n_val
+        raise ValueError(f"corpus {source!r} has a single byte; it cannot be split")
+    cut = everything.numel() - max(1, round(everything.numel() * val_fraction))
+    files = tuple(train_files + val_files)  # one side is empty: still in sorted order
     return Corpus(everything[:cut], everything[cut:], files, (), "tail")

@@ -37,7 +37,16 @@ from colfunc.sharding.ledger import ring_bytes
 from colfunc.sharding.mesh import Axes, Mesh, current_mesh
 from colfunc.sharding.world import Call, combine
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "ppermute",
+    "recv",
+    "reduce_scatter",
+    "send",
+]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -325,3 +334,66 @@ def broadcast(x: torch.Tensor, axis: Axes, src: int = 0, mesh: Mesh | None = Non
             f"broadcast: src={src!r} is not a group index in [0, {n}) of axis {axis!r}"
         )
     return _Broadcast.apply(x, mesh, axes, src)
+
+
+# --- point to point (not differentiable: a pipeline schedule drives its own backward) ----------
+
+
+def _peer(mesh: Mesh, axes: tuple[str, ...], index: Any, name: str, what: str) -> int:
+    group = mesh.group_ranks(axes)
+    if mesh.world is None:
+        raise RuntimeError(
+            f"{name} on {mesh!r}: this mesh has no backend world; run the code under "
+            "colfunc.sharding.launch(fn, mesh=...)"
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(group):
+        raise ValueError(
+            f"{name}: {what}={index!r} is not a group index in [0, {len(group)}) of axis {axes!r}"
+        )
+    if group[index] == mesh.rank:
+        raise ValueError(f"{name}: {what}={index} is this rank itself; keep the tensor instead")
+    return group[index]
+
+
+def _tag(tag: Any, name: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"{name}: tag must be an int >= 0, got {tag!r}")
+    return tag
+
+
+def send(x: torch.Tensor, axis: Axes, dst: int, *, tag: int = 0, mesh: Mesh | None = None) -> Any:
+    """Send ``x`` to group index ``dst`` of ``axis`` without waiting for the receiver.
+
+    Returns a request whose ``wait()`` returns once ``x`` may be modified again (on the threads
+    backend at once: the message is a copy). The receiver calls :func:`recv` with the same
+    ``tag``; messages between two ranks are matched by tag, so each (sender, receiver, tag) is
+    used once at a time. The ledger counts the tensor's bytes as op ``"send"``.
+    """
+    mesh, axes = _prepare(x, axis, mesh, "send")
+    peer = _peer(mesh, axes, dst, "send", "dst")
+    tag = _tag(tag, "send")
+    if mesh.ledger.enabled:
+        mesh.ledger.record("send", axes[0] if len(axes) == 1 else axes, x.numel() * x.element_size())
+    return mesh.world.send(mesh.rank, peer, x.detach(), tag)
+
+
+def recv(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    axis: Axes,
+    src: int,
+    *,
+    tag: int = 0,
+    device: torch.device | str | None = None,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """Wait for the tensor that group index ``src`` of ``axis`` sent with ``tag``; a new tensor.
+
+    ``shape`` and ``dtype`` must be those sent: a different one raises on the threads backend
+    (``CollectiveMismatchError`` naming both ranks) and is undefined on the others.
+    """
+    mesh = mesh if mesh is not None else current_mesh()
+    axes = mesh.axes(axis)
+    peer = _peer(mesh, axes, src, "recv", "src")
+    shape = tuple(int(n) for n in shape)
+    return mesh.world.recv(mesh.rank, peer, shape, dtype, _tag(tag, "recv"), device)

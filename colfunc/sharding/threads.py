@@ -66,6 +66,7 @@ class ThreadWorld:
         self._ended: set[int] = set()
         self.failure: tuple[int | None, BaseException] | None = None
         self._ledgers = [Ledger() for _ in range(size)]
+        self._mail: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (src, dst, tag)
 
     def ledger(self, rank: int) -> Ledger:
         return self._ledgers[rank]
@@ -103,6 +104,50 @@ class ThreadWorld:
                     self._cond.wait()
                 if rnd.finished < len(key):
                     self._raise_if_failed(rank, call, x)
+
+    # --- point to point: a mailbox per (sender, receiver, tag) --------------------------------
+    def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Sent:
+        message = x.clone(memory_format=torch.contiguous_format)  # the sender may reuse x
+        with self._cond:
+            self._mail.setdefault((rank, dst, tag), []).append(message)
+            self._cond.notify_all()
+        return _Sent()
+
+    def recv(
+        self,
+        rank: int,
+        src: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: int,
+        device: Any,
+    ) -> torch.Tensor:
+        key = (src, rank, tag)
+        what = f"recv(src=rank {src}, tag={tag}, shape={shape}, dtype={dtype})"
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while not self._mail.get(key):
+                if self.failure is not None:
+                    failed, exc = self.failure
+                    raise RankFailedError(
+                        f"rank {rank}: {what} abandoned because rank {failed} failed: "
+                        f"{type(exc).__name__}: {exc}",
+                        rank=failed,
+                    )
+                left = deadline - time.monotonic()
+                if src in self._ended or left <= 0:
+                    why = "returned" if src in self._ended else f"sent nothing in {self.timeout} s"
+                    raise CollectiveTimeoutError(f"rank {rank}: {what}: rank {src} {why}")
+                self._cond.wait(left)
+            queue = self._mail[key]
+            x = queue.pop(0)
+            if not queue:
+                del self._mail[key]
+        if tuple(x.shape) != shape or x.dtype != dtype:
+            raise CollectiveMismatchError(
+                f"rank {rank}: {what}, but rank {src} sent shape {tuple(x.shape)}, dtype {x.dtype}"
+            )
+        return x if device is None else x.to(device)
 
     def _wait_complete(self, rank: int, key: tuple[int, ...], rnd: _Round) -> None:
         self._waiting[rank] = rnd
@@ -209,6 +254,13 @@ class ThreadWorld:
                     break
                 self._cond.wait(left)
             return [r for r in range(self.size) if r not in self._ended]
+
+
+class _Sent:
+    """A completed send: the threads backend copies the message when it is sent."""
+
+    def wait(self) -> None:
+        return None
 
 
 def _mismatch(

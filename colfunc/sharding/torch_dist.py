@@ -118,6 +118,25 @@ class TorchWorld:
             raise ValueError(f"unknown collective {op!r}")
         return out
 
+    def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Request:
+        x = x.contiguous()  # kept alive by the request until the transfer is done
+        return _Request(dist.isend(x, dst, tag=tag), x)
+
+    def recv(
+        self,
+        rank: int,
+        src: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: int,
+        device: Any,
+    ) -> torch.Tensor:
+        if device is None:
+            device = torch.device("cuda") if self.name == "nccl" else torch.device("cpu")
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out, src, tag=tag)
+        return out
+
     def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
         out = None
         p2p = []
@@ -135,6 +154,16 @@ class TorchWorld:
             for work in dist.batch_isend_irecv(p2p):
                 work.wait()
         return out if out is not None else torch.zeros_like(xc)
+
+
+class _Request:
+    """An ``isend`` in progress and the buffer it reads."""
+
+    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
+        self.work, self.buffer = work, buffer
+
+    def wait(self) -> None:
+        self.work.wait()
 
 
 # --- launching -------------------------------------------------------------------------------

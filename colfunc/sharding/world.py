@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -72,6 +72,22 @@ class World(Protocol):
 
     def collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
         """Run ``call`` with this rank's input ``x``; return a new tensor (never ``x`` itself)."""
+        ...
+
+    def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> Any:
+        """Start sending ``x`` to global rank ``dst``; a request with ``wait()``."""
+        ...
+
+    def recv(
+        self,
+        rank: int,
+        src: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: int,
+        device: Any,
+    ) -> torch.Tensor:
+        """Wait for the tensor global rank ``src`` sent to this rank with ``tag``."""
         ...
 
 

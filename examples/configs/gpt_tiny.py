@@ -25,7 +25,7 @@ data = DataConfig(corpus="stdlib", val_fraction=0.05, batch_size=16, seq_len=128
 train = TrainConfig(
     steps=300,
     log_every=10,
-    eval_every=100,
+    eval_every=50,
     eval_batches=8,
     seed=0,
     name="",

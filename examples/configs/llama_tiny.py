@@ -15,4 +15,4 @@ optim = OptimConfig(lr=3e-3, weight_decay=0.1, clip_norm=1.0, warmup_steps=50)
 
 data = DataConfig(corpus="stdlib", batch_size=16, seq_len=128)
 
-train = TrainConfig(steps=300, eval_every=100)
+train = TrainConfig(steps=300, eval_every=50)

@@ -1,0 +1,400 @@
+"""Data and tensor parallel training steps on gloo: colfunc against PyTorch's own, side by side.
+
+In one gloo world of N processes (N = 2 and 4), each colfunc scheme runs with its PyTorch peer on
+the same GPT-2 weights and the same global batches, in the same processes, interleaved step by
+step (the order alternates every step; every rank starts each side's step at a barrier):
+
+- ``zero0``: ``cf.zero(cf.shard(step, mesh), stage=0)`` on ``{"dp": N}`` against
+  ``DistributedDataParallel``;
+- ``zero3``: ``cf.zero(cf.shard(step, mesh), stage=3)`` on ``{"dp": N}`` against FSDP2,
+  ``fully_shard`` on every block and then on the root;
+- ``tp2``: ``cf.shard(step, mesh, plan=gpt.tp_plan)`` on ``{"tp": 2}`` (``{"dp": N/2, "tp": 2}``
+  for N = 4) against DTensor ``parallelize_module`` with ``ColwiseParallel`` on q/k/v/fc and
+  ``RowwiseParallel`` on o/proj (wrapped in DDP over ``dp`` for N = 4). The peer keeps the tied
+  embedding replicated, where ``gpt.tp_plan`` splits it over the vocabulary.
+
+The peer is the nn.Module GPT-2 of ``single_device.py`` with fused ``torch.optim.AdamW``; it
+takes its rank's slice of the global batch. Printed per scheme, from rank 0: median step times,
+the median over steps of the ratio ours/torch (goal: at most 1.0), bytes each rank sends per
+step, collectives per step, and the largest gap between the two sides' losses (the global-batch
+mean on both). Our bytes come from the colfunc ledger. Torch's are counted from the collectives
+PyTorch issues in one step (a dispatch mode sees them, those of DDP's C++ reducer included) and
+sized with the ledger's ring formulas, so the two columns compare like with like; the same
+counter run over our step checks our ledger where it can see our collectives. Bytes and calls
+come from one extra untimed step after the timed ones (the counter slows a step down).
+
+With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
+those timings are contended and say more about scheduling than about either library.
+
+    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes zero0,zero3,tp2]
+                                       [--procs 2,4] [--steps 10] [--warmup 3]
+    colfunc bench data_parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from single_device import GPT, Block  # the nn.Module peer, beside this file
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import colfunc as cf
+from colfunc import core, models, optim
+from colfunc.sharding.ledger import Ledger, ring_bytes
+from colfunc.sharding.torch_dist import TorchWorld
+
+gpt = models.gpt
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+SCHEMES = {"zero0": "DDP", "zero3": "FSDP2", "tp2": "DTensor TP"}
+# config -> (batch size, world sizes, timed steps, warm-up steps): small runs on 2 processes only,
+# so that the whole benchmark stays within about five minutes on 2 cores
+SIZES = {
+    "tiny": (gpt.Config.tiny, 16, (2, 4), 10, 3),
+    "small": (gpt.Config.small, 8, (2,), 4, 1),
+}
+
+
+# --- the tensor-parallel peer ----------------------------------------------------------------
+
+
+class HeadsBlock(Block):
+    """``Block`` that reads the head count off its q/k/v outputs, so it runs on this rank's heads
+    when q/k/v are column-parallel (and on all of them when they are not)."""
+
+    def __init__(self, cfg: gpt.Config) -> None:
+        super().__init__(cfg)
+        self.head_dim = cfg.d_model // cfg.n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        E = self.head_dim
+        q, k, v = (m(h).unflatten(-1, (-1, E)).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).flatten(2))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class HeadsGPT(GPT):
+    def __init__(self, cfg: gpt.Config) -> None:
+        super().__init__(cfg)
+        self.blocks = nn.ModuleList(HeadsBlock(cfg) for _ in range(cfg.n_layer))
+
+
+def torch_peer(scheme: str, cfg: gpt.Config, params: Any, shape: dict[str, int]) -> Any:
+    """(model, optimizers, data-parallel process group) of the PyTorch peer of ``scheme``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model: nn.Module = (HeadsGPT if scheme == "tp2" else GPT)(cfg)
+    model.load_colfunc(params)  # type: ignore[operator]
+    dp_group = dist.group.WORLD
+    if scheme == "zero0":
+        model = DDP(model)
+    elif scheme == "zero3":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+        plan = {}
+        for i in range(cfg.n_layer):
+            plan |= {f"blocks.{i}.{m}": ColwiseParallel() for m in ("q", "k", "v", "fc")}
+            plan |= {f"blocks.{i}.{m}": RowwiseParallel() for m in ("o", "proj")}
+        parallelize_module(model, mesh["tp"], plan)
+        if "dp" in shape:
+            _pre_dp_module_transform(model)  # DDP takes local tensors, not DTensors
+            dp_group = mesh["dp"].get_group()
+            model = DDP(model, process_group=dp_group)
+        else:
+            dp_group = None
+    # fused AdamW takes plain tensors or DTensors, not both at once: one optimizer for each kind
+    kinds: dict[bool, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        kinds.setdefault(isinstance(p, DTensor), []).append(p)
+    opts = [torch.optim.AdamW(ps, fused=True, **ADAMW) for ps in kinds.values()]  # type: ignore[arg-type]
+    return model, opts, dp_group
+
+
+def ours(scheme: str, cfg: gpt.Config, mesh: cf.Mesh) -> cf.Step:
+    ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW))  # type: ignore[arg-type]
+    if scheme == "tp2":
+        return cf.shard(ref, mesh, plan=gpt.tp_plan)
+    return cf.zero(cf.shard(ref, mesh), stage=int(scheme[-1]))
+
+
+# --- counting torch's collectives ------------------------------------------------------------
+
+# c10d op -> (ledger op, index of the tensor(s) whose size the ring formula names, index of the
+# process group); the gathered size of a list-form all_gather is n times its input
+_C10D = {
+    "allreduce_": ("all_reduce", 0, 1),
+    "_allgather_base_": ("all_gather", 0, 2),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 2),
+    "allgather_": ("all_gather", 1, 2),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 2),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
+    "reduce_scatter_": ("reduce_scatter", 1, 2),
+    "alltoall_base_": ("all_to_all", 1, 2),
+    "broadcast_": ("broadcast", 0, 1),
+}
+_FUNCTIONAL = {  # _c10d_functional op -> (ledger op, index of its group name)
+    "all_reduce": ("all_reduce", 2),
+    "all_gather_into_tensor": ("all_gather", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 3),
+    "all_to_all_single": ("all_to_all", 3),
+    "broadcast": ("broadcast", 2),
+}
+
+
+_NO_PAYLOAD = {"barrier", "wait_tensor", "_wrap_tensor_autograd"}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(y) for y in x) if isinstance(x, list | tuple) else 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the bytes this rank sends in every collective dispatched under it, per (op, axis),
+    with the ledger's ring formulas. ``axes`` names process groups by their ordered ranks."""
+
+    def __init__(self, axes: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.axes, self.ledger, self.calls = axes, Ledger(), 0
+        self.unknown: set[str] = set()
+
+    def record(self, op: str, group: Any, size_of: Any, gathered: bool = False) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        nbytes = _nbytes(size_of) * (len(ranks) if gathered else 1)
+        sends = op != "broadcast" or dist.get_rank() != ranks[-1]
+        key = self.axes.get(ranks, str(ranks))
+        self.calls += 1
+        self.ledger.record(op, key, ring_bytes(op, nbytes, len(ranks), sends=sends))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name.split("::")[-1]
+        if func.namespace == "c10d" and name in _C10D:
+            op, at, pg = _C10D[name]
+            self.record(op, dist.ProcessGroup.unbox(args[pg]), args[at], name == "allgather_")
+        elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            op, at = _FUNCTIONAL[name]
+            group = dist.distributed_c10d._resolve_process_group(args[at])
+            self.record(op, group, args[0], op == "all_gather")
+        elif func.namespace in ("c10d", "_c10d_functional") and name not in _NO_PAYLOAD:
+            self.unknown.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _axes_by_group(mesh: cf.Mesh) -> dict[tuple[int, ...], str]:
+    names = {tuple(range(mesh.size)): "world"}
+    for axis in mesh.axis_names:
+        names[mesh.group_ranks(axis)] = axis
+    return names
+
+
+def _show(led: Ledger) -> str:
+    parts = [f"{op} {axis} {b / 1e6:.3f}" for (op, axis), b in sorted(led.as_dict().items()) if b]
+    return "; ".join(parts) or "none"
+
+
+# --- one comparison --------------------------------------------------------------------------
+
+
+def compare(
+    mesh: cf.Mesh, scheme: str, cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+) -> dict[str, Any]:
+    """Run ``scheme`` and its torch peer interleaved on every rank; rank 0's timings and bytes.
+
+    ``steps`` timed steps follow ``warmup`` untimed ones, and one more step counts the bytes.
+    """
+    params = gpt.init(cfg, seed=0)
+    step = ours(scheme, cfg, mesh)
+    state = step.init(params)
+    model, opts, dp_group = torch_peer(scheme, cfg, params, mesh.shape)
+    dp = mesh.shape.get("dp", 1)
+    dp_index = mesh.coords.get("dp", 0)
+    g = torch.Generator().manual_seed(0)
+    T = cfg.max_seq_len
+
+    def theirs(ids: torch.Tensor) -> torch.Tensor:
+        local = ids.chunk(dp, dim=0)[dp_index]
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        loss = model(local, local)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        return loss.detach()
+
+    ours_t, theirs_t, gap = [], [], 0.0
+    counter, check = (
+        CollectiveCounter(_axes_by_group(mesh)),
+        CollectiveCounter(_axes_by_group(mesh)),
+    )
+    with cf.sharding.recording(mesh) as led:
+        for i in range(warmup + steps + 1):
+            ids = torch.randint(0, cfg.vocab_size, (batch_size, T), generator=g)
+            batch = {"input_ids": ids, "labels": ids}
+            last = i == warmup + steps  # the untimed step that counts bytes
+            if last:
+                led.reset()
+                calls = mesh.world.calls
+            times = {}
+            for side in ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours"):
+                mode = (check if side == "ours" else counter) if last else contextlib.nullcontext()
+                dist.barrier()
+                t0 = time.perf_counter()
+                with mode:
+                    if side == "ours":
+                        state, metrics = step(state, batch)
+                    else:
+                        loss = theirs(ids)
+                times[side] = time.perf_counter() - t0
+            if dp_group is not None:  # the global mean, as ours reports
+                dist.all_reduce(loss, group=dp_group)
+                loss /= dist.get_world_size(dp_group)
+            gap = max(gap, abs(float(metrics["loss"]) - float(loss)))
+            if warmup <= i and not last:
+                ours_t.append(times["ours"])
+                theirs_t.append(times["theirs"])
+    gaps = torch.tensor([gap])
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    return {
+        "ours_s": statistics.median(ours_t),
+        "theirs_s": statistics.median(theirs_t),
+        "ratio": statistics.median(a / b for a, b in zip(ours_t, theirs_t)),
+        "ours_bytes": led.bytes(),
+        "ours_calls": mesh.world.calls - calls,
+        "ours_detail": _show(led),
+        "ours_counted": check.ledger.bytes(),
+        "theirs_bytes": counter.ledger.bytes(),
+        "theirs_calls": counter.calls,
+        "theirs_detail": _show(counter.ledger),
+        "unknown": sorted(counter.unknown | check.unknown),
+        "loss_gap": float(gaps),
+    }
+
+
+class CountingWorld(TorchWorld):
+    """A ``TorchWorld`` that counts the collectives it runs (``calls``)."""
+
+    def __init__(self, shape: dict[str, int], rank: int) -> None:
+        super().__init__(shape, rank)
+        self.calls = 0
+
+    def collective(self, rank: int, call: Any, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().collective(rank, call, x)
+
+
+def scheme_mesh(scheme: str, n: int, rank: int) -> cf.Mesh:
+    """``{"dp": N}``, or for tensor parallel ``{"tp": 2}`` (N = 2) or ``{"dp": N/2, "tp": 2}``,
+    over the same world, counting its collectives."""
+    shape = {"dp": n} if scheme != "tp2" else {"tp": 2} if n == 2 else {"dp": n // 2, "tp": 2}
+    return cf.Mesh(shape, rank, world=CountingWorld(shape, rank))
+
+
+def worker(
+    mesh: cf.Mesh, schemes: list[str], cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+) -> list[dict[str, Any]]:
+    """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme."""
+    rows = []
+    for scheme in schemes:
+        m = scheme_mesh(scheme, mesh.size, mesh.rank)
+        with core.context(m):
+            row = compare(m, scheme, cfg, batch_size, steps, warmup)
+        rows.append({"scheme": scheme, "mesh": m.shape, **row})
+    return rows
+
+
+def run(
+    n: int, schemes: list[str], cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+) -> list[dict[str, Any]]:
+    """``worker`` on ``n`` gloo processes; rank 0's rows."""
+    job = functools.partial(
+        worker, schemes=schemes, cfg=cfg, batch_size=batch_size, steps=steps, warmup=warmup
+    )
+    return cf.launch(job, mesh={"dp": n}, backend="gloo", timeout=600)[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=",".join(SIZES), help=f"of {', '.join(SIZES)}")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"of {', '.join(SCHEMES)}")
+    ap.add_argument("--procs", help="gloo world sizes, e.g. 2,4 (default: per config)")
+    ap.add_argument("--steps", type=int, help="timed steps (default: per config)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default: per config)")
+    args = ap.parse_args(argv)
+    schemes = args.schemes.split(",")
+    for name in [*args.configs.split(","), *schemes]:
+        if name not in SIZES and name not in SCHEMES:
+            ap.error(
+                f"unknown config or scheme {name!r}; configs {list(SIZES)}, schemes {list(SCHEMES)}"
+            )
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores; rank 0's medians over interleaved steps"
+    )
+    print(
+        "MB: sent per rank per step (ours: ledger; torch: its collectives counted, ring formulas)"
+    )
+    print("calls: collectives per step\n")
+    print(
+        "| config | ranks | mesh | ours | torch | ours ms | torch ms | ours/torch | ours MB "
+        "| torch MB | ours calls | torch calls | max loss gap |"
+    )
+    print(
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    details = []
+    for name in args.configs.split(","):
+        make, batch_size, procs, steps, warmup = SIZES[name]
+        cfg = make()
+        if args.procs:
+            procs = tuple(int(p) for p in args.procs.split(","))
+        steps = args.steps if args.steps is not None else steps
+        warmup = args.warmup if args.warmup is not None else warmup
+        for n in procs:
+            for r in run(n, schemes, cfg, batch_size, steps, warmup):
+                mesh = "x".join(f"{a}{s}" for a, s in r["mesh"].items())
+                print(
+                    f"| {name} {batch_size}x{cfg.max_seq_len} | {n} | {mesh} | {r['scheme']} "
+                    f"| {SCHEMES[r['scheme']]} | {r['ours_s'] * 1e3:.1f} "
+                    f"| {r['theirs_s'] * 1e3:.1f} | {r['ratio']:.3f} | {r['ours_bytes'] / 1e6:.3f} "
+                    f"| {r['theirs_bytes'] / 1e6:.3f} | {r['ours_calls']} | {r['theirs_calls']} "
+                    f"| {r['loss_gap']:.1e} |",
+                    flush=True,
+                )
+                details.append((name, n, r))
+    print("\nMB per op and axis; 'counted' is the torch counter run over our step, which sees")
+    print("collectives outside ShardedTensor dispatch only (so not tensor parallel's):")
+    for name, n, r in details:
+        print(
+            f"- {name} {n} ranks {r['scheme']}: ours {r['ours_detail']} (counted "
+            f"{r['ours_counted'] / 1e6:.3f}); torch {r['theirs_detail']}"
+        )
+        if r["unknown"]:
+            print(f"  collectives not counted: {', '.join(r['unknown'])}")
+
+
+if __name__ == "__main__":
+    main()

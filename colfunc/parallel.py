@@ -1,0 +1,135 @@
+"""The ``parallel`` section of a config file: a mesh and the transforms that compose the step.
+
+::
+
+    parallel = dict(
+        data=2,                                        # data-parallel ranks ("dp")
+        tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan)
+        pipeline=dict(stages=2, microbatches=8, schedule="1f1b"),  # "pp"
+        zero=dict(stage=2),                            # or zero=2
+        amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
+        remat="full",                                  # or "save_matmuls", "none"
+        backend="threads",                             # "threads" or "gloo"; "env" under torchrun
+    )
+
+The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
+zero, amp, remat: ``remat(amp(zero(shard(pipeline(step), mesh, plan))))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from colfunc.sharding import Mesh
+from colfunc.step import Step
+
+__all__ = ["ParallelConfig", "build", "parse"]
+
+_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "backend")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """A validated ``parallel`` section (see the module docs)."""
+
+    data: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    pipeline: dict[str, Any] | None = None
+    zero: int | None = None
+    amp: dict[str, Any] | None = None
+    remat: str = "none"
+    backend: str = "threads"
+
+    def __post_init__(self) -> None:
+        for name in ("data", "tensor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
+            raise ValueError(f"parallel: zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.backend not in ("threads", "gloo", "nccl", "env"):
+            raise ValueError(
+                f"parallel: backend must be 'threads', 'gloo', 'nccl' or 'env', got {self.backend!r}"
+            )
+
+    @property
+    def stages(self) -> int:
+        return int(self.pipeline.get("stages", 1)) if self.pipeline else 1
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """``{"dp": data, "pp": stages, "tp": tensor}``; ``pp`` and ``tp`` only when above 1."""
+        shape = {"dp": self.data, "pp": self.stages, "tp": self.tensor}
+        return {a: n for a, n in shape.items() if n > 1 or a == "dp"}
+
+
+def parse(section: dict[str, Any]) -> ParallelConfig:
+    """A :class:`ParallelConfig` from a config's ``parallel`` dict; ValueError naming bad keys."""
+    if not isinstance(section, dict):
+        raise ValueError(f"parallel must be a dict, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"parallel has unknown key {unknown[0]!r}; the keys are {list(_KEYS)}")
+    kw: dict[str, Any] = {
+        k: section[k] for k in ("data", "pipeline", "remat", "backend") if k in section
+    }
+    tensor = section.get("tensor", 1)
+    if isinstance(tensor, dict):
+        extra = sorted(set(tensor) - {"size", "sequence_parallel"})
+        if extra:
+            raise ValueError(
+                f"parallel['tensor'] has unknown key {extra[0]!r}; use size= and sequence_parallel="
+            )
+        kw["tensor"] = tensor.get("size", 1)
+        kw["sequence_parallel"] = bool(tensor.get("sequence_parallel", False))
+    else:
+        kw["tensor"] = tensor
+    zero = section.get("zero")
+    if isinstance(zero, dict):
+        if set(zero) - {"stage"}:
+            raise ValueError(f"parallel['zero'] takes only stage=, got {sorted(zero)}")
+        zero = zero.get("stage", 1)
+    kw["zero"] = zero
+    amp = section.get("amp")
+    kw["amp"] = {"dtype": amp} if isinstance(amp, str) else amp
+    if kw["amp"] is not None and not isinstance(kw["amp"], dict):
+        raise ValueError(f"parallel['amp'] must be a dtype name or a dict, got {amp!r}")
+    if kw.get("pipeline") is not None and not isinstance(kw["pipeline"], dict):
+        raise ValueError(
+            f"parallel['pipeline'] must be a dict like dict(stages=2, microbatches=8), got "
+            f"{kw['pipeline']!r}"
+        )
+    return ParallelConfig(**kw)
+
+
+def backend(pc: ParallelConfig) -> str:
+    """The launch backend: ``env`` when this process is already one rank under ``torchrun``."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "env"
+    return pc.backend
+
+
+def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
+    """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh."""
+    from colfunc.transforms import amp, remat, shard, zero
+
+    if pc.pipeline is not None:
+        from colfunc.transforms.pipeline import pipeline_from_config
+
+        step = pipeline_from_config(step, pc.pipeline)
+    step = shard(
+        step,
+        mesh,
+        plan=plan if pc.tensor > 1 else None,
+        sequence_parallel=pc.sequence_parallel and pc.tensor > 1,
+    )
+    if pc.zero is not None:
+        step = zero(step, pc.zero)
+    if pc.amp is not None:
+        step = amp(step, **pc.amp)
+    if pc.remat != "none":
+        step = remat(step, pc.remat)
+    return step

@@ -1,0 +1,323 @@
+"""``pipeline``: the stacked layers cut into stages over a mesh axis, run by a schedule.
+
+The loss must be a ``cf.layered(pre, block, post)``: ``pre`` runs on the first stage, each stage
+runs its run of layers, ``post`` (and the loss) runs on the last. With ``stages=p`` and
+``virtual_stages=v`` the ``L`` stacked layers of ``params["blocks"]`` make ``p * v`` stages of
+consecutive layers, as even as possible (the first ``L % (p * v)`` stages one layer longer; the
+layout object in ``state.extra["pipeline"]`` says so), and rank ``r`` of the ``axis`` keeps
+stages ``r, r + p, ...`` (round robin). The parameters outside ``blocks`` stay on every rank of
+the axis; their gradients are summed over it, which adds up a tied embedding's two uses (input
+embedding on the first stage, output head on the last) and leaves the others as computed.
+
+The batch is cut into ``microbatches`` along dim 0 and run by the schedule (see
+:mod:`.schedules`); the loss is the mean over microbatches, on every rank; the gradients are those
+of the mean loss, as on one device. Gradient clipping sees the norm of every stage's gradients.
+
+Apply it first, to the plain step, then the other transforms around it, e.g.
+``cf.zero(cf.shard(cf.pipeline(step, 2, 4), mesh, plan=tp_plan), stage=1)``; the mesh is the
+current one (inside ``cf.launch``) and must have ``axis`` of size ``stages``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from colfunc import core, tree
+from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
+from colfunc.step import Step, TrainState
+from colfunc.transforms.pipeline import schedules
+from colfunc.transforms.pipeline.runtime import _DTYPES, Runner, _Link
+from colfunc.transforms.shard import _local, _rewrap, all_reduce_buckets
+
+__all__ = ["PipelineConfig", "PipelineLayout", "pipeline", "pipeline_from_config"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """The arguments of :func:`pipeline`, checked; also the ``parallel = dict(pipeline=...)``
+    entry of a config file."""
+
+    stages: int
+    microbatches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = "pp"
+
+    def __post_init__(self) -> None:
+        schedules.check(self.schedule, self.stages, self.microbatches, self.virtual_stages)
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ValueError(f"pipeline: axis must be a mesh axis name, got {self.axis!r}")
+
+
+class PipelineLayout:
+    """Which layers each stage holds, and on which rank (``state.extra["pipeline"]``).
+
+    ``stages[s]`` is the ``(start, stop)`` range of global layers of stage ``s``, which lives on
+    rank ``s % ranks``. ``gather_params`` puts the stacked layers back together (a collective).
+    """
+
+    def __init__(
+        self, layers: int, ranks: int, virtual_stages: int, axis: str, mesh: Mesh | None
+    ) -> None:
+        n = ranks * virtual_stages
+        if layers < n:
+            raise ValueError(
+                f"pipeline: the model has {layers} layers, fewer than stages={ranks} x "
+                f"virtual_stages={virtual_stages} = {n}; use at most {layers} stages in all"
+            )
+        sizes = [layers // n + (s < layers % n) for s in range(n)]
+        starts = [sum(sizes[:s]) for s in range(n)]
+        self.layers, self.ranks, self.virtual_stages = layers, ranks, virtual_stages
+        self.axis, self.mesh = axis, mesh
+        self.stages = tuple((a, a + k) for a, k in zip(starts, sizes))
+        self.even = len(set(sizes)) == 1
+        self.rank = mesh.axis_index(axis) if mesh is not None and ranks > 1 else 0
+
+    def global_layers(self, rank: int) -> list[int]:
+        """The global indices of the layers ``rank`` keeps, in its local order."""
+        return [i for s in range(rank, len(self.stages), self.ranks) for i in range(*self.stages[s])]
+
+    def stage_layers(self, rank: int) -> dict[int, tuple[int, int]]:
+        """``{stage: (start, stop)}`` in ``rank``'s local layers."""
+        out, at = {}, 0
+        for s in range(rank, len(self.stages), self.ranks):
+            a, b = self.stages[s]
+            out[s] = (at, at + b - a)
+            at += b - a
+        return out
+
+    def place(self, params: PyTree) -> PyTree:
+        """This rank's parameters: its layers of ``blocks``, everything else whole."""
+        idx = torch.tensor(self.global_layers(self.rank))
+        blocks = tree.map(lambda x: x.index_select(0, idx), params["blocks"])
+        return {**params, "blocks": blocks}
+
+    def gather_params(self, params: PyTree) -> PyTree:
+        """The parameters with every stage's layers stacked in model order (a collective)."""
+        if self.ranks == 1 or self.mesh is None:
+            return params  # one rank keeps every stage, in order
+        mesh, p = self.mesh, self.ranks
+        most = max(len(self.global_layers(r)) for r in range(p))
+        # where each global layer sits in the gathered [p * most, ...] tensor
+        where = {g: r * most + i for r in range(p) for i, g in enumerate(self.global_layers(r))}
+        rows = torch.tensor([where[g] for g in range(self.layers)])
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            local = _local(x)
+            pad = local.new_zeros((most - local.shape[0], *local.shape[1:]))
+            full = comm.all_gather(torch.cat([local, pad]), self.axis, 0, mesh).index_select(0, rows)
+            if isinstance(x, ShardedTensor):
+                return ShardedTensor(full, x.mesh, x.placements, (self.layers, *x.shape[1:]))
+            return full
+
+        with torch.no_grad():
+            return {**params, "blocks": tree.map(gather, params["blocks"])}
+
+    def describe(self) -> str:
+        """One line per stage: its layers and rank; says when the split is uneven."""
+        lines = [
+            f"stage {s}: layers {a}-{b - 1} on rank {s % self.ranks}"
+            for s, (a, b) in enumerate(self.stages)
+        ]
+        if not self.even:
+            n = len(self.stages)
+            lines.append(
+                f"uneven: {self.layers} layers do not divide into {n} stages; the first "
+                f"{self.layers % n} stages hold one layer more"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        split = "even" if self.even else "uneven"
+        return (
+            f"PipelineLayout({self.layers} layers, {len(self.stages)} stages on "
+            f"{self.ranks} ranks of {self.axis!r}, {split}: {[b - a for a, b in self.stages]})"
+        )
+
+
+def _is_block(path: str) -> bool:
+    return path == "blocks" or path.startswith("blocks.")
+
+
+def _microbatches(batch: PyTree, m: int) -> list[PyTree]:
+    flat, treedef = tree.flatten_with_paths(batch)
+    pieces = []
+    for path, x in flat:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            pieces.append([x] * m)
+            continue
+        if x.shape[0] % m:
+            raise ValueError(
+                f"pipeline: batch entry {path!r} has {x.shape[0]} rows, not divisible by "
+                f"microbatches={m}; use a batch size that is a multiple of {m}"
+            )
+        pieces.append(list(x.chunk(m, 0)))
+    return [tree.unflatten(treedef, [pc[j] for pc in pieces]) for j in range(m)]
+
+
+def pipeline(
+    step: Step,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    axis: str = "pp",
+) -> Step:
+    """Pipeline-parallel ``step`` over ``axis``; see the module docs.
+
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with ``virtual_stages >= 2``) or
+    ``"zero_bubble"`` (ZB-H1). Call it on every rank.
+
+    Example:
+        >>> def main(mesh):
+        ...     s = cf.shard(cf.pipeline(cf.train_step(loss_fn, opt), 2, 4), mesh, gpt.tp_plan)
+        >>> cf.launch(main, mesh={"pp": 2, "tp": 2})
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"pipeline: expected a Step (from cf.train_step), got {type(step).__name__}")
+    cfg = PipelineConfig(
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        axis=axis,
+    )
+    loss_fn = step.loss_fn
+    if not isinstance(loss_fn, core.Layered):
+        raise ValueError(
+            f"pipeline: the loss must be a cf.layered(pre, block, post), which says where the "
+            f"model may be cut into stages; got {loss_fn!r}. The models' loss(cfg) is one."
+        )
+    applied = [k for k in ("pipeline", "mesh", "zero", "amp", "remat") if k in step.options]
+    if applied:
+        raise ValueError(
+            f"pipeline: apply cf.pipeline to the plain step first, then the other transforms "
+            f"around it (e.g. cf.zero(cf.shard(cf.pipeline(step, ...), mesh), stage=1)); this "
+            f"step already has {applied[0]!r} applied"
+        )
+    p = cfg.stages
+    plan = schedules.build(cfg.schedule, p, cfg.microbatches, cfg.virtual_stages)
+    inner_layout, inner_init_extra = step.layout, step.init_extra
+    inner_sync, inner_update = step.sync, step.update
+
+    def mesh_() -> Mesh | None:
+        if p == 1 and core.innermost(Mesh) is None:
+            return None  # one stage: microbatching only, no mesh needed
+        m = current_mesh()
+        if p == 1 and axis not in m.axis_names:
+            return None
+        if axis not in m.axis_names or m.axis_size(axis) != p:
+            size = m.axis_size(axis) if axis in m.axis_names else None
+            raise ValueError(
+                f"pipeline: stages={p} needs a mesh axis {axis!r} of size {p}; the mesh is "
+                f"{m.shape}" + ("" if size is None else f" ({axis!r} has size {size})")
+            )
+        return m
+
+    def split(params: PyTree) -> PipelineLayout:
+        if not isinstance(params, dict) or "blocks" not in params:
+            keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(
+                f"pipeline: params must be a dict with the stacked layers under 'blocks'; got {keys}"
+            )
+        n = core.num_layers(params["blocks"])
+        return PipelineLayout(n, p, cfg.virtual_stages, axis, mesh_())
+
+    def layout(params: PyTree) -> PyTree:
+        return inner_layout(split(params).place(params))
+
+    def init_extra(params: PyTree) -> dict[str, Any]:
+        return {**inner_init_extra(params), "pipeline": split(params)}
+
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
+        lay: PipelineLayout = extra["pipeline"]
+        mbs = _microbatches(batch, cfg.microbatches)
+        link = _Link(lay.mesh, axis) if p > 1 and lay.mesh is not None else None
+        runner = Runner(plan, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, link)
+        total, grads = runner.run()
+        return _mean_loss(total, cfg.microbatches, lay), grads
+
+    def sync(grads: PyTree) -> PyTree:
+        grads = inner_sync(grads)
+        mesh = mesh_()
+        if mesh is None or p == 1:
+            return grads
+        flat, treedef = tree.flatten_with_paths(grads)
+        shared = [i for i, (path, _) in enumerate(flat) if not _is_block(path)]
+        summed = all_reduce_buckets([_local(flat[i][1]) for i in shared], axis, mesh, op="sum")
+        leaves = [g for _, g in flat]
+        for i, s in zip(shared, summed):
+            leaves[i] = _rewrap(leaves[i], s)
+        return tree.unflatten(treedef, leaves)
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        mesh = mesh_()
+        if mesh is None or p == 1:
+            return inner_update(grads, state)
+        outer = core.innermost(core.NormReduction)
+        flat = tree.flatten_with_paths(grads)[0]
+        blocks = [_is_block(path) for path, x in flat if isinstance(x, torch.Tensor)]
+
+        def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
+            # each rank holds its stages' layers; the shared parameters' gradients are the same
+            # on every rank of the axis (summed in sync), so each rank counts 1/p of them
+            parts = [sq if blk else sq / p for sq, blk in zip(squares, blocks)]
+            local = outer.reduce(parts) if outer is not None else torch.stack(parts).sum()
+            return comm.all_reduce(local, axis, mesh=mesh)
+
+        with core.context(core.NormReduction(reduce)):
+            return inner_update(grads, state)
+
+    return step.replace(
+        layout=layout,
+        init_extra=init_extra,
+        forward_backward=forward_backward,
+        sync=sync,
+        update=update,
+        options={**step.options, "pipeline": dataclasses.asdict(cfg)},
+    )
+
+
+def _mean_loss(total: torch.Tensor | None, m: int, lay: PipelineLayout) -> torch.Tensor:
+    """The mean microbatch loss, computed on the last stage's rank, on every rank of the axis."""
+    if total is not None:
+        if isinstance(total, ShardedTensor):
+            total = total.full_tensor()
+        mean = total / m
+        if lay.ranks == 1 or lay.mesh is None:
+            return mean
+        buf = torch.tensor([float(mean), _DTYPES.index(mean.dtype)], dtype=torch.float64)
+    else:
+        buf = torch.zeros(2, dtype=torch.float64)
+    assert lay.mesh is not None
+    buf = comm.broadcast(buf, lay.axis, lay.ranks - 1, lay.mesh)
+    # fp64 holds any fp32/bf16/fp16 value exactly, so every rank returns the same number
+    return buf[0].to(_DTYPES[int(buf[1])]) if total is None else mean
+
+
+def pipeline_from_config(step: Step, cfg: dict[str, Any]) -> Step:
+    """``pipeline(step, **cfg)`` for the ``pipeline`` entry of a config's ``parallel`` dict.
+
+    Example: ``parallel = dict(pipeline=dict(stages=2, microbatches=8, schedule="1f1b"))``.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(
+            f"parallel['pipeline'] must be a dict like dict(stages=2, microbatches=8), got {cfg!r}"
+        )
+    known = [f.name for f in dataclasses.fields(PipelineConfig)]
+    unknown = sorted(set(cfg) - set(known))
+    if unknown:
+        raise ValueError(
+            f"parallel['pipeline'] has unknown key {unknown[0]!r}; the keys are {known}"
+        )
+    missing = [k for k in ("stages", "microbatches") if k not in cfg]
+    if missing:
+        raise ValueError(f"parallel['pipeline'] needs {missing[0]!r}, e.g. dict(stages=2, microbatches=8)")
+    return pipeline(step, **cfg)

@@ -1,0 +1,120 @@
+"""``parallel = dict(...)`` in a config file: parsing, and ``colfunc train`` on a mesh.
+
+A parallel run of the training loop must reproduce the single-device run's losses (the same maths
+in a different order: fp32 within 1e-4 relative over a few steps), and its run folder must hold a
+checkpoint that ``colfunc generate`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colfunc import parallel
+from colfunc.cli import main
+
+pytestmark = pytest.mark.timeout(240)
+
+CONFIG = """
+from colfunc import models
+from colfunc.config import DataConfig, OptimConfig, TrainConfig
+
+model = models.gpt.Config(vocab_size=256, n_layer=2, n_head=4, d_model=32, max_seq_len=32)
+optim = OptimConfig(lr=1e-2, warmup_steps=2)
+data = DataConfig(corpus={corpus!r}, batch_size=8, seq_len=32)
+train = TrainConfig(steps=6, log_every=2, eval_every=3, eval_batches=2, sample_tokens=10, out_dir={out!r})
+parallel = {parallel}
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(30):
+        (root / f"mod{i}.py").write_text(f"def mul{i}(a, b):\n    return a * b - {i}\n" * 8)
+    return root
+
+
+def _config(tmp: Path, corpus: Path, name: str, section: dict) -> Path:
+    path = tmp / f"{name}.py"
+    path.write_text(CONFIG.format(corpus=str(corpus), out=str(tmp / "runs"), parallel=section))
+    return path
+
+
+def _losses(run: Path) -> list[float]:
+    return [
+        json.loads(line)["loss"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"data": 2, "zero": {"stage": 2}},
+        {"tensor": {"size": 2, "sequence_parallel": True}, "zero": 3, "remat": "full"},
+    ],
+)
+def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, section) -> None:
+    single = _config(tmp_path, corpus, "single", {})
+    multi = _config(tmp_path, corpus, "multi", section)
+    assert main(["train", str(single), "--name", "one", "--no-progress"]) == 0
+    assert main(["train", str(multi), "--name", "many", "--no-progress"]) == 0
+    one, many = _losses(tmp_path / "runs" / "one"), _losses(tmp_path / "runs" / "many")
+    assert len(one) == len(many) >= 3
+    assert many == pytest.approx(one, rel=1e-4)
+    assert (
+        main(["generate", "--run", str(tmp_path / "runs" / "many"), "--max-new-tokens", "5"]) == 0
+    )
+
+
+def test_colfunc_run_trains_on_torchrun_ranks(tmp_path, corpus) -> None:
+    cfg = _config(tmp_path, corpus, "tp", {"tensor": 2})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colfunc",
+            "run",
+            "-n",
+            "2",
+            "train",
+            str(cfg),
+            "--name",
+            "tr",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mesh {'dp': 1, 'tp': 2} (gloo)" in proc.stdout
+    assert len(_losses(tmp_path / "runs" / "tr")) >= 3
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"data": 0}, "data must be an int >= 1"),
+        ({"tensor": {"size": 2, "overlap": True}}, "unknown key 'overlap'"),
+        ({"zero": 5}, "zero stage must be"),
+        ({"pipelines": 2}, "unknown key 'pipelines'"),
+        ({"backend": "mpi"}, "backend must be"),
+    ],
+)
+def test_bad_parallel_sections_are_named(section, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        parallel.parse(section)
+
+
+def test_bad_parallel_section_exits_2_with_one_line(tmp_path, corpus, capsys) -> None:
+    cfg = _config(tmp_path, corpus, "bad", {"tensor": {"size": 2, "overlap": True}})
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "overlap" in err[0]
