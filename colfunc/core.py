@@ -51,13 +51,22 @@ _STACK = _Stack()
 @contextmanager
 def context(frame: Any) -> Iterator[Any]:
     """Push ``frame`` on this thread's context stack for the ``with`` block."""
-    _STACK.frames.append(frame)
+    frames_ = _STACK.frames
+    frames_.append(frame)
     try:
         yield frame
     finally:
-        popped = _STACK.frames.pop()
-        if popped is not frame:  # a frame leaked past its `with`: the stack is corrupt
-            raise RuntimeError(f"context stack corrupted: expected {frame!r}, popped {popped!r}")
+        if frames_ and frames_[-1] is frame:
+            frames_.pop()
+        else:  # a frame leaked past its `with`: remove this one anyway, and say so
+            for i in range(len(frames_) - 1, -1, -1):
+                if frames_[i] is frame:
+                    del frames_[i]
+                    break
+            raise RuntimeError(
+                f"context stack corrupted: {frame!r} was not the innermost frame when its "
+                f"`with` block ended; frames are {frames_!r}"
+            )
 
 
 def frames() -> tuple[Any, ...]:

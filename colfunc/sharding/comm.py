@@ -386,11 +386,13 @@ def recv(
     tag: int = 0,
     device: torch.device | str | None = None,
     mesh: Mesh | None = None,
-) -> torch.Tensor:
-    """Wait for the tensor that group index ``src`` of ``axis`` sent with ``tag``; a new tensor.
+) -> Any:
+    """Start receiving the tensor that group index ``src`` of ``axis`` sends with ``tag``.
 
-    ``shape`` and ``dtype`` must be those sent: a different one raises on the threads backend
-    (``CollectiveMismatchError`` naming both ranks) and is undefined on the others.
+    Returns a request whose ``wait()`` returns the tensor, a new one. Posting the receive early
+    lets the transfer run while this rank computes. ``shape`` and ``dtype`` must be those sent:
+    a different one raises on the threads backend (``CollectiveMismatchError`` naming both ranks)
+    and is undefined on the others.
     """
     mesh = mesh if mesh is not None else current_mesh()
     axes = mesh.axes(axis)

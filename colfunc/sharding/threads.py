@@ -121,7 +121,13 @@ class ThreadWorld:
         dtype: torch.dtype,
         tag: int,
         device: Any,
+    ) -> _Receive:
+        return _Receive(self, rank, src, shape, dtype, tag, device)
+
+    def take(
+        self, rank: int, src: int, shape: tuple[int, ...], dtype: torch.dtype, tag: int
     ) -> torch.Tensor:
+        """Wait for the message ``src`` sent to ``rank`` with ``tag`` and take it."""
         key = (src, rank, tag)
         what = f"recv(src=rank {src}, tag={tag}, shape={shape}, dtype={dtype})"
         deadline = time.monotonic() + self.timeout
@@ -147,7 +153,7 @@ class ThreadWorld:
             raise CollectiveMismatchError(
                 f"rank {rank}: {what}, but rank {src} sent shape {tuple(x.shape)}, dtype {x.dtype}"
             )
-        return x if device is None else x.to(device)
+        return x
 
     def _wait_complete(self, rank: int, key: tuple[int, ...], rnd: _Round) -> None:
         self._waiting[rank] = rnd
@@ -261,6 +267,18 @@ class _Sent:
 
     def wait(self) -> None:
         return None
+
+
+class _Receive:
+    """A posted receive: the message is taken from the mailbox when waited for."""
+
+    def __init__(self, world: ThreadWorld, rank: int, src: int, *args: Any) -> None:
+        self.world, self.rank, self.src, self.args = world, rank, src, args
+
+    def wait(self) -> torch.Tensor:
+        shape, dtype, tag, device = self.args
+        x = self.world.take(self.rank, self.src, shape, dtype, tag)
+        return x if device is None else x.to(device)
 
 
 def _mismatch(

@@ -130,12 +130,11 @@ class TorchWorld:
         dtype: torch.dtype,
         tag: int,
         device: Any,
-    ) -> torch.Tensor:
+    ) -> _Request:
         if device is None:
             device = torch.device("cuda") if self.name == "nccl" else torch.device("cpu")
         out = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(out, src, tag=tag)
-        return out
+        return _Request(dist.irecv(out, src, tag=tag), out)
 
     def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
         out = None
@@ -157,13 +156,15 @@ class TorchWorld:
 
 
 class _Request:
-    """An ``isend`` in progress and the buffer it reads."""
+    """An ``isend`` or ``irecv`` in progress and the buffer it reads or fills."""
 
     def __init__(self, work: Any, buffer: torch.Tensor) -> None:
         self.work, self.buffer = work, buffer
 
-    def wait(self) -> None:
+    def wait(self) -> torch.Tensor:
+        """Wait for the transfer; the received tensor (for a send, the tensor sent)."""
         self.work.wait()
+        return self.buffer
 
 
 # --- launching -------------------------------------------------------------------------------

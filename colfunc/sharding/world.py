@@ -86,8 +86,8 @@ class World(Protocol):
         dtype: torch.dtype,
         tag: int,
         device: Any,
-    ) -> torch.Tensor:
-        """Wait for the tensor global rank ``src`` sent to this rank with ``tag``."""
+    ) -> Any:
+        """Start receiving what global rank ``src`` sends with ``tag``; ``wait()`` returns it."""
         ...
 
 

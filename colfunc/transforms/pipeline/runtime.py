@@ -69,13 +69,25 @@ def _replicated(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Link:
-    """This rank's transfers over the pipeline axis during one step."""
+    """This rank's transfers over the pipeline axis during one step.
 
-    def __init__(self, mesh: Mesh, axis: str) -> None:
+    ``expected`` lists the ``(source, tag)`` of this rank's receives in schedule order. The next
+    ``AHEAD`` of them are kept posted, so a message moves while this rank computes instead of
+    after it asks; a source's descriptor is posted as early as its first message would be.
+    """
+
+    AHEAD = 2
+
+    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, int]]) -> None:
         self.mesh, self.axis = mesh, axis
         self.meta: dict[int, tuple[tuple[int, ...], torch.dtype, bool]] = {}  # by source index
+        self.headers: dict[int, Any] = {}  # posted descriptor receives, by source
         self.told: set[int] = set()
-        self.requests: list[Any] = []
+        self.sends: list[Any] = []
+        self.expected = expected
+        self.posted: dict[int, Any] = {}  # position in `expected` -> posted receive
+        self.next = 0  # position of the next receive to hand out
+        self._post_ahead()
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         local = _local(x).detach()
@@ -85,25 +97,57 @@ class _Link:
             desc += [int(isinstance(x, ShardedTensor))]
             desc += [0] * (_DESCRIPTOR - len(desc))
             header = torch.tensor(desc, dtype=torch.int64)
-            self.requests.append(comm.send(header, self.axis, dst, tag=0, mesh=self.mesh))
-        self.requests.append(comm.send(local, self.axis, dst, tag=tag, mesh=self.mesh))
+            self.sends.append(comm.send(header, self.axis, dst, tag=0, mesh=self.mesh))
+        self.sends.append(comm.send(local, self.axis, dst, tag=tag, mesh=self.mesh))
+
+    def _post_header(self, src: int) -> None:
+        if src not in self.headers:
+            self.headers[src] = comm.recv(
+                (_DESCRIPTOR,), torch.int64, self.axis, src, mesh=self.mesh
+            )
+
+    def _learn(self, src: int) -> None:
+        self._post_header(src)
+        d = self.headers.pop(src).wait().tolist()
+        n = d[0]
+        self.meta[src] = (tuple(d[1 : 1 + n]), _DTYPES[d[1 + n]], bool(d[2 + n]))
+
+    def _post(self, k: int) -> None:
+        src, tag = self.expected[k]
+        shape, dtype, _ = self.meta[src]
+        self.posted[k] = comm.recv(shape, dtype, self.axis, src, tag=tag, mesh=self.mesh)
+
+    def _post_ahead(self) -> None:
+        for k in range(self.next, min(self.next + self.AHEAD, len(self.expected))):
+            src = self.expected[k][0]
+            if k in self.posted:
+                continue
+            if src in self.meta:
+                self._post(k)
+            else:
+                self._post_header(src)
 
     def recv(self, src: int, tag: int) -> torch.Tensor:
+        k = self.next
+        if self.expected[k] != (src, tag):
+            raise RuntimeError(f"pipeline: receive {(src, tag)} out of schedule order")
         if src not in self.meta:
-            d = comm.recv((_DESCRIPTOR,), torch.int64, self.axis, src, mesh=self.mesh).tolist()
-            n = d[0]
-            self.meta[src] = (tuple(d[1 : 1 + n]), _DTYPES[d[1 + n]], bool(d[2 + n]))
-        shape, dtype, sharded = self.meta[src]
-        local = comm.recv(shape, dtype, self.axis, src, tag=tag, mesh=self.mesh)
+            self._learn(src)
+        if k not in self.posted:
+            self._post(k)
+        local = self.posted.pop(k).wait()
+        self.next += 1
+        self._post_ahead()
+        shape, _, sharded = self.meta[src]
         if not sharded:
             return local
         replicated = (Replicate(),) * len(self.mesh.axis_names)
         return ShardedTensor(local, self.mesh, replicated, shape)
 
     def finish(self) -> None:
-        for r in self.requests:
+        for r in self.sends:
             r.wait()
-        self.requests.clear()
+        self.sends.clear()
 
 
 class _Group:
@@ -176,9 +220,10 @@ class Runner:
         params: PyTree,
         stage_layers: dict[int, tuple[int, int]],
         microbatches: list[PyTree],
-        link: _Link | None,
+        mesh: Mesh | None,
+        axis: str,
     ) -> None:
-        self.schedule, self.rank, self.loss, self.link = schedule, rank, loss, link
+        self.schedule, self.rank, self.loss = schedule, rank, loss
         self.microbatches = microbatches
         self.last = schedule.stages - 1
         self.scale = core.loss_scale() / len(microbatches)
@@ -192,6 +237,16 @@ class Runner:
         # layers[l][k]: leaf k of local layer l
         self.layers = [[_leaf(xs[i]) for xs in per_leaf] for i in range(n_local)]
         self.stage_layers = stage_layers
+        self.link = None
+        if mesh is not None and schedule.ranks > 1:
+            expected = [
+                (self._peer(a.stage - 1), self._tag("F", a.stage - 1, a.mb))
+                if a.op == "RECV_F"
+                else (self._peer(a.stage + 1), self._tag("B", a.stage + 1, a.mb))
+                for a in schedule.actions[rank]
+                if a.op.startswith("RECV")
+            ]
+            self.link = _Link(mesh, axis, expected)
         self.rest_params = tree.unflatten(self.rest_def, self.rest)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}

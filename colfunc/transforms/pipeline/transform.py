@@ -29,7 +29,7 @@ from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
 from colfunc.step import Step, TrainState
 from colfunc.transforms.pipeline import schedules
-from colfunc.transforms.pipeline.runtime import _DTYPES, Runner, _Link
+from colfunc.transforms.pipeline.runtime import _DTYPES, Runner
 from colfunc.transforms.shard import _local, _rewrap, all_reduce_buckets
 
 __all__ = ["PipelineConfig", "PipelineLayout", "pipeline", "pipeline_from_config"]
@@ -239,8 +239,9 @@ def pipeline(
     ) -> tuple[torch.Tensor, PyTree]:
         lay: PipelineLayout = extra["pipeline"]
         mbs = _microbatches(batch, cfg.microbatches)
-        link = _Link(lay.mesh, axis) if p > 1 and lay.mesh is not None else None
-        runner = Runner(plan, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, link)
+        runner = Runner(
+            plan, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
+        )
         total, grads = runner.run()
         return _mean_loss(total, cfg.microbatches, lay), grads
 
