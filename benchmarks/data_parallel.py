@@ -50,17 +50,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import colfunc as cf
 from colfunc import core, models, optim
+from colfunc.models.gpt import Config
 from colfunc.sharding.ledger import Ledger, ring_bytes
 from colfunc.sharding.torch_dist import TorchWorld
 
 gpt = models.gpt
-ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# the hyperparameters of single_device.py
+ADAMW: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SCHEMES = {"zero0": "DDP", "zero3": "FSDP2", "tp2": "DTensor TP"}
 # config -> (batch size, world sizes, timed steps, warm-up steps): small runs on 2 processes only,
 # so that the whole benchmark stays within about five minutes on 2 cores
 SIZES = {
-    "tiny": (gpt.Config.tiny, 16, (2, 4), 10, 3),
-    "small": (gpt.Config.small, 8, (2,), 4, 1),
+    "tiny": (Config.tiny, 16, (2, 4), 10, 3),
+    "small": (Config.small, 8, (2,), 4, 1),
 }
 
 
@@ -71,7 +73,7 @@ class HeadsBlock(Block):
     """``Block`` that reads the head count off its q/k/v outputs, so it runs on this rank's heads
     when q/k/v are column-parallel (and on all of them when they are not)."""
 
-    def __init__(self, cfg: gpt.Config) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.head_dim = cfg.d_model // cfg.n_head
 
@@ -85,12 +87,14 @@ class HeadsBlock(Block):
 
 
 class HeadsGPT(GPT):
-    def __init__(self, cfg: gpt.Config) -> None:
+    """``GPT`` built from ``HeadsBlock``s, for tensor parallelism."""
+
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.blocks = nn.ModuleList(HeadsBlock(cfg) for _ in range(cfg.n_layer))
 
 
-def torch_peer(scheme: str, cfg: gpt.Config, params: Any, shape: dict[str, int]) -> Any:
+def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> Any:
     """(model, optimizers, data-parallel process group) of the PyTorch peer of ``scheme``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -115,7 +119,7 @@ def torch_peer(scheme: str, cfg: gpt.Config, params: Any, shape: dict[str, int])
         fully_shard(model, mesh=mesh)
     else:
         mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
-        plan = {}
+        plan: dict[str, Any] = {}
         for i in range(cfg.n_layer):
             plan |= {f"blocks.{i}.{m}": ColwiseParallel() for m in ("q", "k", "v", "fc")}
             plan |= {f"blocks.{i}.{m}": RowwiseParallel() for m in ("o", "proj")}
@@ -130,12 +134,13 @@ def torch_peer(scheme: str, cfg: gpt.Config, params: Any, shape: dict[str, int])
     kinds: dict[bool, list[nn.Parameter]] = {}
     for p in model.parameters():
         kinds.setdefault(isinstance(p, DTensor), []).append(p)
-    opts = [torch.optim.AdamW(ps, fused=True, **ADAMW) for ps in kinds.values()]  # type: ignore[arg-type]
+    opts = [torch.optim.AdamW(ps, fused=True, **ADAMW) for ps in kinds.values()]
     return model, opts, dp_group
 
 
-def ours(scheme: str, cfg: gpt.Config, mesh: cf.Mesh) -> cf.Step:
-    ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW))  # type: ignore[arg-type]
+def ours(scheme: str, cfg: Config, mesh: cf.Mesh) -> cf.Step:
+    """The colfunc step of ``scheme`` on ``mesh``."""
+    ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW))
     if scheme == "tp2":
         return cf.shard(ref, mesh, plan=gpt.tp_plan)
     return cf.zero(cf.shard(ref, mesh), stage=int(scheme[-1]))
@@ -221,7 +226,7 @@ def _show(led: Ledger) -> str:
 
 
 def compare(
-    mesh: cf.Mesh, scheme: str, cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+    mesh: cf.Mesh, scheme: str, cfg: Config, batch_size: int, steps: int, warmup: int
 ) -> dict[str, Any]:
     """Run ``scheme`` and its torch peer interleaved on every rank; rank 0's timings and bytes.
 
@@ -315,7 +320,7 @@ def scheme_mesh(scheme: str, n: int, rank: int) -> cf.Mesh:
 
 
 def worker(
-    mesh: cf.Mesh, schemes: list[str], cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+    mesh: cf.Mesh, schemes: list[str], cfg: Config, batch_size: int, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
     """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme."""
     rows = []
@@ -328,7 +333,7 @@ def worker(
 
 
 def run(
-    n: int, schemes: list[str], cfg: gpt.Config, batch_size: int, steps: int, warmup: int
+    n: int, schemes: list[str], cfg: Config, batch_size: int, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
     """``worker`` on ``n`` gloo processes; rank 0's rows."""
     job = functools.partial(

@@ -37,7 +37,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         h = self.ln1(x)
-        q, k, v = (m(h).view(B, T, self.n_head, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q, k, v = (
+            m(h).view(B, T, self.n_head, -1).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, D))
         return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))

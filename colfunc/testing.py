@@ -119,6 +119,7 @@ def compositions(
     mesh_strategy: Any = None,
     stages: tuple[int, ...] = (0, 1, 2, 3),
     remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
+    schedules: tuple[str, ...] = (),
 ) -> Any:
     """A strategy of transform compositions: ``{"mesh", "zero", "remat", "sequence_parallel",
     "order"}``.
@@ -126,6 +127,10 @@ def compositions(
     ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
     (innermost first). With a tensor-parallel axis larger than one, ``zero`` comes after
     ``shard``, the one order that tensor parallelism requires.
+
+    With ``schedules`` (pipeline schedule names) a composition also has ``"pipeline"``: the
+    ``schedule``, ``microbatches`` (one to three times the mesh's ``pp`` size) and
+    ``virtual_stages`` (2 for ``"interleaved"``), which :func:`compose` applies first, innermost.
     """
     from hypothesis import strategies as st
 
@@ -138,21 +143,31 @@ def compositions(
         if mesh.get("tp", 1) > 1 and order.index("zero") < order.index("shard"):
             order.remove("zero")
             order.insert(order.index("shard") + 1, "zero")
-        return {
+        out = {
             "mesh": mesh,
             "zero": d(st.sampled_from(stages)),
             "remat": d(st.sampled_from(remat_policies)),
             "sequence_parallel": mesh.get("tp", 1) > 1 and d(st.booleans()),
             "order": tuple(order),
         }
+        if schedules:
+            name = d(st.sampled_from(schedules))
+            out["pipeline"] = {
+                "schedule": name,
+                "microbatches": mesh.get("pp", 1) * d(st.integers(1, 3)),
+                "virtual_stages": 2 if name == "interleaved" else 1,
+            }
+        return out
 
     return draw()
 
 
 def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None) -> Step:
     """Apply the transforms of a drawn ``composition`` to ``step`` on this rank's ``mesh``."""
-    from colfunc.transforms import remat, shard, zero
+    from colfunc.transforms import pipeline, remat, shard, zero
 
+    if composition.get("pipeline") is not None:  # innermost: it replaces the whole backward
+        step = pipeline(step, mesh.shape.get("pp", 1), **composition["pipeline"])
     for name in composition["order"]:
         if name == "shard":
             tp = mesh.shape.get("tp", 1) > 1

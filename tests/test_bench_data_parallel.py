@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import data_parallel  # noqa: E402
+import data_parallel
 
 pytestmark = pytest.mark.timeout(120)
 

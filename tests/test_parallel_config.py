@@ -118,3 +118,14 @@ def test_bad_parallel_section_exits_2_with_one_line(tmp_path, corpus, capsys) ->
     assert main(["train", str(cfg), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "overlap" in err[0]
+
+
+def test_parallel_example_builds_its_mesh() -> None:
+    from colfunc import config
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "configs" / "gpt_tiny_parallel.py"
+    cfg = config.load(path)
+    pc = parallel.parse(cfg.parallel)
+    assert pc.mesh_shape == {"dp": 2, "tp": 2}
+    assert (pc.sequence_parallel, pc.zero, pc.amp, pc.remat) == (True, 2, {"dtype": "bf16"}, "full")
+    assert cfg.model == config.default().model  # the default model, on a mesh

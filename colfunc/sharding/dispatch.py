@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from colfunc.sharding.mesh import Mesh, current_mesh
-from colfunc.sharding.placement import Placements, Replicate
+from colfunc.sharding.placement import Partial, Placements, Replicate
 from colfunc.sharding.redistribute import redistribute_local
 from colfunc.sharding.rules import Plan, Spec, lookup
 from colfunc.sharding.tensor import ShardedTensor
@@ -117,8 +117,24 @@ def _mesh_of(flat: list[Any]) -> Mesh:
 
 
 def _spec(x: torch.Tensor, mesh: Mesh) -> Spec:
-    pl = x._placements if isinstance(x, ShardedTensor) else (Replicate(),) * len(mesh.axis_names)
-    return Spec(tuple(x.shape), pl, x.dtype, mesh)
+    if isinstance(x, ShardedTensor):
+        return Spec(tuple(x.shape), x._placements, x.dtype, mesh, _is_param(x))
+    return Spec(tuple(x.shape), (Replicate(),) * len(mesh.axis_names), x.dtype, mesh)
+
+
+def _is_param(x: ShardedTensor) -> bool:
+    """A leaf that requires grad, or a view or cast of one (marked by :func:`_wrap`)."""
+    return x._param or (x.requires_grad and x.is_leaf)
+
+
+def _keeps_param(func: Any) -> bool:
+    """Whether ``func``'s output is its first input seen differently (a view or a copy), so that
+    an output of it applied to a parameter is the parameter still: ``w.t()``, ``w[i]``, the cast
+    of ``w`` under mixed precision, in the forward and as the backward saved them."""
+    return func in _COPIES or any(r.alias_info is not None for r in func._schema.returns)
+
+
+_COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
 
 
 def _meta(x: Any) -> Any:
@@ -188,9 +204,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     wants = plan.inputs if plan.inputs is not None else [None] * len(tensors)
     for i, want in zip(tensors, wants):
         x, s = flat[i], specs[i]
-        local = x._local if isinstance(x, ShardedTensor) else x
-        if want is not None and want != s.placements:
-            local = redistribute_local(local, s.shape, mesh, s.placements, tuple(want))
+        if not isinstance(x, ShardedTensor):
+            local = x if want is None else redistribute_local(x, s.shape, mesh, s.placements, want)
+        elif want is None or want == s.placements:
+            local = x._local
+        else:
+            local = _redistributed(x, tuple(want))
         local_of[id(s)] = local
 
     if plan.args is not None or plan.kwargs is not None:
@@ -206,7 +225,45 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     largs, lkwargs = pytree.tree_unflatten(lflat, ltree)
     out = (plan.compute or _empty_safe(func))(*largs, **lkwargs)
 
-    return _wrap(out, _global_meta(func, args, kwargs, flat, tree), plan.outputs, mesh)
+    param = bool(tensors) and specs[tensors[0]].param and _keeps_param(func)
+    return _wrap(out, _global_meta(func, args, kwargs, flat, tree), plan.outputs, mesh, param)
+
+
+def _redistributed(x: ShardedTensor, want: Placements) -> torch.Tensor:
+    """``x``'s local part under ``want``, sharing the communication with the other ops that read
+    ``x``. Two cases, both Megatron-LM's:
+
+    - A Partial that an op reduces (all_reduce) is reduced for good: ``x`` takes the replicated
+      value and placements, the same global tensor in no more memory, so that the next op that
+      reads it does not reduce it again (an embedding's or a row-parallel layer's output is
+      reduced once, by its first reader, and is replicated from then on). Not for views, whose
+      local part must stay a view of their base's.
+    - Any other communicating redistribution is remembered on ``x`` until either tensor is
+      written: q, k and v read the normalised activations, which sequence parallelism keeps split
+      on the sequence, and gather them once, as Megatron's fused q/k/v projection does. The
+      gathered tensor lives as long as ``x`` (an activation, whose lifetime autograd decides);
+      a parameter's are not remembered, since a parameter lives all step.
+    """
+    R = Replicate()
+    reduced = tuple(
+        R if isinstance(p, Partial) and w == R else p for p, w in zip(x._placements, want)
+    )
+    if reduced != x._placements and not x._is_view():
+        x._local = redistribute_local(x._local, tuple(x.shape), x._mesh, x._placements, reduced)
+        x._placements = reduced
+        x.__dict__.pop("_redistributions", None)
+        if reduced == want:
+            return x._local
+    memo: dict[Placements, tuple[int, torch.Tensor, int]] | None = None
+    if not _is_param(x):
+        memo = x.__dict__.setdefault("_redistributions", {})
+        hit = memo.get(want)
+        if hit is not None and hit[0] == x._local._version and hit[2] == hit[1]._version:
+            return hit[1]
+    out = redistribute_local(x._local, tuple(x.shape), x._mesh, x._placements, want)
+    if memo is not None and out is not x._local:
+        memo[want] = (x._local._version, out, out._version)
+    return out
 
 
 def _empty_safe(func: Any) -> Any:
@@ -234,13 +291,16 @@ def _empty_safe(func: Any) -> Any:
     return run
 
 
-def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh) -> Any:
+def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh, param: bool = False) -> Any:
     single = not outputs or not isinstance(outputs[0], tuple)
 
     def one(x: Any, m: Any, pl: Placements) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        return ShardedTensor(x, mesh, tuple(pl), tuple(m.shape), tuple(m.stride()))
+        r = ShardedTensor(x, mesh, tuple(pl), tuple(m.shape), tuple(m.stride()))
+        if param:
+            r._param = True
+        return r
 
     if isinstance(out, tuple | list):
         wrapped = [

@@ -68,6 +68,7 @@ class ShardedTensor(torch.Tensor):
     _local: torch.Tensor
     _mesh: Mesh
     _placements: Placements
+    _param = False  # a view or cast of a parameter (the propagation rules keep those in place)
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 

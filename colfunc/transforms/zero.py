@@ -101,6 +101,52 @@ def _reduction(axes: list[tuple[str, ...]], mesh: Mesh) -> core.NormReduction:
     return core.NormReduction(reduce)
 
 
+def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    return groups
+
+
+def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch.Tensor]:
+    """Each 1-D chunk gathered whole (``[N * c]``, rank-major), in one all_gather per dtype.
+
+    Packing the chunks into one buffer turns one collective per parameter into one per layer,
+    as FSDP's flat parameters do; the ops are differentiable (the backward is one
+    reduce_scatter of the packed gradient).
+    """
+    n = mesh.axis_size(axis)
+    out: list[torch.Tensor | None] = [None] * len(chunks)
+    for idx in _by_dtype(chunks).values():
+        sizes = [chunks[i].numel() for i in idx]
+        packed = torch.cat([chunks[i].reshape(-1) for i in idx])  # [sum c]
+        full = comm.all_gather(packed, axis, 0, mesh).view(n, -1)  # [N, sum c]
+        for i, part in zip(idx, full.split(sizes, dim=1)):  # each [N, c_i]: the chunks in order
+            out[i] = part.reshape(-1)
+    return [x for x in out if x is not None]
+
+
+def reduce_scatter_flat(
+    flats: list[torch.Tensor], axis: str, mesh: Mesh, op: str
+) -> list[torch.Tensor]:
+    """This rank's chunk of each 1-D tensor (length a multiple of N), reduced; one call per dtype."""
+    n = mesh.axis_size(axis)
+    out: list[torch.Tensor | None] = [None] * len(flats)
+    for idx in _by_dtype(flats).values():
+        sizes = [flats[i].numel() // n for i in idx]
+        packed = torch.cat([flats[i].reshape(n, -1) for i in idx], dim=1).reshape(-1)
+        mine = comm.reduce_scatter(packed, axis, 0, op=op, mesh=mesh)  # [sum c]
+        for i, part in zip(idx, mine.split(sizes)):
+            out[i] = part
+    return [x for x in out if x is not None]
+
+
+def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
+    flat = _local(g).reshape(-1)
+    c = -(-flat.numel() // n)
+    return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
+
+
 class ZeroLayout:
     """The cut of every parameter (``state.extra["zero"]``); gathers stage-3 parameters whole."""
 
@@ -109,6 +155,15 @@ class ZeroLayout:
 
     def gather(self, chunk: torch.Tensor, meta: _Chunked) -> torch.Tensor:
         return _whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
+
+    def gather_tree(self, chunks: PyTree, metas: PyTree, stacked_layer: bool = False) -> PyTree:
+        """Whole parameters from a tree of 1-D chunks, in one collective per dtype."""
+        flat, treedef = tree.flatten_with_paths(chunks)
+        ms = treedef.flatten_up_to(metas)
+        full = gather_flat([c for _, c in flat], self.axis, self.mesh)
+        return tree.unflatten(
+            treedef, [_whole(f, m, stacked_layer=stacked_layer) for f, m in zip(full, ms)]
+        )
 
     def gather_params(self, params: PyTree) -> PyTree:
         """Whole parameters from stage-3 chunks (a collective; identity for stages 0-2)."""
@@ -128,12 +183,7 @@ class _Gather:
         self.z = layout
 
     def layer(self, chunks: PyTree) -> PyTree:
-        z = self.z
-        return tree.map(
-            lambda c, m: _whole(comm.all_gather(c, z.axis, 0, z.mesh), m, stacked_layer=True),
-            chunks,
-            z.metas["blocks"],
-        )
+        return self.z.gather_tree(chunks, self.z.metas["blocks"], stacked_layer=True)
 
     def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
         def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
@@ -212,25 +262,18 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         if stage < 3:
             return inner_fb(params, batch, extra)
         z: ZeroLayout = extra["zero"]
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        rest_metas = {k: z.metas[k] for k in rest}
         with torch.no_grad():  # the whole non-stacked parameters; their grads are scattered below
-            full = {
-                k: v if k == "blocks" else tree.map(z.gather, v, z.metas[k])
-                for k, v in params.items()
-            }
+            full = {**z.gather_tree(rest, rest_metas), "blocks": params["blocks"]}
         with core.context(_Gather(z)):
             loss, grads = inner_fb(full, batch, extra)
         n = z.mesh.axis_size(axis)
-        out = {}
-        for k, g in grads.items():
-            if k == "blocks":
-                out[k] = g  # already chunks: the gathers' backward reduce-scattered them
-            else:
-                out[k] = tree.map(
-                    lambda gg, mt: _reduce_scatter_chunk(gg, n, False, axis, z.mesh, "sum"),
-                    g,
-                    z.metas[k],
-                )
-        return loss, out
+        # the stacked layers' gradients are chunks already (the gathers' backward scattered them)
+        rest_grads = {k: v for k, v in grads.items() if k != "blocks"}
+        flat, treedef = tree.flatten_with_paths(rest_grads)
+        chunks = reduce_scatter_flat([_padded(g, n) for _, g in flat], axis, z.mesh, "sum")
+        return loss, {**tree.unflatten(treedef, chunks), "blocks": grads["blocks"]}
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
@@ -243,7 +286,9 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
             return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, red)])
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
             return tree.map(lambda g: g / n, grads)
-        return tree.map(lambda g: _reduce_scatter_chunk(g, n, False, axis, m, "avg"), grads)
+        flat, treedef = tree.flatten_with_paths(grads)
+        chunks = reduce_scatter_flat([_padded(g, n) for _, g in flat], axis, m, "avg")
+        return tree.unflatten(treedef, chunks)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         if stage == 0:
@@ -259,7 +304,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         if stage == 3:
             return new, info
         with torch.no_grad():
-            params = tree.map(z.gather, new.params, z.metas)
+            params = z.gather_tree(new.params, z.metas)
         return new._replace(params=params), info
 
     return step.replace(
@@ -271,13 +316,3 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         update=update,
         options={**step.options, "zero": {"stage": stage, "axis": axis}},
     )
-
-
-def _reduce_scatter_chunk(
-    g: torch.Tensor, n: int, stacked: bool, axis: str, mesh: Mesh, op: str
-) -> torch.Tensor:
-    """This rank's chunk of ``g`` (flattened, padded to ``n`` chunks), reduced over ``axis``."""
-    flat = _local(g).reshape(-1)
-    c = -(-flat.numel() // n)
-    flat = torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
-    return comm.reduce_scatter(flat, axis, 0, op=op, mesh=mesh)

@@ -1,11 +1,11 @@
 """The rule table: what a propagation rule sees (``Spec``), what it returns (``Plan``), and ``pick``.
 
 A rule is one function registered for one or more ATen ops with :func:`rule`. It is called with
-the op's arguments, each tensor replaced by a :class:`Spec` (global shape, placements, dtype, mesh),
-and returns either the output placements (the inputs are used as they are) or a :class:`Plan`:
-the placements each tensor input must be redistributed to first, the output placements, and,
-where the local computation differs from the op itself, the local arguments or a ``compute``
-function. Example, the whole rule for ``aten.mm``::
+the op's arguments, each tensor replaced by a :class:`Spec` (global shape, placements, dtype, mesh,
+whether it is a parameter), and returns either the output placements (the inputs are used as they
+are) or a :class:`Plan`: the placements each tensor input must be redistributed to first, the
+output placements, and, where the local computation differs from the op itself, the local
+arguments or a ``compute`` function. Example, the whole rule for ``aten.mm``::
 
     @rule(aten.mm)
     def mm(a: Spec, b: Spec) -> Plan:
@@ -14,7 +14,8 @@ function. Example, the whole rule for ``aten.mm``::
 
 :func:`pick` chooses, independently per mesh axis, the cheapest of a rule's options: an option
 is ``(output placement, input placements)`` valid on one axis, and its cost is the communication
-needed to bring the inputs to it.
+needed to bring the inputs to it, after two preferences that keep the layout a whole model was
+planned with (see :func:`pick`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Spec:
     placements: Placements
     dtype: torch.dtype
     mesh: Mesh
+    param: bool = False  # a parameter (a leaf that requires grad) or a view of one
 
     @property
     def ndim(self) -> int:
@@ -140,9 +142,21 @@ def _cost(src: Placement, dst: Placement | None) -> float:
     return 2.0
 
 
-def _resplits(src: Placement, dst: Placement | None) -> bool:
-    """Whether ``src -> dst`` splits anew a tensor that is already split or Partial."""
-    return isinstance(dst, Shard) and src != dst and not isinstance(src, Replicate)
+def _moves(src: Placement, dst: Placement | None) -> bool:
+    """Whether ``src -> dst`` communicates: it undoes a split or reduces a Partial."""
+    return dst is not None and src != dst and not isinstance(src, Replicate)
+
+
+def _preference(specs: Sequence[Spec], wants: Sequence[Placement | None], a: int) -> tuple[int, int]:
+    """What an option gives up on axis ``a``, worst first: (moves a parameter, splits anew)."""
+    srcs = [s.placements[a] for s in specs]
+    moves_param = any(s.param and _moves(p, w) for s, p, w in zip(specs, srcs, wants))
+    held = {w for p, w in zip(srcs, wants) if isinstance(w, Shard) and p == w}
+    splits_anew = any(
+        isinstance(w, Shard) and _moves(p, w) and (isinstance(p, Shard) or w not in held)
+        for p, w in zip(srcs, wants)
+    )
+    return int(moves_param), int(splits_anew)
 
 
 def pick(
@@ -158,12 +172,22 @@ def pick(
     output, the all_reduce that will reduce it later (``partial_cost`` times its size
     ``out_numel``, default the largest input's; 0 for ops that merely copy). Without that price a
     Partial would ride through every linear op unreduced (Megatron reduces right after the
-    row-parallel layer), and a weight would be gathered rather than an activation reduced.
+    row-parallel layer).
 
-    Options that would split an input that is already split (or Partial) along another dim
-    (all_to_all, reduce_scatter) are passed over unless no other option remains: such a new
-    layout is cheap for this op but every later op pays for it (a norm that cannot keep its
-    input's split should gather it, not move the split to the batch dim).
+    Two preferences come before the cost, in this order; an option that breaks one is taken only
+    when every option does:
+
+    - *Parameters stay where the plan put them* (Megatron-LM's layout). Gathering a weight looks
+      cheap by bytes whenever the activations outweigh it (a small model, a long batch), but it is
+      paid again every step, and the weight's gradient is then computed whole on every rank: the
+      backward ``grad_out[Shard(1)] @ w.T[Shard(0)]`` of a column-parallel layer leaves a Partial
+      input gradient (one all_reduce of the activation for q, k and v together) rather than
+      gathering both.
+    - *No new split of a split or Partial input* (all_to_all, reduce_scatter), unless another
+      input of the option already holds that split: such a new layout is cheap for this op but
+      every later op pays for it (a norm that cannot keep its input's split should gather it, not
+      move the split to the batch dim), while reducing a Partial onto the split that the other
+      operand has is Megatron's reduce_scatter under sequence parallelism.
     """
     mesh = specs[0].mesh
     n_out = len(options[0][0]) if isinstance(options[0][0], tuple) else 1
@@ -188,12 +212,7 @@ def pick(
                     best = opt
                     break
         else:
-            allowed = [
-                o
-                for o in options
-                if not any(_resplits(s.placements[a], w) for s, w in zip(specs, o[1]))
-            ]
-            best = min(allowed or options, key=lambda opt: cost(a, opt))
+            best = min(options, key=lambda opt: (*_preference(specs, opt[1], a), cost(a, opt)))
         for i, (s, w) in enumerate(zip(specs, best[1])):
             ins[i].append(s.placements[a] if w is None else w)
         outs.append(best[0])

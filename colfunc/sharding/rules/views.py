@@ -2,7 +2,9 @@
 their backward), split/unbind, cat/stack.
 
 A split dim keeps its split when it survives the op whole: renumbered by transposes and
-(un)squeezes, carried through slices and splits of *other* dims. A reshape maps groups of input
+(un)squeezes, carried through slices and splits of *other* dims, and through a slice of the split
+dim itself when each rank's part of the slice is its chunk of the result (``x[:, :-1]`` of a
+sequence split in equal chunks: the last rank drops its last position). A reshape maps groups of input
 dims onto groups of output dims (``[B, T, H*E] -> [B, T, H, E]``: the group ``(H*E) -> (H, E)``);
 a split on the group's major dim carries over to the major output dim when every rank's chunk
 boundaries fall on the same elements, which for a head split means whole heads per rank (H
@@ -25,6 +27,7 @@ from colfunc.sharding.placement import (
     Shard,
     dim_chunks,
     local_shape,
+    shard_range,
 )
 from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
 
@@ -181,12 +184,42 @@ def expand(x: Spec, size: Sequence[int], *, implicit: bool = False) -> Plan:
     return _local_size_call(x, out_shape, ins, outs, lambda t, s: t.expand(s))
 
 
-# --- one dim cut: that dim must be whole ------------------------------------------------------
+# --- one dim cut: that dim must be whole, or its chunks survive the cut -----------------------
+
+
+def _bounds(n: int, start: Any, end: Any) -> tuple[int, int]:
+    """``[start, end)`` of a unit-step slice of ``n`` elements, as Python slicing reads them."""
+    lo, hi, _ = slice(start, end).indices(n)
+    return lo, max(lo, hi)
+
+
+def _cut_keeps_chunks(n: int, lo: int, hi: int, sizes: Sequence[int]) -> bool:
+    """Whether every rank's part of ``[lo, hi)`` of a dim of ``n`` split by axes of ``sizes`` is
+    its chunk of the ``hi - lo`` elements (``[:, :-1]`` of a sequence split in equal chunks is:
+    only the last rank's chunk is one shorter)."""
+    for (o, s), (o2, s2) in zip(dim_chunks(n, sizes), dim_chunks(hi - lo, sizes)):
+        a, b = max(o, lo), min(o + s, hi)
+        if max(b - a, 0) != s2 or (s2 and a - lo != o2):
+            return False
+    return True
+
+
+def _local_cut(mesh: Any, n: int, pl: Placements, dim: int, lo: int, hi: int) -> tuple[int, int]:
+    """This rank's part of ``[lo, hi)`` of the split dim, in local coordinates."""
+    o, s = shard_range(n, mesh, pl, dim)
+    a = min(max(lo - o, 0), s)
+    return a, max(a, min(hi - o, s))
 
 
 @rule(aten.slice.Tensor)
 def slice_(x: Spec, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Plan:
-    ins, outs = _remap(x, {_norm(dim, x.ndim): None})
+    dim = _norm(dim, x.ndim)
+    lo, hi = _bounds(x.shape[dim], start, end)
+    sizes = [x.mesh.axis_size(a) for a in x.axes_on(dim)]
+    if step == 1 and sizes and _cut_keeps_chunks(x.shape[dim], lo, hi, sizes):
+        a, b = _local_cut(x.mesh, x.shape[dim], x.placements, dim, lo, hi)
+        return Plan(outputs=x.placements, compute=lambda t, *args: t.narrow(dim, a, b - a))
+    ins, outs = _remap(x, {dim: None})
     return Plan(outputs=outs, inputs=[ins])
 
 
@@ -202,6 +235,13 @@ def slice_backward(
     g: Spec, input_sizes: Sequence[int], dim: int, start: int, end: int, step: int
 ) -> Plan:
     dim = _norm(dim, g.ndim)
+    n = input_sizes[dim]
+    lo, hi = _bounds(n, start, end)
+    sizes = [g.mesh.axis_size(a) for a in g.axes_on(dim)]
+    if step == 1 and sizes and _cut_keeps_chunks(n, lo, hi, sizes):
+        a, b = _local_cut(g.mesh, n, g.placements, dim, lo, hi)
+        size = local_shape(input_sizes, g.mesh, g.placements)
+        return Plan(outputs=g.placements, args=(g, size, dim, a, b, 1))
     ins, outs = _remap(g, {dim: None})
     size = local_shape(input_sizes, g.mesh, outs)
     return Plan(outputs=outs, inputs=[ins], args=(g, size, dim, start, end, step))

@@ -76,7 +76,7 @@ class _Link:
     after it asks; a source's descriptor is posted as early as its first message would be.
     """
 
-    AHEAD = 2
+    AHEAD = 6
 
     def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, int]]) -> None:
         self.mesh, self.axis = mesh, axis

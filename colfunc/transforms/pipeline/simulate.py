@@ -1,15 +1,17 @@
 """Run every rank's action list with given op costs: time line, idle time (the bubble), peak
 in-flight microbatches, and deadlocks.
 
-Each rank runs its list in order. A computation takes its cost; a send takes no time on the
-sender and its message arrives ``send`` later; a receive waits until its message has arrived.
+Each rank runs its list in order. A computation takes its cost, and so does a send (the
+sender's own work, zero by default); a message can be used ``latency`` after its send ends (the
+cost of the receive action), and a receive waits until then.
 Every computation checks that what it consumes is there (the input of a forward, the output
 gradient of a backward, the input-gradient pass before its weight pass): a list that computes
 before it receives is a broken schedule, and ranks that all wait on messages no one will send are
 a deadlock. Both raise :class:`ScheduleError` naming each rank and the action it is stuck at.
 
 Idle time is measured against the makespan (the last rank's finish): rank ``r`` is busy for the
-sum of its costs and idle for the rest, so ``bubble[r] = 1 - busy[r] / makespan``. A microbatch
+sum of its computations and sends and idle for the rest, waiting for messages, so
+``bubble[r] = 1 - busy[r] / makespan``. A microbatch
 is in flight on a rank from the forward of one of its stages until that stage's backward (``B``
 or ``I``): the activations a rank keeps, in units of one stage's activations.
 """
@@ -31,10 +33,11 @@ class ScheduleError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Costs:
-    """The time of each op on one stage (one model chunk); ``send`` is a transfer's latency.
+    """The time of each op on one stage (one model chunk), of a send on its sender, and the
+    latency from the end of a send to when the receiver can use the message.
 
     The defaults are the unit costs of the papers: a backward is two forwards, and its two
-    halves (input and weight gradients) one each.
+    halves (input and weight gradients) one each; transfers are free.
     """
 
     forward: float = 1.0
@@ -42,6 +45,7 @@ class Costs:
     backward_input: float = 1.0
     backward_weight: float = 1.0
     send: float = 0.0
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -55,6 +59,8 @@ class Costs:
                 raise ValueError(f"Costs: {f.name} must be a finite number >= 0, got {value!r}")
 
     def __call__(self, action: Action) -> float:
+        if action.op.startswith("RECV"):
+            return self.latency
         return {
             "F": self.forward,
             "B": self.backward,
@@ -71,7 +77,7 @@ class Simulation:
     busy: tuple[float, ...]
     bubble: tuple[float, ...]  # idle fraction of the makespan
     peak_in_flight: tuple[int, ...]
-    timeline: tuple[tuple[tuple[Action, float, float], ...], ...]  # (action, start, end)
+    timeline: tuple[tuple[tuple[Action, float, float], ...], ...]  # computations and sends
 
 
 def _message(a: Action, last: int) -> tuple[str, int, int]:
@@ -86,7 +92,8 @@ def _message(a: Action, last: int) -> tuple[str, int, int]:
 
 
 def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] = Costs()) -> Simulation:
-    """Run ``schedule`` with ``costs`` (a :class:`Costs`, or ``action -> time`` for measured ones).
+    """Run ``schedule`` with ``costs``: a :class:`Costs`, or ``action -> time`` for measured
+    ones (for a receive, the latency of its message).
 
     Example:
         >>> sim = simulate(build("1f1b", ranks=4, microbatches=8))
@@ -144,25 +151,25 @@ def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] = Cost
                     msg = _message(a, last)
                     if msg not in arrived:
                         break  # wait for the sender
-                    clock[r] = max(clock[r], arrived[msg])
+                    clock[r] = max(clock[r], arrived[msg] + costs(a))
                     received[r].add(msg)
                 else:
                     missing = needs(r, a)
                     if missing is not None:
                         raise fail(r, a, f"needs {missing}, which this rank does not have yet")
+                    cost = costs(a)
+                    timeline[r].append((a, clock[r], clock[r] + cost))
+                    clock[r] += cost
+                    busy[r] += cost
                     if a.op.startswith("SEND"):
                         msg = _message(a, last)
                         if msg in arrived:
                             raise fail(r, a, "sends the same message twice")
-                        arrived[msg] = clock[r] + costs(a)
+                        arrived[msg] = clock[r]  # usable `latency` later
                     else:
                         key = (a.op, a.stage, a.mb)
                         if key in done[r]:
                             raise fail(r, a, "repeats a computation")
-                        cost = costs(a)
-                        timeline[r].append((a, clock[r], clock[r] + cost))
-                        clock[r] += cost
-                        busy[r] += cost
                         done[r].add(key)
                         in_flight[r] += a.op == "F"
                         in_flight[r] -= a.op in ("B", "I")
