@@ -88,8 +88,12 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
 def _update(optimizer: GradientTransformation) -> Update:
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         info = {"grad_norm": global_norm(grads), "lr": optimizer.lr(state.opt_state)}
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = apply_updates(state.params, updates)
+        fast = optimizer.apply(grads, state.opt_state, state.params) if optimizer.apply else None
+        if fast is not None:
+            params, opt_state = fast
+        else:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = apply_updates(state.params, updates)
         return state._replace(params=params, opt_state=opt_state), info
 
     return update

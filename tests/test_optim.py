@@ -479,3 +479,38 @@ def test_bad_arguments_name_the_argument(make, error, names):
         make()
     for name in names:
         assert name in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adamw_fused_apply_equals_update_then_apply(dtype):
+    """The one-pass ``apply`` path gives the two-step path's parameters and states."""
+    g = torch.Generator().manual_seed(3)
+    params = {
+        "a": torch.randn(7, 5, generator=g, dtype=dtype),
+        "b": torch.randn(3, generator=g, dtype=dtype),
+    }
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2, weight_decay=0.1))
+    s_fast = s_slow = opt.init(params)
+    p_fast = p_slow = params
+    before = {k: v.clone() for k, v in params.items()}
+    for _ in range(4):
+        grads = {k: torch.randn(v.shape, generator=g, dtype=dtype) for k, v in params.items()}
+        assert opt.apply is not None
+        out = opt.apply(grads, s_fast, p_fast)
+        assert out is not None
+        p_fast, s_fast = out
+        updates, s_slow = opt.update(grads, s_slow, p_slow)
+        p_slow = optim.apply_updates(p_slow, updates)
+    for k in params:
+        torch.testing.assert_close(p_fast[k], p_slow[k], rtol=1e-6, atol=1e-7)
+        assert torch.equal(params[k], before[k])  # nothing passed in was modified
+    for a, b in zip(cf.tree.tensors(s_fast), cf.tree.tensors(s_slow)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_apply_declines_mixed_dtypes():
+    params = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    opt = optim.adamw(1e-2)
+    state = opt.init(params)  # fp32 moments for bf16 parameters: not the fused kernel's case
+    assert opt.apply is not None
+    assert opt.apply({"w": torch.ones(3, dtype=torch.bfloat16)}, state, params) is None

@@ -105,7 +105,44 @@ def _scale_by_adam(
     def current_lr(state: AdamState) -> float:
         return learning_rate(lr, state.step)
 
-    return GradientTransformation(init, update, current_lr)
+    def apply(grads: PyTree, state: AdamState, params: PyTree) -> tuple[PyTree, AdamState] | None:
+        # torch's fused kernel (in place) run on fresh copies of the parameters and moments:
+        # nothing passed in is modified, in about half the passes over memory of `update`
+        treedef = tree.structure(params)
+        ps: list[torch.Tensor] = treedef.flatten_up_to(params)
+        gs: list[torch.Tensor] = treedef.flatten_up_to(grads)
+        ms: list[torch.Tensor] = treedef.flatten_up_to(state.exp_avg)
+        vs: list[torch.Tensor] = treedef.flatten_up_to(state.exp_avg_sq)
+        same = all(
+            type(x) is torch.Tensor and x.dtype == p.dtype and x.device == p.device
+            for p, g, m, v in zip(ps, gs, ms, vs)
+            for x in (p, g, m, v)
+        )
+        wide = all(p.dtype in (torch.float32, torch.float64) for p in ps)
+        if not (decoupled and not amsgrad and ps and same and wide):
+            return None
+        t = state.step + 1
+        new_p, new_m, new_v = (torch._foreach_mul(xs, 1.0) for xs in (ps, ms, vs))  # copies
+        steps = [torch.tensor(float(t), device=p.device) for p in ps]
+        torch._fused_adamw_(
+            new_p,
+            list(gs),
+            new_m,
+            new_v,
+            [],
+            steps,
+            lr=learning_rate(lr, state.step),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        m_tree, v_tree = tree.unflatten(treedef, new_m), tree.unflatten(treedef, new_v)
+        return tree.unflatten(treedef, new_p), AdamState(t, m_tree, v_tree, None)
+
+    return GradientTransformation(init, update, current_lr, apply)
 
 
 def adamw(

@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from colfunc.sharding.mesh import Mesh, current_mesh
-from colfunc.sharding.placement import Partial, Placements, Replicate
+from colfunc.sharding.placement import Partial, Placements, Replicate, grad_placements
 from colfunc.sharding.redistribute import redistribute_local
 from colfunc.sharding.rules import Plan, Spec, lookup
 from colfunc.sharding.tensor import ShardedTensor
@@ -206,7 +206,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, s = flat[i], specs[i]
         if not isinstance(x, ShardedTensor):
             local = x if want is None else redistribute_local(x, s.shape, mesh, s.placements, want)
-        elif want is None or want == s.placements:
+            local_of[id(s)] = local
+            continue
+        if x.requires_grad and not x.is_leaf and torch.is_grad_enabled():
+            _reduce_partial_grad(x)
+        if want is None or want == s.placements:
             local = x._local
         else:
             local = _redistributed(x, tuple(want))
@@ -227,6 +231,34 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
     param = bool(tensors) and specs[tensors[0]].param and _keeps_param(func)
     return _wrap(out, _global_meta(func, args, kwargs, flat, tree), plan.outputs, mesh, param)
+
+
+def _reduce_partial_grad(x: ShardedTensor) -> None:
+    """Reduce a Partial gradient of ``x``, once autograd has summed every part of it, onto
+    ``x``'s own placements: an all_reduce for a replicated ``x``, a reduce_scatter for one split
+    on the sequence.
+
+    This is where Megatron-LM reduces: the input gradients of q, k and v (each a Partial sum over
+    the heads) add up at the normalised activations they share and are reduced there once, not
+    once per projection; the norm's backward then runs on the placements of its forward. Only
+    tensors that ops produce (not leaves, whose gradients the caller places) and not views (the
+    gradient reaches their base, which is reduced instead) are hooked, once each.
+    """
+    if x._is_view() or "_grad_hooked" in x.__dict__:
+        return
+    x._grad_hooked = True
+    target = grad_placements(x._placements)
+
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(g, ShardedTensor) or not any(
+            isinstance(p, Partial) for p in g._placements
+        ):
+            return None
+        return g.redistribute(
+            [t if isinstance(p, Partial) else p for p, t in zip(g._placements, target)]
+        )
+
+    x.register_hook(hook)
 
 
 def _redistributed(x: ShardedTensor, want: Placements) -> torch.Tensor:
@@ -254,15 +286,17 @@ def _redistributed(x: ShardedTensor, want: Placements) -> torch.Tensor:
         x.__dict__.pop("_redistributions", None)
         if reduced == want:
             return x._local
-    memo: dict[Placements, tuple[int, torch.Tensor, int]] | None = None
+    memo: dict[Placements, tuple[torch.Tensor, int, torch.Tensor, int]] | None = None
     if not _is_param(x):
         memo = x.__dict__.setdefault("_redistributions", {})
         hit = memo.get(want)
-        if hit is not None and hit[0] == x._local._version and hit[2] == hit[1]._version:
-            return hit[1]
+        if hit is not None:
+            src, src_version, out, out_version = hit
+            if src is x._local and src_version == src._version and out_version == out._version:
+                return out
     out = redistribute_local(x._local, tuple(x.shape), x._mesh, x._placements, want)
     if memo is not None and out is not x._local:
-        memo[want] = (x._local._version, out, out._version)
+        memo[want] = (x._local, x._local._version, out, out._version)
     return out
 
 
@@ -342,9 +376,10 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"{func}: cannot write a sharded result into a plain tensor; make the destination a "
             "ShardedTensor (distribute it) first"
         )
+    # the destination keeps its layout, even where the op reads it reduced (see _redistributed)
+    placements, own = self._placements, self._local
     out = dispatch(_functional(func), args, kwargs)
-    local = redistribute_local(
-        out._local, tuple(out.shape), self._mesh, out._placements, self._placements
-    )
+    self._placements, self._local = placements, own
+    local = redistribute_local(out._local, tuple(out.shape), self._mesh, out._placements, placements)
     self._local.copy_(local)
     return self
