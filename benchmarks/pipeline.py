@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -87,7 +86,12 @@ def torch_step(mesh: Mesh, params: dict, cfg: gpt.Config, name: str, m: int) -> 
         for mod, s in zip(mods, range(r, n, p))
     ]
     last = mods[-1] if mods[-1].last else None
-    loss_fn = last.loss if last is not None else None
+
+    def loss_fn(h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # every rank passes one (a schedule without it runs forward only); the last calls it
+        assert last is not None
+        return last.loss(h, labels)
+
     schedule = cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
 
     def run(batch: dict) -> torch.Tensor | None:
@@ -107,7 +111,9 @@ def torch_step(mesh: Mesh, params: dict, cfg: gpt.Config, name: str, m: int) -> 
 
 def ours_step(mesh: Mesh, params: dict, cfg: gpt.Config, name: str, m: int) -> Any:
     v = SCHEDULES[name][1]
-    step = cf.pipeline(cf.train_step(gpt.loss(cfg), optim.sgd(0.01)), mesh.axis_size("pp"), m, name, v)
+    step = cf.pipeline(
+        cf.train_step(gpt.loss(cfg), optim.sgd(0.01)), mesh.axis_size("pp"), m, name, v
+    )
     state = step.init(params)
 
     def run(batch: dict) -> torch.Tensor:
@@ -142,7 +148,7 @@ def bench(mesh: Mesh, args: argparse.Namespace) -> dict:
             if rep:
                 times[key].append(time.perf_counter() - t)
             elif out is not None:
-                losses[key] = float(out)
+                losses[key] = float(out.detach())
     return {"times": {k: statistics.median(ts) for k, ts in times.items()}, "losses": losses}
 
 
@@ -181,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         label = name if name != "zero_bubble" else "zero_bubble*"
         print(f"{label:<13} {ours:9.1f} {theirs:9.1f} {ours / theirs:11.2f}")
     if "zero_bubble" in args.schedules:
-        print("* against torch's Schedule1F1B (our ZB-H1 has no torch counterpart for one stage per rank)")
+        print(
+            "* against torch's Schedule1F1B (our ZB-H1 has no torch counterpart for one stage per rank)"
+        )
 
 
 if __name__ == "__main__":

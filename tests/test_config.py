@@ -149,7 +149,7 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
         config.load(wrong)
 
 
-def test_parallel_section_is_kept_and_refused_by_train(tmp_path: Path) -> None:
+def test_parallel_section_is_kept_and_checked_by_train(tmp_path: Path) -> None:
     from colfunc import train
 
     path = _write(
@@ -157,9 +157,9 @@ def test_parallel_section_is_kept_and_refused_by_train(tmp_path: Path) -> None:
     )
     cfg = config.load(path)
     assert cfg.parallel == {"dp": 2}
-    with pytest.raises(ValueError, match="parallel training is not available"):
+    with pytest.raises(ValueError, match="parallel has unknown key 'dp'"):
         train.run(cfg, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()  # refused before anything was written
     assert dataclasses.replace(cfg, parallel={}) == config.default()
 
 

@@ -186,7 +186,9 @@ def test_each_rank_keeps_its_stages_layers_round_robin() -> None:
     wq = params["blocks"]["attn"]["wq"]
 
     def main(mesh):
-        state = cf.pipeline(cf.train_step(model.loss(cfg), SGD), 2, 2, "interleaved", 2).init(params)
+        state = cf.pipeline(cf.train_step(model.loss(cfg), SGD), 2, 2, "interleaved", 2).init(
+            params
+        )
         return state.params["blocks"]["attn"]["wq"], state.params["embed"]["tokens"]
 
     (w0, e0), (w1, e1) = cf.launch(main, mesh={"pp": 2})
@@ -247,13 +249,13 @@ def test_recv_of_the_wrong_shape_or_from_a_returned_rank_is_named() -> None:
 def test_bad_input_is_named() -> None:
     model, cfg, params, batches = _problem("gpt", n_layer=3)
     ref = cf.train_step(model.loss(cfg), SGD)
-    with pytest.raises(ValueError, match="loss must be a cf.layered"):
+    with pytest.raises(ValueError, match=r"loss must be a cf\.layered"):
         cf.pipeline(cf.train_step(lambda p, b: model.loss(cfg)(p, b), SGD), 2, 4)
     with pytest.raises(ValueError, match="schedule='zero_bubble' needs microbatches >= stages=4"):
         cf.pipeline(ref, 4, 2, "zero_bubble")
     with pytest.raises(ValueError, match="microbatches divisible by stages=2"):
         cf.pipeline(ref, 2, 3, "interleaved", 2)
-    with pytest.raises(ValueError, match="apply cf.pipeline to the plain step first"):
+    with pytest.raises(ValueError, match=r"apply cf\.pipeline to the plain step first"):
         cf.pipeline(cf.remat(ref), 2, 4)
     with pytest.raises(ValueError, match="unknown key 'stage'"):
         pipeline_from_config(ref, {"stage": 2, "microbatches": 4})

@@ -373,7 +373,9 @@ def send(x: torch.Tensor, axis: Axes, dst: int, *, tag: int = 0, mesh: Mesh | No
     peer = _peer(mesh, axes, dst, "send", "dst")
     tag = _tag(tag, "send")
     if mesh.ledger.enabled:
-        mesh.ledger.record("send", axes[0] if len(axes) == 1 else axes, x.numel() * x.element_size())
+        mesh.ledger.record(
+            "send", axes[0] if len(axes) == 1 else axes, x.numel() * x.element_size()
+        )
     return mesh.world.send(mesh.rank, peer, x.detach(), tag)
 
 

@@ -12,6 +12,21 @@ in :func:`fallback_counts`, so that tests and benchmarks can demand none; under 
 
 An in-place op runs as its out-of-place form, and the result is redistributed to the placements
 of the tensor it writes to and copied into its shard.
+
+Three things make a model run the way Megatron-LM's tensor parallelism does (the rules choose
+placements op by op; these let the choices add up):
+
+- A Spec says whether its tensor is a parameter (a leaf that requires grad, or a view or cast of
+  one), and :func:`~colfunc.sharding.rules.pick` keeps parameters where the plan put them.
+- A redistribution that communicates is remembered on the tensor, so the ops that read one
+  tensor alike share one collective, and a Partial reduced once is read replicated from then on
+  (see "reading a tensor in another layout" below).
+- A Partial gradient is reduced where autograd has summed all of it, onto the placements of the
+  tensor it is the gradient of (:func:`_reduce_partial_grad`).
+
+Rules are pure functions of their arguments' metadata, so their Plans, with the outputs' global
+shapes, are memoised by it (:class:`_Memo`): after the first step, a dispatch is the
+redistributions and the local op.
 """
 
 from __future__ import annotations
@@ -53,10 +68,7 @@ class _Diagnostics:
 _DIAG = _Diagnostics()
 
 
-# Meta outputs by (op, argument shapes and values); read only for shapes and strides, so sharing
-# them between calls and threads is safe.
-_META_CACHE: dict[Any, Any] = {}
-_META_CACHE_SIZE = 4096
+_MEMO_SIZE = 4096  # entries of the dispatch memo (see _Memo), cleared when full
 
 
 @contextmanager
@@ -116,25 +128,35 @@ def _mesh_of(flat: list[Any]) -> Mesh:
     return mesh
 
 
-def _spec(x: torch.Tensor, mesh: Mesh) -> Spec:
+def _spec(x: torch.Tensor, mesh: Mesh, placements: Placements | None) -> Spec:
     if isinstance(x, ShardedTensor):
-        return Spec(tuple(x.shape), x._placements, x.dtype, mesh, _is_param(x))
+        assert placements is not None
+        return Spec(tuple(x.shape), placements, x.dtype, mesh, _is_param(x))
     return Spec(tuple(x.shape), (Replicate(),) * len(mesh.axis_names), x.dtype, mesh)
 
 
 def _is_param(x: ShardedTensor) -> bool:
-    """A leaf that requires grad, or a view or cast of one (marked by :func:`_wrap`)."""
-    return x._param or (x.requires_grad and x.is_leaf)
+    """A leaf that requires grad, or a view or cast of one (marked by :func:`_wrap`). (A view
+    made without grad, as the backward makes them, is a leaf too, of any tensor: not that.)"""
+    return x._param or (x.requires_grad and x.is_leaf and not x._is_view())
 
 
 def _keeps_param(func: Any) -> bool:
     """Whether ``func``'s output is its first input seen differently (a view or a copy), so that
     an output of it applied to a parameter is the parameter still: ``w.t()``, ``w[i]``, the cast
     of ``w`` under mixed precision, in the forward and as the backward saved them."""
-    return func in _COPIES or any(r.alias_info is not None for r in func._schema.returns)
+    try:
+        return _KEEPS_PARAM[func]
+    except KeyError:
+        pass
+    _KEEPS_PARAM[func] = out = func in _COPIES or any(
+        r.alias_info is not None for r in func._schema.returns
+    )
+    return out
 
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
+_KEEPS_PARAM: dict[Any, bool] = {}
 
 
 def _meta(x: Any) -> Any:
@@ -145,40 +167,77 @@ def _meta(x: Any) -> Any:
     return x
 
 
-def _global_meta(func: Any, args: Any, kwargs: Any, flat: list[Any], tree: Any) -> Any:
-    """The op's outputs as meta tensors of the global shapes, memoised: running meta kernels
-    (often Python decompositions) costs more than the rest of a dispatch."""
-    key: Any = (
-        func,
-        tree,
-        *(
-            (tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
-            for x in flat
-        ),
-    )
+def _is_inplace(func: Any) -> bool:
     try:
-        return _META_CACHE[key]
+        return _INPLACE[func]
     except KeyError:
         pass
-    except TypeError:  # an unhashable argument: no memo
-        key = None
-    out = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
-    if key is not None:
-        if len(_META_CACHE) >= _META_CACHE_SIZE:
-            _META_CACHE.clear()
-        _META_CACHE[key] = out
-    return out
-
-
-def _is_inplace(func: Any) -> bool:
     name = func.overloadpacket.__name__
     args = func._schema.arguments
-    return (
+    _INPLACE[func] = out = (
         name.endswith("_")
         and bool(args)
         and args[0].alias_info is not None
         and args[0].alias_info.is_write
     )
+    return out
+
+
+_INPLACE: dict[Any, bool] = {}
+
+
+class _Memo:
+    """What a dispatch works out from its arguments' metadata alone, kept for the next call with
+    the same metadata (by op, argument structure, shapes, strides, dtypes, placements as read and
+    the other arguments): the rule's Plan, the ids of the Specs it was made from (a Plan's
+    ``args`` name tensors by their Specs), and the outputs as meta tensors of the global shapes.
+    Picking among a rule's options and running meta kernels (often Python decompositions) cost
+    more than the rest of a dispatch but the local op; a rule is a pure function of its Specs
+    and the other arguments."""
+
+    __slots__ = ("ids", "mesh", "meta", "plan")
+
+    def __init__(self, plan: Plan, ids: list[int], mesh: Mesh) -> None:
+        self.plan, self.ids, self.mesh, self.meta = plan, ids, mesh, None
+
+
+_MEMO: dict[Any, _Memo] = {}
+
+
+def _memo(func: Any, flat: list[Any], tree: Any, specs: dict[int, Spec], mesh: Mesh) -> _Memo:
+    key: Any = (
+        func,
+        tree,
+        mesh,
+        *(
+            (s.shape, flat[i].stride(), s.dtype, s.placements, s.param)
+            if (s := specs.get(i)) is not None
+            else x
+            for i, x in enumerate(flat)
+        ),
+    )
+    try:
+        hit = _MEMO[key]
+        if hit.mesh is mesh:  # an equal mesh may keep another ledger
+            return hit
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument: no memo
+        key = None
+    ids = [id(s) for s in specs.values()]
+    rule = lookup(func)
+    if rule is None:  # not remembered: every fallback is counted
+        return _Memo(_fallback(func, list(specs.values())), ids, mesh)
+    spec_args, spec_kwargs = pytree.tree_unflatten(
+        [specs.get(i, x) for i, x in enumerate(flat)], tree
+    )
+    got = rule(*spec_args, **spec_kwargs)
+    memo = _Memo(got if isinstance(got, Plan) else Plan(outputs=got), ids, mesh)
+    if key is not None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[key] = memo
+    return memo
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -188,49 +247,41 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     flat, tree = pytree.tree_flatten((args, kwargs))
     mesh = _mesh_of(flat)
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    specs = {i: _spec(flat[i], mesh) for i in tensors}
+    # each ShardedTensor is read in the layout at hand: its own, or one an earlier op reduced it to
+    hand = {i: _at_hand(flat[i]) for i in tensors if isinstance(flat[i], ShardedTensor)}
+    specs = {i: _spec(flat[i], mesh, hand[i][0] if i in hand else None) for i in tensors}
+    memo = _memo(func, flat, tree, specs, mesh)
+    plan, ids = memo.plan, memo.ids
 
-    rule = lookup(func)
-    if rule is None:
-        plan = _fallback(func, [specs[i] for i in tensors])
-    else:
-        spec_args, spec_kwargs = pytree.tree_unflatten(
-            [specs.get(i, x) for i, x in enumerate(flat)], tree
-        )
-        got = rule(*spec_args, **spec_kwargs)
-        plan = got if isinstance(got, Plan) else Plan(outputs=got)
-
-    local_of: dict[int, Any] = {}
+    local_at: dict[int, Any] = {}  # by argument position
     wants = plan.inputs if plan.inputs is not None else [None] * len(tensors)
     for i, want in zip(tensors, wants):
         x, s = flat[i], specs[i]
         if not isinstance(x, ShardedTensor):
             local = x if want is None else redistribute_local(x, s.shape, mesh, s.placements, want)
-            local_of[id(s)] = local
-            continue
-        if x.requires_grad and not x.is_leaf and torch.is_grad_enabled():
-            _reduce_partial_grad(x)
-        if want is None or want == s.placements:
-            local = x._local
         else:
-            local = _redistributed(x, tuple(want))
-        local_of[id(s)] = local
+            if x.requires_grad and not x.is_leaf and torch.is_grad_enabled():
+                _reduce_partial_grad(x)
+            local = hand[i][1]
+            if want is not None and want != s.placements:
+                local = _redistributed(x, s.placements, local, tuple(want))
+        local_at[i] = local
 
     if plan.args is not None or plan.kwargs is not None:
         call_args = plan.args if plan.args is not None else args
         call_kwargs = plan.kwargs if plan.kwargs is not None else kwargs
         lflat, ltree = pytree.tree_flatten((call_args, call_kwargs))
+        local_of = {sid: local_at[i] for sid, i in zip(ids, tensors)}  # the plan names Specs
         lflat = [local_of.get(id(x), x) if isinstance(x, Spec) else x for x in lflat]
     else:
-        lflat, ltree = (
-            [local_of[id(specs[i])] if i in specs else x for i, x in enumerate(flat)],
-            tree,
-        )
+        lflat, ltree = [local_at.get(i, x) for i, x in enumerate(flat)], tree
     largs, lkwargs = pytree.tree_unflatten(lflat, ltree)
     out = (plan.compute or _empty_safe(func))(*largs, **lkwargs)
 
+    if memo.meta is None:  # the global shapes and strides of the outputs
+        memo.meta = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
     param = bool(tensors) and specs[tensors[0]].param and _keeps_param(func)
-    return _wrap(out, _global_meta(func, args, kwargs, flat, tree), plan.outputs, mesh, param)
+    return _wrap(out, memo.meta, plan.outputs, mesh, param)
 
 
 def _reduce_partial_grad(x: ShardedTensor) -> None:
@@ -244,9 +295,11 @@ def _reduce_partial_grad(x: ShardedTensor) -> None:
     tensors that ops produce (not leaves, whose gradients the caller places) and not views (the
     gradient reaches their base, which is reduced instead) are hooked, once each.
     """
-    if x._is_view() or "_grad_hooked" in x.__dict__:
+    if "_grad_hooked" in x.__dict__:
         return
-    x._grad_hooked = True
+    x.__dict__["_grad_hooked"] = True
+    if x._is_view():
+        return
     target = grad_placements(x._placements)
 
     def hook(g: torch.Tensor) -> torch.Tensor | None:
@@ -261,42 +314,70 @@ def _reduce_partial_grad(x: ShardedTensor) -> None:
     x.register_hook(hook)
 
 
-def _redistributed(x: ShardedTensor, want: Placements) -> torch.Tensor:
-    """``x``'s local part under ``want``, sharing the communication with the other ops that read
-    ``x``. Two cases, both Megatron-LM's:
+# --- reading a tensor in another layout, once --------------------------------------------------
+#
+# A redistribution that communicates is remembered on the tensor (``_redistributions``: target
+# placements -> (source local, its version, result, its version)) until either is written, so
+# that the ops that read one tensor alike share one collective. Two cases are Megatron-LM's:
+#
+# - A Partial that one op reduces is read replicated by every later op (an embedding's or a
+#   row-parallel layer's output is reduced once, by its first reader, as Megatron reduces right
+#   after the layer): the rules see the reduced placements, so the residual stream that adds to
+#   it is replicated too rather than a Partial that every norm reduces anew.
+# - q, k and v read the normalised activations, which sequence parallelism keeps split on the
+#   sequence, and gather them once, as Megatron's fused q/k/v projection does.
+#
+# A result lives as long as its tensor: for an activation, about as long as the ops that read it
+# keep it anyway (autograd decides); a parameter lives all step and is not remembered.
 
-    - A Partial that an op reduces (all_reduce) is reduced for good: ``x`` takes the replicated
-      value and placements, the same global tensor in no more memory, so that the next op that
-      reads it does not reduce it again (an embedding's or a row-parallel layer's output is
-      reduced once, by its first reader, and is replicated from then on). Not for views, whose
-      local part must stay a view of their base's.
-    - Any other communicating redistribution is remembered on ``x`` until either tensor is
-      written: q, k and v read the normalised activations, which sequence parallelism keeps split
-      on the sequence, and gather them once, as Megatron's fused q/k/v projection does. The
-      gathered tensor lives as long as ``x`` (an activation, whose lifetime autograd decides);
-      a parameter's are not remembered, since a parameter lives all step.
-    """
-    R = Replicate()
-    reduced = tuple(
-        R if isinstance(p, Partial) and w == R else p for p, w in zip(x._placements, want)
-    )
-    if reduced != x._placements and not x._is_view():
-        x._local = redistribute_local(x._local, tuple(x.shape), x._mesh, x._placements, reduced)
-        x._placements = reduced
-        x.__dict__.pop("_redistributions", None)
-        if reduced == want:
-            return x._local
-    memo: dict[Placements, tuple[torch.Tensor, int, torch.Tensor, int]] | None = None
-    if not _is_param(x):
-        memo = x.__dict__.setdefault("_redistributions", {})
-        hit = memo.get(want)
-        if hit is not None:
-            src, src_version, out, out_version = hit
-            if src is x._local and src_version == src._version and out_version == out._version:
-                return out
-    out = redistribute_local(x._local, tuple(x.shape), x._mesh, x._placements, want)
-    if memo is not None and out is not x._local:
-        memo[want] = (x._local, x._local._version, out, out._version)
+_Moved = dict[Placements, tuple[torch.Tensor, int, torch.Tensor, int]]
+
+
+def _reduced(placements: Placements) -> Placements | None:
+    """``placements`` with every Partial replaced by Replicate, or None if there is none."""
+    if not any(isinstance(p, Partial) for p in placements):
+        return None
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _recall(x: ShardedTensor, want: Placements) -> torch.Tensor | None:
+    moved: _Moved | None = x.__dict__.get("_redistributions")
+    hit = moved.get(want) if moved else None
+    if hit is None:
+        return None
+    src, src_version, out, out_version = hit
+    valid = src is x._local and src_version == src._version and out_version == out._version
+    return out if valid else None
+
+
+def _at_hand(x: ShardedTensor) -> tuple[Placements, torch.Tensor]:
+    """The placements and local part to read ``x`` in: reduced if an op has reduced it."""
+    reduced = _reduced(x._placements)
+    out = _recall(x, reduced) if reduced is not None else None
+    if reduced is None or out is None:
+        return x._placements, x._local
+    return reduced, out
+
+
+def _redistributed(
+    x: ShardedTensor, src: Placements, local: torch.Tensor, want: Placements
+) -> torch.Tensor:
+    """The local part of ``x`` under ``want``, from ``local`` under ``src`` (see above)."""
+    if _is_param(x):
+        return redistribute_local(local, tuple(x.shape), x._mesh, src, want)
+    reduced = _reduced(src)
+    if (
+        reduced is not None
+        and reduced != want
+        and all(w == Replicate() for p, w in zip(src, want) if isinstance(p, Partial))
+    ):  # reduce first and remember it, then move on from the replicated value
+        local, src = _redistributed(x, src, local, reduced), reduced
+    out = _recall(x, want)
+    if out is None:
+        out = redistribute_local(local, tuple(x.shape), x._mesh, src, want)
+        if out is not local:
+            moved: _Moved = x.__dict__.setdefault("_redistributions", {})
+            moved[want] = (x._local, x._local._version, out, out._version)
     return out
 
 
@@ -376,10 +457,9 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"{func}: cannot write a sharded result into a plain tensor; make the destination a "
             "ShardedTensor (distribute it) first"
         )
-    # the destination keeps its layout, even where the op reads it reduced (see _redistributed)
-    placements, own = self._placements, self._local
     out = dispatch(_functional(func), args, kwargs)
-    self._placements, self._local = placements, own
-    local = redistribute_local(out._local, tuple(out.shape), self._mesh, out._placements, placements)
+    local = redistribute_local(
+        out._local, tuple(out.shape), self._mesh, out._placements, self._placements
+    )
     self._local.copy_(local)
     return self

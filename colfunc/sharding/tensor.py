@@ -16,9 +16,12 @@ boundary follows the collectives' own convention instead (the plain loop over ra
 
 Rules choose how the global ops run, so gradients take the placements that the backward ops
 produce: a split weight gets a gradient split alike, a replicated norm weight a replicated one
-(under tensor parallelism). An embedding table's gradient cannot know how the table was split
-(the backward op sees only ids and gradient) and comes back replicated unless the table is tied
-to a split head; ``grad.redistribute(param.placements)`` is then a local slice.
+(under tensor parallelism). A gradient that comes out Partial is reduced onto the placements of
+its tensor once autograd has summed it (for a tensor an op made; a leaf's is left to the
+caller), as Megatron reduces the input gradients of its column-parallel layers. An embedding
+table's gradient cannot know how the table was split (the backward op sees only ids and
+gradient) and comes back replicated unless the table is tied to a split head;
+``grad.redistribute(param.placements)`` is then a local slice.
 
 Example (inside ``launch(fn, mesh={"tp": 2})``)::
 

@@ -51,7 +51,7 @@ class Spec:
     placements: Placements
     dtype: torch.dtype
     mesh: Mesh
-    param: bool = False  # a parameter (a leaf that requires grad) or a view of one
+    param: bool = False  # a parameter (a leaf that requires grad), or a view or cast of one
 
     @property
     def ndim(self) -> int:
@@ -147,7 +147,9 @@ def _moves(src: Placement, dst: Placement | None) -> bool:
     return dst is not None and src != dst and not isinstance(src, Replicate)
 
 
-def _preference(specs: Sequence[Spec], wants: Sequence[Placement | None], a: int) -> tuple[int, int]:
+def _preference(
+    specs: Sequence[Spec], wants: Sequence[Placement | None], a: int
+) -> tuple[int, int]:
     """What an option gives up on axis ``a``, worst first: (moves a parameter, splits anew)."""
     srcs = [s.placements[a] for s in specs]
     moves_param = any(s.param and _moves(p, w) for s, p, w in zip(specs, srcs, wants))

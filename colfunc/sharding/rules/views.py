@@ -2,14 +2,14 @@
 their backward), split/unbind, cat/stack.
 
 A split dim keeps its split when it survives the op whole: renumbered by transposes and
-(un)squeezes, carried through slices and splits of *other* dims, and through a slice of the split
-dim itself when each rank's part of the slice is its chunk of the result (``x[:, :-1]`` of a
-sequence split in equal chunks: the last rank drops its last position). A reshape maps groups of input
-dims onto groups of output dims (``[B, T, H*E] -> [B, T, H, E]``: the group ``(H*E) -> (H, E)``);
-a split on the group's major dim carries over to the major output dim when every rank's chunk
-boundaries fall on the same elements, which for a head split means whole heads per rank (H
-divisible by the axis size). Anything else is gathered first. Partial passes through all of
-them: they only move elements.
+(un)squeezes, carried through slices and splits of *other* dims, and through a slice of the
+split dim itself when each rank's part of the slice is its chunk of the result (``x[:, :-1]`` of
+a sequence split in equal chunks: the last rank drops its last position). A reshape maps groups
+of input dims onto groups of output dims (``[B, T, H*E] -> [B, T, H, E]``: the group
+``(H*E) -> (H, E)``); a split on the group's major dim carries over to the major output dim when
+every rank's chunk boundaries fall on the same elements, which for a head split means whole heads
+per rank (H divisible by the axis size). Anything else is gathered first. Partial passes through
+all of them: they only move elements.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ weight half of the backward, not all of it again. A first stage has no input gra
 its ``I`` does nothing and its ``W`` runs the whole backward.
 
 Transfers are point to point (``comm.send``/``comm.recv``), each message tagged by its direction,
-stage and microbatch. The first message on each pair of ranks in a step is preceded by a small
-descriptor (shape, dtype, and whether it is a sharded tensor), since the receiver cannot know
-the activation shape before the model has run.
+stage and microbatch. A sharded tensor crosses as its local piece, to the rank of the next stage
+with the same coordinates on the other axes. The first message of each direction between two
+ranks in a step is preceded by a small descriptor (local shape, dtype, and a sharded tensor's
+global shape and placements), since the receiver cannot know them before the model has run.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, Replicate, ShardedTensor, comm
+from colfunc.sharding import Mesh, Partial, Replicate, Shard, ShardedTensor, comm
+from colfunc.sharding.placement import PARTIAL_OPS
 from colfunc.transforms.pipeline.schedules import Action, Schedule
 
 __all__ = ["Runner", "Trace"]
 
 PyTree = Any
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_DESCRIPTOR = 16  # int64 entries: ndim, shape..., dtype index, sharded
+_DESCRIPTOR = 32  # int64 entries, see _describe
 
 
 class Trace:
@@ -61,88 +63,119 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x._local if isinstance(x, ShardedTensor) else x
 
 
-def _replicated(x: torch.Tensor) -> torch.Tensor:
-    # what crosses between stages is the whole value, the same on every rank of a stage
-    if isinstance(x, ShardedTensor) and any(not isinstance(p, Replicate) for p in x.placements):
-        return x.redistribute([Replicate()] * len(x.placements))
-    return x
+Meta = tuple[tuple[int, ...], torch.dtype, Any]  # local shape, dtype, (shape, placements) or None
+
+
+def _describe(x: torch.Tensor) -> torch.Tensor:
+    """What a receiver needs to rebuild ``x``: its local shape and dtype, and for a sharded
+    tensor its global shape and placements (each rank sends its own piece to the rank with the
+    same coordinates on the other axes, so a piece stays a piece of the same tensor)."""
+    local = _local(x)
+    desc = [local.dim(), *local.shape, _DTYPES.index(local.dtype)]
+    if isinstance(x, ShardedTensor):
+        desc += [1, x.dim(), *x.shape, *(_placement_code(p) for p in x.placements)]
+    if len(desc) > _DESCRIPTOR:
+        raise ValueError(f"pipeline: cannot describe a stage output of shape {tuple(x.shape)}")
+    return torch.tensor(desc + [0] * (_DESCRIPTOR - len(desc)), dtype=torch.int64)
+
+
+def _read(desc: list[int], mesh: Mesh) -> Meta:
+    n = desc[0]
+    local, dtype, at = tuple(desc[1 : 1 + n]), _DTYPES[desc[1 + n]], 2 + n
+    if not desc[at]:
+        return local, dtype, None
+    g = desc[at + 1]
+    shape = tuple(desc[at + 2 : at + 2 + g])
+    codes = desc[at + 2 + g : at + 2 + g + len(mesh.axis_names)]
+    return local, dtype, (shape, tuple(_placement(c) for c in codes))
+
+
+def _placement_code(p: Any) -> int:
+    if isinstance(p, Shard):
+        return 1 + p.dim
+    if isinstance(p, Partial):
+        return -1 - PARTIAL_OPS.index(p.op)
+    return 0
+
+
+def _placement(code: int) -> Any:
+    if code > 0:
+        return Shard(code - 1)
+    return Partial(PARTIAL_OPS[-1 - code]) if code < 0 else Replicate()
 
 
 class _Link:
     """This rank's transfers over the pipeline axis during one step.
 
-    ``expected`` lists the ``(source, tag)`` of this rank's receives in schedule order. The next
-    ``AHEAD`` of them are kept posted, so a message moves while this rank computes instead of
-    after it asks; a source's descriptor is posted as early as its first message would be.
+    ``expected`` lists the ``(source, direction, tag)`` of this rank's receives in schedule
+    order. The next ``AHEAD`` of them are kept posted, so that a message moves while this rank
+    computes rather than when it asks. The first message of each direction between two ranks
+    is preceded by its descriptor (tag 0 forward, 1 backward), posted as early as the message.
     """
 
-    AHEAD = 6
+    AHEAD = 4
 
-    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, int]]) -> None:
+    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, str, int]]) -> None:
         self.mesh, self.axis = mesh, axis
-        self.meta: dict[int, tuple[tuple[int, ...], torch.dtype, bool]] = {}  # by source index
-        self.headers: dict[int, Any] = {}  # posted descriptor receives, by source
-        self.told: set[int] = set()
+        self.meta: dict[tuple[int, str], Meta] = {}  # by (source, direction)
+        self.headers: dict[tuple[int, str], Any] = {}  # posted descriptor receives
+        self.told: set[tuple[int, str]] = set()
         self.sends: list[Any] = []
         self.expected = expected
         self.posted: dict[int, Any] = {}  # position in `expected` -> posted receive
         self.next = 0  # position of the next receive to hand out
         self._post_ahead()
 
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, x: torch.Tensor, dst: int, direction: str, tag: int) -> None:
+        if (dst, direction) not in self.told:
+            self.told.add((dst, direction))
+            header = _describe(x)
+            self.sends.append(
+                comm.send(header, self.axis, dst, tag=int(direction == "B"), mesh=self.mesh)
+            )
         local = _local(x).detach()
-        if dst not in self.told:
-            self.told.add(dst)
-            desc = [local.dim(), *local.shape, _DTYPES.index(local.dtype)]
-            desc += [int(isinstance(x, ShardedTensor))]
-            desc += [0] * (_DESCRIPTOR - len(desc))
-            header = torch.tensor(desc, dtype=torch.int64)
-            self.sends.append(comm.send(header, self.axis, dst, tag=0, mesh=self.mesh))
         self.sends.append(comm.send(local, self.axis, dst, tag=tag, mesh=self.mesh))
 
-    def _post_header(self, src: int) -> None:
-        if src not in self.headers:
-            self.headers[src] = comm.recv(
-                (_DESCRIPTOR,), torch.int64, self.axis, src, mesh=self.mesh
+    def _post_header(self, key: tuple[int, str]) -> None:
+        if key not in self.headers:
+            src, direction = key
+            tag = int(direction == "B")
+            self.headers[key] = comm.recv(
+                (_DESCRIPTOR,), torch.int64, self.axis, src, tag=tag, mesh=self.mesh
             )
 
-    def _learn(self, src: int) -> None:
-        self._post_header(src)
-        d = self.headers.pop(src).wait().tolist()
-        n = d[0]
-        self.meta[src] = (tuple(d[1 : 1 + n]), _DTYPES[d[1 + n]], bool(d[2 + n]))
-
     def _post(self, k: int) -> None:
-        src, tag = self.expected[k]
-        shape, dtype, _ = self.meta[src]
+        src, direction, tag = self.expected[k]
+        shape, dtype, _ = self.meta[src, direction]
         self.posted[k] = comm.recv(shape, dtype, self.axis, src, tag=tag, mesh=self.mesh)
 
     def _post_ahead(self) -> None:
         for k in range(self.next, min(self.next + self.AHEAD, len(self.expected))):
-            src = self.expected[k][0]
+            key = self.expected[k][:2]
             if k in self.posted:
                 continue
-            if src in self.meta:
+            if key in self.meta:
                 self._post(k)
             else:
-                self._post_header(src)
+                self._post_header(key)
 
-    def recv(self, src: int, tag: int) -> torch.Tensor:
+    def recv(self, src: int, direction: str, tag: int) -> torch.Tensor:
         k = self.next
-        if self.expected[k] != (src, tag):
-            raise RuntimeError(f"pipeline: receive {(src, tag)} out of schedule order")
-        if src not in self.meta:
-            self._learn(src)
+        if self.expected[k] != (src, direction, tag):
+            raise RuntimeError(f"pipeline: receive {(src, direction, tag)} out of schedule order")
+        key = (src, direction)
+        if key not in self.meta:
+            self._post_header(key)
+            self.meta[key] = _read(self.headers.pop(key).wait().tolist(), self.mesh)
         if k not in self.posted:
             self._post(k)
         local = self.posted.pop(k).wait()
         self.next += 1
         self._post_ahead()
-        shape, _, sharded = self.meta[src]
-        if not sharded:
+        sharded = self.meta[key][2]
+        if sharded is None:
             return local
-        replicated = (Replicate(),) * len(self.mesh.axis_names)
-        return ShardedTensor(local, self.mesh, replicated, shape)
+        return ShardedTensor(local, self.mesh, sharded[1], sharded[0])
 
     def finish(self) -> None:
         for r in self.sends:
@@ -158,7 +191,9 @@ class _Group:
         self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
 
-def _meeting_groups(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> list[_Group]:
+def _meeting_groups(
+    out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]
+) -> list[_Group]:
     """Group ``weights`` by the nodes where their gradient paths meet the one from ``x``."""
     root = get_gradient_edge(out).node
     users: dict[Node, list[Node]] = defaultdict(list)
@@ -240,9 +275,9 @@ class Runner:
         self.link = None
         if mesh is not None and schedule.ranks > 1:
             expected = [
-                (self._peer(a.stage - 1), self._tag("F", a.stage - 1, a.mb))
+                (self._peer(a.stage - 1), "F", self._tag("F", a.stage - 1, a.mb))
                 if a.op == "RECV_F"
-                else (self._peer(a.stage + 1), self._tag("B", a.stage + 1, a.mb))
+                else (self._peer(a.stage + 1), "B", self._tag("B", a.stage + 1, a.mb))
                 for a in schedule.actions[rank]
                 if a.op.startswith("RECV")
             ]
@@ -254,10 +289,15 @@ class Runner:
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.deferred: dict[tuple[int, int], Any] = {}
         self.losses: list[torch.Tensor] = []
-        self.rest_grads: list[torch.Tensor | None] = [None] * len(self.rest)
-        self.layer_grads: list[list[torch.Tensor | None]] = [
-            [None] * len(layer) for layer in self.layers
+        self.rest_grads = [_Sum() for _ in self.rest]
+        # a plain stacked leaf's gradient is summed in place into its stacked buffer; a sharded
+        # one per layer, stacked at the end
+        self.stacked = [
+            None if isinstance(x, ShardedTensor) else torch.empty_like(x) for x in self.block_like
         ]
+        self.filled: set[tuple[int, int]] = set()
+        self.layer_grads = [[_Sum() for _ in layer] for layer in self.layers]
+        self.one_layer: dict[int, PyTree] = {}
 
     # --- the step ------------------------------------------------------------------------------
     def run(self) -> tuple[torch.Tensor | None, PyTree]:
@@ -288,13 +328,18 @@ class Runner:
         return total, self._grads()
 
     def _grads(self) -> PyTree:
-        rest = [
-            torch.zeros_like(x) if g is None else g for x, g in zip(self.rest, self.rest_grads)
-        ]
+        rest = [_grad_or_zeros(g.value, x) for x, g in zip(self.rest, self.rest_grads)]
         blocks = []
         for k, like in enumerate(self.block_like):
+            buf = self.stacked[k]
+            if buf is not None:
+                for layer in range(len(self.layers)):
+                    if (layer, k) not in self.filled:
+                        buf[layer].zero_()
+                blocks.append(buf)
+                continue
             per_layer = [
-                torch.zeros_like(layer[k]) if g[k] is None else g[k]
+                _grad_or_zeros(g[k].value, layer[k])
                 for layer, g in zip(self.layers, self.layer_grads)
             ]
             blocks.append(torch.stack(per_layer) if per_layer else torch.zeros_like(like))
@@ -310,13 +355,29 @@ class Runner:
 
     def _accumulate(self, s: int, grads: tuple[torch.Tensor | None, ...]) -> None:
         start, stop = self.stage_layers[s]
-        slots = [(self.rest_grads, i) for i, x in enumerate(self.rest) if x.requires_grad]
+        slots: list[tuple[int, int]] = [(-1, i) for i, x in enumerate(self.rest) if x.requires_grad]
         for layer in range(start, stop):
-            acc = self.layer_grads[layer]
-            slots += [(acc, k) for k, x in enumerate(self.layers[layer]) if x.requires_grad]
-        for (acc, k), g in zip(slots, grads):
-            if g is not None:
-                acc[k] = g if acc[k] is None else acc[k] + g
+            slots += [(layer, k) for k, x in enumerate(self.layers[layer]) if x.requires_grad]
+        for (layer, k), g in zip(slots, grads):
+            if g is None:
+                continue
+            buf = self.stacked[k] if layer >= 0 else None
+            if layer < 0:
+                self.rest_grads[k].add(g)
+            elif buf is None or isinstance(g, ShardedTensor):
+                self.layer_grads[layer][k].add(g)
+            elif (layer, k) in self.filled:
+                buf[layer].add_(g)
+            else:
+                buf[layer].copy_(g)
+                self.filled.add((layer, k))
+
+    def _stacked(self, i: int) -> PyTree:
+        """Local layer ``i`` as a stack of one layer, made once per step (in grad mode)."""
+        if i not in self.one_layer:
+            leaves = [w.unsqueeze(0) for w in self.layers[i]]
+            self.one_layer[i] = tree.unflatten(self.blocks_def, leaves)
+        return self.one_layer[i]
 
     def forward(self, s: int, j: int) -> None:
         batch = self.microbatches[j]
@@ -331,9 +392,8 @@ class Runner:
                 self.inputs[s, j] = x
                 h = x
             start, stop = self.stage_layers[s]
-            for layer in self.layers[start:stop]:
-                stacked = tree.unflatten(self.blocks_def, [w.unsqueeze(0) for w in layer])
-                h = core.scan_layers(self.loss.block, h, stacked)
+            for i in range(start, stop):
+                h = core.scan_layers(self.loss.block, h, self._stacked(i))
             if s == self.last:
                 loss = self.loss.post(self.rest_params, h, batch)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -341,7 +401,7 @@ class Runner:
                 self.losses.append(loss.detach())
                 out = loss * self.scale if self.scale != 1.0 else loss
             else:
-                out = _replicated(h)
+                out = h
         self.outputs[s, j] = out
 
     def _output_grad(self, s: int, j: int) -> torch.Tensor | None:
@@ -358,7 +418,7 @@ class Runner:
         targets = weights if x is None else [x, *weights]
         grads = torch.autograd.grad(out, targets, g, allow_unused=True)
         if x is not None:
-            self.input_grads[s, j] = _replicated(_grad_or_zeros(grads[0], x))
+            self.input_grads[s, j] = _grad_or_zeros(grads[0], x)
             grads = grads[1:]
         self._accumulate(s, grads)
 
@@ -382,7 +442,7 @@ class Runner:
         finally:
             for h in handles:
                 h.remove()
-        self.input_grads[s, j] = _replicated(_grad_or_zeros(gx, x))
+        self.input_grads[s, j] = _grad_or_zeros(gx, x)
         self.deferred[s, j] = groups
 
     def backward_weight(self, s: int, j: int) -> None:
@@ -405,8 +465,7 @@ class Runner:
             # a meeting point downstream of another would also receive the other's gradient:
             # hand each exactly what it received in the input pass
             handles = [
-                node.register_prehook(lambda _, saved=gs: saved)
-                for node, gs in group.grads.items()
+                node.register_prehook(lambda _, saved=gs: saved) for node, gs in group.grads.items()
             ]
             order = sorted(group.weights)
             try:
@@ -422,28 +481,49 @@ class Runner:
 
     # --- transfers -------------------------------------------------------------------------------
     def _tag(self, direction: str, stage: int, j: int) -> int:
-        # tag 0 is the descriptor; then one tag per (sending stage, microbatch, direction)
-        return 1 + 2 * (stage * self.schedule.microbatches + j) + (direction == "B")
+        # tags 0 and 1 are the descriptors; then one per (sending stage, microbatch, direction)
+        return 2 + 2 * (stage * self.schedule.microbatches + j) + (direction == "B")
 
     def _peer(self, stage: int) -> int:
         return self.schedule.rank_of(stage)
 
     def send_forward(self, s: int, j: int) -> None:
         assert self.link is not None
-        self.link.send(self.outputs[s, j], self._peer(s + 1), self._tag("F", s, j))
+        self.link.send(self.outputs[s, j], self._peer(s + 1), "F", self._tag("F", s, j))
 
     def recv_forward(self, s: int, j: int) -> None:
         assert self.link is not None
-        x = self.link.recv(self._peer(s - 1), self._tag("F", s - 1, j))
+        x = self.link.recv(self._peer(s - 1), "F", self._tag("F", s - 1, j))
         self.received["F", s, j] = x.requires_grad_(x.is_floating_point())
 
     def send_backward(self, s: int, j: int) -> None:
         assert self.link is not None
-        self.link.send(self.input_grads.pop((s, j)), self._peer(s - 1), self._tag("B", s, j))
+        grad = self.input_grads.pop((s, j))
+        self.link.send(grad, self._peer(s - 1), "B", self._tag("B", s, j))
 
     def recv_backward(self, s: int, j: int) -> None:
         assert self.link is not None
-        self.received["B", s, j] = self.link.recv(self._peer(s + 1), self._tag("B", s + 1, j))
+        x = self.link.recv(self._peer(s + 1), "B", self._tag("B", s + 1, j))
+        self.received["B", s, j] = x
+
+
+class _Sum:
+    """A running sum of gradients: the first as given, then a buffer of its own, added in place."""
+
+    __slots__ = ("owned", "value")
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.owned = False
+
+    def add(self, g: torch.Tensor) -> None:
+        if self.value is None:
+            self.value = g
+        elif self.owned and not isinstance(self.value, ShardedTensor):
+            self.value.add_(g)
+        else:
+            self.value = self.value + g
+            self.owned = True
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,9 @@ class PipelineLayout:
 
     def global_layers(self, rank: int) -> list[int]:
         """The global indices of the layers ``rank`` keeps, in its local order."""
-        return [i for s in range(rank, len(self.stages), self.ranks) for i in range(*self.stages[s])]
+        return [
+            i for s in range(rank, len(self.stages), self.ranks) for i in range(*self.stages[s])
+        ]
 
     def stage_layers(self, rank: int) -> dict[int, tuple[int, int]]:
         """``{stage: (start, stop)}`` in ``rank``'s local layers."""
@@ -110,7 +112,9 @@ class PipelineLayout:
         def gather(x: torch.Tensor) -> torch.Tensor:
             local = _local(x)
             pad = local.new_zeros((most - local.shape[0], *local.shape[1:]))
-            full = comm.all_gather(torch.cat([local, pad]), self.axis, 0, mesh).index_select(0, rows)
+            full = comm.all_gather(torch.cat([local, pad]), self.axis, 0, mesh).index_select(
+                0, rows
+            )
             if isinstance(x, ShardedTensor):
                 return ShardedTensor(full, x.mesh, x.placements, (self.layers, *x.shape[1:]))
             return full
@@ -179,7 +183,9 @@ def pipeline(
         >>> cf.launch(main, mesh={"pp": 2, "tp": 2})
     """
     if not isinstance(step, Step):
-        raise TypeError(f"pipeline: expected a Step (from cf.train_step), got {type(step).__name__}")
+        raise TypeError(
+            f"pipeline: expected a Step (from cf.train_step), got {type(step).__name__}"
+        )
     cfg = PipelineConfig(
         stages=stages,
         microbatches=microbatches,
@@ -320,5 +326,7 @@ def pipeline_from_config(step: Step, cfg: dict[str, Any]) -> Step:
         )
     missing = [k for k in ("stages", "microbatches") if k not in cfg]
     if missing:
-        raise ValueError(f"parallel['pipeline'] needs {missing[0]!r}, e.g. dict(stages=2, microbatches=8)")
+        raise ValueError(
+            f"parallel['pipeline'] needs {missing[0]!r}, e.g. dict(stages=2, microbatches=8)"
+        )
     return pipeline(step, **cfg)
