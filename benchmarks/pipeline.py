@@ -7,8 +7,9 @@ microbatches, our forward-backward step and torch's schedule step (``ScheduleGPi
 repetition runs every (schedule, implementation) pair once, in a rotating order, each after a
 barrier. Torch's stages wrap the same pure model functions in ``nn.Module``\\ s, so both sides do
 the same arithmetic; the loss of the first step is checked equal. Prints rank 0's median times
-and the ratio ours/torch (goal: at most 1.0). Our zero-bubble schedule (ZB-H1) is timed too,
-against torch's 1F1B. The machine may be shared: read the ratios, not the absolute times.
+and the ratio ours/torch (goal: at most 1.0). Our zero-bubble schedule (ZB-H1) is timed against
+torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB1P, the same schedule).
+The machine may be shared: read the ratios, not the absolute times.
 
     python benchmarks/pipeline.py [--pp 2] [--microbatches 8] [--reps 8] [--width 256]
     colfunc bench pipeline
@@ -29,6 +30,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 import colfunc as cf
@@ -41,32 +43,36 @@ SCHEDULES = {  # ours -> (torch's schedule class, stages per rank)
     "gpipe": (ScheduleGPipe, 1),
     "1f1b": (Schedule1F1B, 1),
     "interleaved": (ScheduleInterleaved1F1B, 2),
-    "zero_bubble": (Schedule1F1B, 1),
+    "zero_bubble": (ScheduleInterleavedZeroBubble, 1),  # ZB1P: ZB-H1 with one stage per rank
 }
 
 
 class StageModule(nn.Module):
     """Stage ``s`` of ``stages``: the layers ``layers`` of the stacked blocks, with ``pre`` first
     on stage 0; the last stage returns the final hidden state, which ``loss`` turns into the
-    loss with ``post`` (torch's schedules call it with the stage output and the target)."""
+    loss with ``post`` (torch's schedules call it with the stage output and the target). Each
+    layer's weights are parameters of their own, as in our runtime (and as torch's zero-bubble
+    weight pass needs)."""
 
     def __init__(self, params: dict, layers: range, s: int, stages: int, loss: core.Layered):
         super().__init__()
         self.first, self.last, self.loss_fn = s == 0, s == stages - 1, loss
         rest = {k: v for k, v in params.items() if k != "blocks"}
-        blocks = tree.map(lambda x: x[layers.start : layers.stop], params["blocks"])
         flat, self.rest_def = tree.flatten_with_paths(rest)
-        bflat, self.blocks_def = tree.flatten_with_paths(blocks)
+        bflat, self.blocks_def = tree.flatten_with_paths(params["blocks"])
         self.rest = nn.ParameterList([nn.Parameter(x.clone()) for _, x in flat])
-        self.blocks = nn.ParameterList([nn.Parameter(x.clone()) for _, x in bflat])
+        self.layers = nn.ModuleList(
+            nn.ParameterList([nn.Parameter(x[i].clone()) for _, x in bflat]) for i in layers
+        )
 
     def shared(self) -> Any:
         return tree.unflatten(self.rest_def, list(self.rest))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.loss_fn.pre(self.shared(), {"input_ids": x}) if self.first else x
-        blocks = tree.unflatten(self.blocks_def, list(self.blocks))
-        return core.scan_layers(self.loss_fn.block, h, blocks)
+        for layer in self.layers:
+            h = self.loss_fn.block(tree.unflatten(self.blocks_def, list(layer)), h)
+        return h
 
     def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn.post(self.shared(), h, {"labels": labels})
@@ -92,7 +98,8 @@ def torch_step(mesh: Mesh, params: dict, cfg: gpt.Config, name: str, m: int) -> 
         assert last is not None
         return last.loss(h, labels)
 
-    schedule = cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
+    multi = cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+    schedule = cls(stages if multi else stages[0], m, loss_fn=loss_fn)
 
     def run(batch: dict) -> torch.Tensor | None:
         for mod in mods:
@@ -133,8 +140,7 @@ def bench(mesh: Mesh, args: argparse.Namespace) -> dict:
     runs = {}
     for name in args.schedules:
         runs[name, "ours"] = ours_step(mesh, params, cfg, name, args.microbatches)
-        if name != "zero_bubble":
-            runs[name, "torch"] = torch_step(mesh, params, cfg, name, args.microbatches)
+        runs[name, "torch"] = torch_step(mesh, params, cfg, name, args.microbatches)
     keys = list(runs)
     losses = {}
     times: dict[Any, list[float]] = {k: [] for k in keys}
@@ -170,10 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     times, losses = results[0]["times"], results[-1]["losses"]
     for name in args.schedules:
-        if (name, "torch") in losses:
-            a, b = losses[name, "ours"], losses[name, "torch"]
-            if abs(a - b) > 1e-4 * abs(b):
-                raise SystemExit(f"{name}: losses differ: ours {a} vs torch {b}")
+        a, b = losses[name, "ours"], losses[name, "torch"]
+        if abs(a - b) > 1e-4 * abs(b):
+            raise SystemExit(f"{name}: losses differ: ours {a} vs torch {b}")
     print(
         f"GPT d_model={args.width}, {args.layers} layers, seq {args.seq}, {args.pp} gloo processes, "
         f"{args.microbatches} microbatches of {args.rows} rows; medians of {args.reps} interleaved "
@@ -181,15 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"{'schedule':<13} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>11}")
     for name in args.schedules:
-        ours = times[name, "ours"] * 1e3
-        ref_name = name if name != "zero_bubble" else "1f1b"
-        theirs = times.get((ref_name, "torch"), float("nan")) * 1e3
-        label = name if name != "zero_bubble" else "zero_bubble*"
-        print(f"{label:<13} {ours:9.1f} {theirs:9.1f} {ours / theirs:11.2f}")
-    if "zero_bubble" in args.schedules:
-        print(
-            "* against torch's Schedule1F1B (our ZB-H1 has no torch counterpart for one stage per rank)"
-        )
+        ours, theirs = times[name, "ours"] * 1e3, times[name, "torch"] * 1e3
+        print(f"{name:<13} {ours:9.1f} {theirs:9.1f} {ours / theirs:11.2f}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,18 @@ from hypothesis import given, settings
 
 import colfunc as cf
 from colfunc import models, optim
-from colfunc.sharding import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError, comm
+from colfunc.sharding import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    Partial,
+    RankFailedError,
+    Replicate,
+    Shard,
+    ShardedTensor,
+    comm,
+)
 from colfunc.transforms.pipeline import PipelineLayout, pipeline_from_config
+from colfunc.transforms.pipeline.link import _describe, _read
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -241,6 +251,19 @@ def test_recv_of_the_wrong_shape_or_from_a_returned_rank_is_named() -> None:
 
     with pytest.raises(RankFailedError, match="is this rank itself"):
         cf.launch(to_itself, mesh={"pp": 2})
+
+
+def test_descriptor_carries_shape_dtype_and_placements() -> None:
+    mesh = cf.Mesh({"pp": 2, "tp": 2})
+    for placements, shape in [
+        ((Replicate(), Shard(1)), (2, 6, 4)),
+        ((Replicate(), Partial("sum")), (2, 3, 4)),
+        ((Replicate(), Replicate()), (2, 3, 4)),
+    ]:
+        x = ShardedTensor(torch.zeros(2, 3, 4, dtype=torch.bfloat16), mesh, placements, shape)
+        got = _read(_describe(x).tolist(), mesh)
+        assert got == ((2, 3, 4), torch.bfloat16, (shape, placements))
+    assert _read(_describe(torch.zeros(5, 7)).tolist(), mesh) == ((5, 7), torch.float32, None)
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -1,5 +1,4 @@
-"""Running one rank's pipeline schedule: forwards and backwards per microbatch, the transfers
-between stages over the pipeline axis, and the zero-bubble split of the backward.
+"""Running one rank's pipeline schedule for one step: forwards and backwards per microbatch.
 
 Each microbatch's forward on a stage keeps its autograd graph until that stage's backward, which
 starts from the gradient received for the stage's output (the last stage starts from its loss,
@@ -8,40 +7,28 @@ Every layer gets its own parameter leaves, run through :func:`colfunc.scan_layer
 time, so remat and ZeRO-3 still see each layer, and so a layer's weight gradients hang off the
 graph independently of the others (what the weight pass below relies on).
 
-Zero bubble (Qi et al. 2023) splits a backward in two. ``I`` computes only the gradient of the
-stage input, which the previous stage waits for, and records the gradient arriving at each
-*meeting point*: an autograd node that depends on the input and also leads to a weight.
-``W`` later runs the backward from those meeting points to the weights alone, so it costs the
-weight half of the backward, not all of it again. A first stage has no input gradient to hurry:
-its ``I`` does nothing and its ``W`` runs the whole backward.
-
-Transfers are point to point (``comm.send``/``comm.recv``), each message tagged by its direction,
-stage and microbatch. A sharded tensor crosses as its local piece, to the rank of the next stage
-with the same coordinates on the other axes. The first message of each direction between two
-ranks in a step is preceded by a small descriptor (local shape, dtype, and a sharded tensor's
-global shape and placements), since the receiver cannot know them before the model has run.
+Zero bubble splits a backward into an input pass and a deferred weight pass (:mod:`.split`).
+A first stage has no input gradient to hurry: its ``I`` does nothing and its ``W`` runs the
+whole backward. Transfers go through :class:`.link.Link`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, Partial, Replicate, Shard, ShardedTensor, comm
-from colfunc.sharding.placement import PARTIAL_OPS
+from colfunc.sharding import Mesh, ShardedTensor
+from colfunc.transforms.pipeline.link import Link
 from colfunc.transforms.pipeline.schedules import Action, Schedule
+from colfunc.transforms.pipeline.split import input_pass, weight_pass
 
 __all__ = ["Runner", "Trace"]
 
 PyTree = Any
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_DESCRIPTOR = 32  # int64 entries, see _describe
 
 
 class Trace:
@@ -57,186 +44,6 @@ class Trace:
 
     def __init__(self) -> None:
         self.events: list[tuple[Action, float, float]] = []
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x._local if isinstance(x, ShardedTensor) else x
-
-
-Meta = tuple[tuple[int, ...], torch.dtype, Any]  # local shape, dtype, (shape, placements) or None
-
-
-def _describe(x: torch.Tensor) -> torch.Tensor:
-    """What a receiver needs to rebuild ``x``: its local shape and dtype, and for a sharded
-    tensor its global shape and placements (each rank sends its own piece to the rank with the
-    same coordinates on the other axes, so a piece stays a piece of the same tensor)."""
-    local = _local(x)
-    desc = [local.dim(), *local.shape, _DTYPES.index(local.dtype)]
-    if isinstance(x, ShardedTensor):
-        desc += [1, x.dim(), *x.shape, *(_placement_code(p) for p in x.placements)]
-    if len(desc) > _DESCRIPTOR:
-        raise ValueError(f"pipeline: cannot describe a stage output of shape {tuple(x.shape)}")
-    return torch.tensor(desc + [0] * (_DESCRIPTOR - len(desc)), dtype=torch.int64)
-
-
-def _read(desc: list[int], mesh: Mesh) -> Meta:
-    n = desc[0]
-    local, dtype, at = tuple(desc[1 : 1 + n]), _DTYPES[desc[1 + n]], 2 + n
-    if not desc[at]:
-        return local, dtype, None
-    g = desc[at + 1]
-    shape = tuple(desc[at + 2 : at + 2 + g])
-    codes = desc[at + 2 + g : at + 2 + g + len(mesh.axis_names)]
-    return local, dtype, (shape, tuple(_placement(c) for c in codes))
-
-
-def _placement_code(p: Any) -> int:
-    if isinstance(p, Shard):
-        return 1 + p.dim
-    if isinstance(p, Partial):
-        return -1 - PARTIAL_OPS.index(p.op)
-    return 0
-
-
-def _placement(code: int) -> Any:
-    if code > 0:
-        return Shard(code - 1)
-    return Partial(PARTIAL_OPS[-1 - code]) if code < 0 else Replicate()
-
-
-class _Link:
-    """This rank's transfers over the pipeline axis during one step.
-
-    ``expected`` lists the ``(source, direction, tag)`` of this rank's receives in schedule
-    order. The next ``AHEAD`` of them are kept posted, so that a message moves while this rank
-    computes rather than when it asks. The first message of each direction between two ranks
-    is preceded by its descriptor (tag 0 forward, 1 backward), posted as early as the message.
-    """
-
-    AHEAD = 4
-
-    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, str, int]]) -> None:
-        self.mesh, self.axis = mesh, axis
-        self.meta: dict[tuple[int, str], Meta] = {}  # by (source, direction)
-        self.headers: dict[tuple[int, str], Any] = {}  # posted descriptor receives
-        self.told: set[tuple[int, str]] = set()
-        self.sends: list[Any] = []
-        self.expected = expected
-        self.posted: dict[int, Any] = {}  # position in `expected` -> posted receive
-        self.next = 0  # position of the next receive to hand out
-        self._post_ahead()
-
-    def send(self, x: torch.Tensor, dst: int, direction: str, tag: int) -> None:
-        if (dst, direction) not in self.told:
-            self.told.add((dst, direction))
-            header = _describe(x)
-            self.sends.append(
-                comm.send(header, self.axis, dst, tag=int(direction == "B"), mesh=self.mesh)
-            )
-        local = _local(x).detach()
-        self.sends.append(comm.send(local, self.axis, dst, tag=tag, mesh=self.mesh))
-
-    def _post_header(self, key: tuple[int, str]) -> None:
-        if key not in self.headers:
-            src, direction = key
-            tag = int(direction == "B")
-            self.headers[key] = comm.recv(
-                (_DESCRIPTOR,), torch.int64, self.axis, src, tag=tag, mesh=self.mesh
-            )
-
-    def _post(self, k: int) -> None:
-        src, direction, tag = self.expected[k]
-        shape, dtype, _ = self.meta[src, direction]
-        self.posted[k] = comm.recv(shape, dtype, self.axis, src, tag=tag, mesh=self.mesh)
-
-    def _post_ahead(self) -> None:
-        for k in range(self.next, min(self.next + self.AHEAD, len(self.expected))):
-            key = self.expected[k][:2]
-            if k in self.posted:
-                continue
-            if key in self.meta:
-                self._post(k)
-            else:
-                self._post_header(key)
-
-    def recv(self, src: int, direction: str, tag: int) -> torch.Tensor:
-        k = self.next
-        if self.expected[k] != (src, direction, tag):
-            raise RuntimeError(f"pipeline: receive {(src, direction, tag)} out of schedule order")
-        key = (src, direction)
-        if key not in self.meta:
-            self._post_header(key)
-            self.meta[key] = _read(self.headers.pop(key).wait().tolist(), self.mesh)
-        if k not in self.posted:
-            self._post(k)
-        local = self.posted.pop(k).wait()
-        self.next += 1
-        self._post_ahead()
-        sharded = self.meta[key][2]
-        if sharded is None:
-            return local
-        return ShardedTensor(local, self.mesh, sharded[1], sharded[0])
-
-    def finish(self) -> None:
-        for r in self.sends:
-            r.wait()
-        self.sends.clear()
-
-
-class _Group:
-    """Weights whose gradients flow in through the same meeting points."""
-
-    def __init__(self, weights: set[int], meets: set[Node]) -> None:
-        self.weights, self.meets = weights, meets
-        self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-
-
-def _meeting_groups(
-    out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]
-) -> list[_Group]:
-    """Group ``weights`` by the nodes where their gradient paths meet the one from ``x``."""
-    root = get_gradient_edge(out).node
-    users: dict[Node, list[Node]] = defaultdict(list)
-    seen, stack = {root}, [root]
-    while stack:
-        n = stack.pop()
-        for nxt, _ in n.next_functions:
-            if nxt is not None:
-                users[nxt].append(n)
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-    x_node = get_gradient_edge(x).node
-    on_path, stack = {x_node}, [x_node]  # the nodes whose output depends on x
-    while stack:
-        for u in users[stack.pop()]:
-            if u not in on_path:
-                on_path.add(u)
-                stack.append(u)
-    by_meet: dict[Node, _Group] = {}
-    groups: list[_Group] = []
-    for i, w in enumerate(weights):
-        w_node = get_gradient_edge(w).node
-        if w_node not in seen:
-            continue  # not used by this stage
-        meets: set[Node] = set()
-        visited, stack = {w_node}, [w_node]
-        while stack:
-            for u in users[stack.pop()]:
-                if u in on_path:
-                    meets.add(u)
-                elif u not in visited:
-                    visited.add(u)
-                    stack.append(u)
-        group = _Group({i}, meets)
-        for other in {id(by_meet[m]): by_meet[m] for m in meets if m in by_meet}.values():
-            group.weights |= other.weights
-            group.meets |= other.meets
-            groups.remove(other)
-        groups.append(group)
-        for m in group.meets:
-            by_meet[m] = group
-    return groups
 
 
 class Runner:
@@ -272,7 +79,7 @@ class Runner:
         # layers[l][k]: leaf k of local layer l
         self.layers = [[_leaf(xs[i]) for xs in per_leaf] for i in range(n_local)]
         self.stage_layers = stage_layers
-        self.link = None
+        self.link: Link | None = None
         if mesh is not None and schedule.ranks > 1:
             expected = [
                 (self._peer(a.stage - 1), "F", self._tag("F", a.stage - 1, a.mb))
@@ -281,7 +88,7 @@ class Runner:
                 for a in schedule.actions[rank]
                 if a.op.startswith("RECV")
             ]
-            self.link = _Link(mesh, axis, expected)
+            self.link = Link(mesh, axis, expected)
         self.rest_params = tree.unflatten(self.rest_def, self.rest)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -298,6 +105,10 @@ class Runner:
         self.filled: set[tuple[int, int]] = set()
         self.layer_grads = [[_Sum() for _ in layer] for layer in self.layers]
         self.one_layer: dict[int, PyTree] = {}
+        # with no frame intercepting scan_layers (remat, ZeRO-3) it is the plain loop: call the
+        # block on each layer's leaves directly, sparing the copy that unbind's gradient makes
+        self.direct = not any(hasattr(f, "scan_layers") for f in core.frames())
+        self.layer_trees = [tree.unflatten(self.blocks_def, layer) for layer in self.layers]
 
     # --- the step ------------------------------------------------------------------------------
     def run(self) -> tuple[torch.Tensor | None, PyTree]:
@@ -393,7 +204,10 @@ class Runner:
                 h = x
             start, stop = self.stage_layers[s]
             for i in range(start, stop):
-                h = core.scan_layers(self.loss.block, h, self._stacked(i))
+                if self.direct:
+                    h = self.loss.block(self.layer_trees[i], h)
+                else:
+                    h = core.scan_layers(self.loss.block, h, self._stacked(i))
             if s == self.last:
                 loss = self.loss.post(self.rest_params, h, batch)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -428,20 +242,7 @@ class Runner:
         if x is None:  # the first stage: nothing waits for its input gradient
             self.deferred[s, j] = (out, g)
             return
-        groups = _meeting_groups(out, x, self._weights(s))
-        handles = []
-        for group in groups:
-            for node in group.meets:
-
-                def keep(grads: tuple[Any, ...], group: _Group = group, node: Node = node) -> None:
-                    group.grads[node] = tuple(grads)
-
-                handles.append(node.register_prehook(keep))
-        try:
-            (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
+        gx, groups = input_pass(out, g, x, self._weights(s))
         self.input_grads[s, j] = _grad_or_zeros(gx, x)
         self.deferred[s, j] = groups
 
@@ -451,33 +252,8 @@ class Runner:
         if isinstance(deferred, tuple):
             out, g = deferred
             self._accumulate(s, torch.autograd.grad(out, weights, g, allow_unused=True))
-            return
-        grads: list[torch.Tensor | None] = [None] * len(weights)
-        for group in deferred:
-            edges, seeds = [], []
-            for node, gs in group.grads.items():
-                for k, gk in enumerate(gs):
-                    if gk is not None:
-                        edges.append(GradientEdge(node, k))
-                        seeds.append(gk)
-            if not edges:
-                continue
-            # a meeting point downstream of another would also receive the other's gradient:
-            # hand each exactly what it received in the input pass
-            handles = [
-                node.register_prehook(lambda _, saved=gs: saved) for node, gs in group.grads.items()
-            ]
-            order = sorted(group.weights)
-            try:
-                got = torch.autograd.grad(
-                    edges, [get_gradient_edge(weights[i]) for i in order], seeds, allow_unused=True
-                )
-            finally:
-                for h in handles:
-                    h.remove()
-            for i, gi in zip(order, got):
-                grads[i] = gi
-        self._accumulate(s, tuple(grads))
+        else:
+            self._accumulate(s, weight_pass(deferred, weights))
 
     # --- transfers -------------------------------------------------------------------------------
     def _tag(self, direction: str, stage: int, j: int) -> int:

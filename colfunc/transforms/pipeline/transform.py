@@ -29,7 +29,8 @@ from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
 from colfunc.step import Step, TrainState
 from colfunc.transforms.pipeline import schedules
-from colfunc.transforms.pipeline.runtime import _DTYPES, Runner
+from colfunc.transforms.pipeline.link import DTYPES
+from colfunc.transforms.pipeline.runtime import Runner
 from colfunc.transforms.shard import _local, _rewrap, all_reduce_buckets
 
 __all__ = ["PipelineConfig", "PipelineLayout", "pipeline", "pipeline_from_config"]
@@ -300,13 +301,13 @@ def _mean_loss(total: torch.Tensor | None, m: int, lay: PipelineLayout) -> torch
         mean = total / m
         if lay.ranks == 1 or lay.mesh is None:
             return mean
-        buf = torch.tensor([float(mean), _DTYPES.index(mean.dtype)], dtype=torch.float64)
+        buf = torch.tensor([float(mean), DTYPES.index(mean.dtype)], dtype=torch.float64)
     else:
         buf = torch.zeros(2, dtype=torch.float64)
     assert lay.mesh is not None
     buf = comm.broadcast(buf, lay.axis, lay.ranks - 1, lay.mesh)
     # fp64 holds any fp32/bf16/fp16 value exactly, so every rank returns the same number
-    return buf[0].to(_DTYPES[int(buf[1])]) if total is None else mean
+    return buf[0].to(DTYPES[int(buf[1])]) if total is None else mean
 
 
 def pipeline_from_config(step: Step, cfg: dict[str, Any]) -> Step:
