@@ -235,3 +235,27 @@ def test_amp_bf16_in_a_composition_tracks_the_fp32_reference(name, outer) -> Non
         d_got = torch.cat([(a - p).flatten() for a, p in zip(got, init)])
         d_want = torch.cat([(e - p).flatten() for e, p in zip(want, init)])
         assert torch.nn.functional.cosine_similarity(d_got, d_want, dim=0) >= 0.95
+
+
+def test_amp_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+    """Ranks that hold different gradients (pipeline stages, ZeRO chunks, tensor shards) must
+    agree on skipping: an inf in rank 0's gradients alone halves the scale everywhere."""
+    model, cfg, params, _ = _problem("gpt", torch.float32)
+    ref = cf.train_step(model.loss(cfg), optim.adamw(1e-3))
+
+    def main(mesh):
+        step = cf.amp(ref, torch.float16, "dynamic")
+        state = step.init(params)
+        grads = cf.tree.map(torch.ones_like, params)
+        if mesh.rank == 0:
+            grads["final_norm"]["weight"] = torch.full_like(
+                grads["final_norm"]["weight"], float("inf")
+            )
+        new, info = step.update(grads, state)
+        unchanged = all(
+            torch.equal(a, b)
+            for a, b in zip(cf.tree.tensors(new.params), cf.tree.tensors(state.params))
+        )
+        return info["skipped"], new.extra["loss_scale"], unchanged
+
+    assert cf.launch(main, mesh={"pp": 2}) == [(True, 2.0**15, True)] * 2

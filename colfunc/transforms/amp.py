@@ -19,6 +19,7 @@ import torch
 
 from colfunc import core, tree
 from colfunc.optim.clip import global_norm
+from colfunc.sharding import Mesh, ShardedTensor, comm
 from colfunc.step import Step, TrainState
 
 __all__ = ["amp"]
@@ -51,6 +52,23 @@ def _cast(params: PyTree, dtype: torch.dtype) -> PyTree:
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
         params,
     )
+
+
+def _overflow(grads: PyTree) -> bool:
+    """Whether any gradient on any rank is inf or NaN.
+
+    Every rank must take the same decision, or those that skip would leave the others waiting in
+    the update's collectives; under a mesh the ranks' local findings are combined (a max over all
+    axes), since a sharded, pipelined or ZeRO step gives each rank only its own gradients.
+    """
+    local = [(x._local if isinstance(x, ShardedTensor) else x).float() for x in tree.tensors(grads)]
+    norms = torch._foreach_norm(local) if local else []
+    bad = torch.stack([~torch.isfinite(n) for n in norms]).any() if norms else torch.tensor(False)
+    mesh = core.innermost(Mesh)
+    if mesh is not None and mesh.size > 1:
+        flag = comm.all_reduce(bad.to(torch.float32), mesh.axis_names, op="max", mesh=mesh)
+        return bool(flag > 0)
+    return bool(bad)
 
 
 def amp(
@@ -116,7 +134,7 @@ def amp(
             return inner_update(grads, state)
         scale, good = float(state.extra["loss_scale"]), int(state.extra["good_steps"])
         norm = global_norm(grads)
-        if not bool(torch.isfinite(norm)):
+        if _overflow(grads):
             extra = {**state.extra, "good_steps": 0}
             if dynamic:
                 extra["loss_scale"] = scale / 2
