@@ -58,6 +58,7 @@ def _losses(run: Path) -> list[float]:
     [
         {"data": 2, "zero": {"stage": 2}},
         {"tensor": {"size": 2, "sequence_parallel": True}, "zero": 3, "remat": "full"},
+        {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}, "data": 2},
     ],
 )
 def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, section) -> None:
@@ -106,6 +107,7 @@ def test_colfunc_run_trains_on_torchrun_ranks(tmp_path, corpus) -> None:
         ({"zero": 5}, "zero stage must be"),
         ({"pipelines": 2}, "unknown key 'pipelines'"),
         ({"backend": "mpi"}, "backend must be"),
+        ({"pipeline": 2}, "must be a dict like"),
     ],
 )
 def test_bad_parallel_sections_are_named(section, match) -> None:
