@@ -26,6 +26,7 @@ __all__ = [
     "LossScale",
     "NormReduction",
     "P",
+    "SplitBackward",
     "context",
     "frames",
     "innermost",
@@ -108,6 +109,12 @@ def loss_scale() -> float:
         if isinstance(f, LossScale):
             value *= f.value
     return value
+
+
+class SplitBackward:
+    """A frame saying that the backward pass of what runs inside is taken in two parts (input
+    gradients first, weight gradients later, as zero-bubble pipelines do), so the graph is
+    differentiated twice: regions that allow only one backward pass must not be used."""
 
 
 class NormReduction:

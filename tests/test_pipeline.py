@@ -317,3 +317,25 @@ def test_config_entry_builds_the_same_step() -> None:
 
     for a, b in cf.launch(main, mesh={"pp": 2}):
         _assert_same(a, b, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["save_matmuls", "full"])
+def test_zero_bubble_with_selective_remat(policy) -> None:
+    """ZB-H1 differentiates each microbatch twice (input, then weight gradients); selective
+    checkpointing allows one backward pass, so under the split it checkpoints fully instead."""
+    model = models.gpt
+    cfg = model.Config(vocab_size=64, n_layer=4, n_head=4, d_model=32, max_seq_len=32)
+    params = cf.tree.map(lambda x: x.double(), model.init(cfg, seed=1))
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 64, (8, 16), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    ref = cf.train_step(model.loss(cfg), optim.adamw(1e-2))
+
+    def main(mesh):
+        step = cf.remat(cf.shard(cf.pipeline(ref, 2, 2, "zero_bubble"), mesh), policy)
+        return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
+
+    cf.launch(main, mesh={"pp": 2})

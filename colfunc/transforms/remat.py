@@ -100,7 +100,9 @@ class _Remat:
             if not torch.is_grad_enabled():
                 return block(layer_params, x)  # nothing to save: inference runs plainly
             kwargs: dict[str, Any] = {"use_reentrant": False}
-            if self.policy_fn is not None:
+            # a selective-checkpoint region allows one backward pass; a split backward (zero
+            # bubble) takes two, so it gets full checkpointing: the same values, more recompute
+            if self.policy_fn is not None and core.innermost(core.SplitBackward) is None:
                 kwargs["context_fn"] = functools.partial(
                     create_selective_checkpoint_contexts, self.policy_fn
                 )

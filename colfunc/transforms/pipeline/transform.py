@@ -249,7 +249,11 @@ def pipeline(
         runner = Runner(
             plan, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
         )
-        total, grads = runner.run()
+        if cfg.schedule == "zero_bubble":  # input and weight gradients in separate passes
+            with core.context(core.SplitBackward()):
+                total, grads = runner.run()
+        else:
+            total, grads = runner.run()
         return _mean_loss(total, cfg.microbatches, lay), grads
 
     def sync(grads: PyTree) -> PyTree:
