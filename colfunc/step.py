@@ -130,6 +130,18 @@ class Step:
         """A new step with some pieces swapped (the way transforms are written)."""
         return dataclasses.replace(self, **pieces)
 
+    def recorded(self, transform: Callable[..., Step], **kwargs: Any) -> dict[str, Any]:
+        """Options that record ``transform(self, **kwargs)`` being applied, for a replay.
+
+        ``options["base"]`` is the plain step and ``options["applied"]`` the transforms applied
+        to it in order, so a transform can rebuild a composition in another order where only
+        that order can be carried out (``shard`` over ``zero`` with a tensor-parallel plan).
+        """
+        return {
+            "base": self.options.get("base", self),
+            "applied": (*self.options.get("applied", ()), (transform, kwargs)),
+        }
+
     def init(self, params: PyTree) -> TrainState:
         """The initial state: parameters placed by ``layout`` and a fresh optimizer state."""
         if not tree.tensors(params):

@@ -125,8 +125,7 @@ def compositions(
     "order"}``.
 
     ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
-    (innermost first). With a tensor-parallel axis larger than one, ``zero`` comes after
-    ``shard``, the one order that tensor parallelism requires.
+    (innermost first), any of the six.
 
     With ``schedules`` (pipeline schedule names) a composition also has ``"pipeline"``: the
     ``schedule``, ``microbatches`` (one to three times the mesh's ``pp`` size) and
@@ -140,9 +139,6 @@ def compositions(
     def draw(d: Any) -> dict[str, Any]:
         mesh = d(mesh_strategy)
         order = list(d(st.permutations(TRANSFORMS)))
-        if mesh.get("tp", 1) > 1 and order.index("zero") < order.index("shard"):
-            order.remove("zero")
-            order.insert(order.index("shard") + 1, "zero")
         out = {
             "mesh": mesh,
             "zero": d(st.sampled_from(stages)),

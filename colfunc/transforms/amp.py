@@ -155,5 +155,15 @@ def amp(
         init_extra=init_extra,
         forward_backward=forward_backward,
         update=update,
-        options={**step.options, "amp": {"dtype": compute, "loss_scale": loss_scale}},
+        options={
+            **step.options,
+            **step.recorded(
+                amp,
+                dtype=dtype,
+                loss_scale=loss_scale,
+                init_scale=init_scale,
+                growth_interval=growth_interval,
+            ),
+            "amp": {"dtype": compute, "loss_scale": loss_scale},
+        },
     )

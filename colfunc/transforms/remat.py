@@ -120,7 +120,9 @@ def remat(step: Step, policy: Policy = "full") -> Step:
     if not isinstance(step, Step):
         raise TypeError(f"remat: expected a Step (from cf.train_step), got {type(step).__name__}")
     if isinstance(policy, str) and policy == "none":
-        return step.replace(options={**step.options, "remat": "none"})
+        return step.replace(
+            options={**step.options, **step.recorded(remat, policy=policy), "remat": "none"}
+        )
     frame = _Remat(_policy_fn(policy))
     inner = step.forward_backward
 
@@ -131,5 +133,6 @@ def remat(step: Step, policy: Policy = "full") -> Step:
             return inner(params, batch, extra)
 
     return step.replace(
-        forward_backward=forward_backward, options={**step.options, "remat": policy}
+        forward_backward=forward_backward,
+        options={**step.options, **step.recorded(remat, policy=policy), "remat": policy},
     )

@@ -216,6 +216,12 @@ class _SequenceParallel:
         return inner(lambda layer, x: self.split(block(layer, x)), self.split(h), blocks)
 
 
+def _zero() -> Any:
+    from colfunc.transforms.zero import zero  # zero imports this module
+
+    return zero
+
+
 def _sequence_frame(plan: dict[str, P], mesh: Mesh, dp: str | None) -> _SequenceParallel:
     axes = sorted({a for spec in plan.values() for a in spec.axes()} - {dp})
     if len(axes) != 1:
@@ -266,10 +272,15 @@ def shard(
                     f"divides it"
                 )
     if plan_ and "zero" in step.options:
-        raise ValueError(
-            "shard: with a tensor-parallel plan, apply cf.zero outside cf.shard "
-            "(cf.zero(cf.shard(step, mesh, plan), stage)), since zero cuts the shards shard makes"
-        )
+        # zero cuts what shard places, so under a tensor-parallel plan shard must come first:
+        # rebuild the composition with shard moved in just before zero (the two commute in
+        # meaning; only this order can be carried out)
+        rebuilt = step.options["base"]
+        for transform, kwargs in step.options["applied"]:
+            if transform is _zero():
+                rebuilt = shard(rebuilt, mesh, plan, batch_axis, sequence_parallel)
+            rebuilt = transform(rebuilt, **kwargs)
+        return rebuilt
     dp = batch_axis if batch_axis is not None and mesh.axis_size(batch_axis) > 1 else None
     inner_layout, inner_fb, inner_sync = step.layout, step.forward_backward, step.sync
     update = local_update(step.update, mesh) if plan_ else step.update
@@ -327,6 +338,13 @@ def shard(
         update=update,
         options={
             **step.options,
+            **step.recorded(
+                shard,
+                mesh=mesh,
+                plan=plan,
+                batch_axis=batch_axis,
+                sequence_parallel=sequence_parallel,
+            ),
             "mesh": mesh,
             "batch_axis": dp,
             "plan": plan_,

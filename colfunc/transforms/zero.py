@@ -314,5 +314,9 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         forward_backward=forward_backward,
         sync=sync,
         update=update,
-        options={**step.options, "zero": {"stage": stage, "axis": axis}},
+        options={
+            **step.options,
+            **step.recorded(zero, stage=stage, axis=axis),
+            "zero": {"stage": stage, "axis": axis},
+        },
     )

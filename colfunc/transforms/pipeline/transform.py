@@ -293,7 +293,18 @@ def pipeline(
         forward_backward=forward_backward,
         sync=sync,
         update=update,
-        options={**step.options, "pipeline": dataclasses.asdict(cfg)},
+        options={
+            **step.options,
+            **step.recorded(
+                pipeline,
+                stages=stages,
+                microbatches=microbatches,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+                axis=axis,
+            ),
+            "pipeline": dataclasses.asdict(cfg),
+        },
     )
 
 
