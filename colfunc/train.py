@@ -227,7 +227,8 @@ def _train(
     step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps))
     if pc is not None and mesh is not None:
         step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
-    fresh = step_fn.init(model.init(cfg.model, seed=tc.seed))
+    params0 = model.init(cfg.model, seed=tc.seed)
+    fresh = step_fn.init(params0)
     if state is not None:
         _check_resumable(state, fresh)
     val_batches = [
@@ -247,7 +248,7 @@ def _train(
 
     log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
     state = fresh if state is None else state
-    n_params = sum(x.numel() for x in tree.tensors(model.init(cfg.model, seed=tc.seed)))
+    n_params = sum(x.numel() for x in tree.tensors(params0))
     where = (
         f"{torch.get_num_threads()} CPU threads"
         if mesh is None

@@ -81,9 +81,12 @@ def _sharded_axes(x: Any) -> tuple[str, ...]:
     return tuple(a for a, pl in zip(x.mesh.axis_names, x.placements) if isinstance(pl, Shard))
 
 
-def norm_reduction(grads: PyTree, mesh: Mesh) -> core.NormReduction:
-    """How the local squared norms of ``grads``' leaves add up to the global squared norm."""
-    axes = [_sharded_axes(g) for g in tree.tensors(grads)]
+def axes_reduction(axes: list[tuple[str, ...]], mesh: Mesh) -> core.NormReduction:
+    """Squared norms of local pieces, each summed over the axes that partition its tensor.
+
+    ``axes[i]`` names the mesh axes over which leaf ``i`` is split (empty: replicated, counted
+    once). Leaves split the same way are added up first, so there is one all_reduce per kind.
+    """
 
     def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
         groups: dict[tuple[str, ...], torch.Tensor] = {}
@@ -96,6 +99,11 @@ def norm_reduction(grads: PyTree, mesh: Mesh) -> core.NormReduction:
         return total
 
     return core.NormReduction(reduce)
+
+
+def norm_reduction(grads: PyTree, mesh: Mesh) -> core.NormReduction:
+    """How the local squared norms of ``grads``' leaves add up to the global squared norm."""
+    return axes_reduction([_sharded_axes(g) for g in tree.tensors(grads)], mesh)
 
 
 def local_update(update: Update, mesh: Mesh) -> Update:

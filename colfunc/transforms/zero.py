@@ -31,7 +31,13 @@ from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState
-from colfunc.transforms.shard import _local, _rewrap, _sharded_axes, all_reduce_buckets
+from colfunc.transforms.shard import (
+    _local,
+    _rewrap,
+    _sharded_axes,
+    all_reduce_buckets,
+    axes_reduction,
+)
 
 __all__ = ["zero"]
 
@@ -84,21 +90,6 @@ def _is_stacked(path: str) -> bool:
 
 def _mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in axes)
-
-
-def _reduction(axes: list[tuple[str, ...]], mesh: Mesh) -> core.NormReduction:
-    """Squared norms of chunk leaves: each summed over the axes that partition it."""
-
-    def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
-        groups: dict[tuple[str, ...], torch.Tensor] = {}
-        for ax, sq in zip(axes, squares):
-            groups[ax] = groups[ax] + sq if ax in groups else sq
-        total = torch.zeros((), dtype=squares[0].dtype)
-        for ax in sorted(groups):
-            total = total + comm.all_reduce(groups[ax], ax, mesh=mesh)
-        return total
-
-    return core.NormReduction(reduce)
 
 
 def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -299,7 +290,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         # each chunk partitions its local parameter over `axis`, and tensor-parallel shards
         # partition it further over their own axes
         axes = [_mesh_axes(m, {axis, *_sharded_axes(mt.template)}) for mt in tree.leaves(z.metas)]
-        with core.context(_reduction(axes, m)):
+        with core.context(axes_reduction(axes, m)):
             new, info = inner_update(grads, state._replace(params=chunks))
         if stage == 3:
             return new, info
