@@ -4,6 +4,10 @@ In one gloo world of N processes (N = 2 and 4), each colfunc scheme runs with it
 the same GPT-2 weights and the same global batches, in the same processes, interleaved step by
 step (the order alternates every step; every rank starts each side's step at a barrier):
 
+- ``dp``: ``cf.shard(step, mesh)`` on ``{"dp": N}`` against ``DistributedDataParallel``; both
+  start bucketed all_reduces during the backward pass;
+- ``dp_after``: the same with ``overlap=False`` (buckets reduced after the backward pass), against
+  DDP again, to show what the overlap is worth;
 - ``zero0``: ``cf.zero(cf.shard(step, mesh), stage=0)`` on ``{"dp": N}`` against
   ``DistributedDataParallel``;
 - ``zero3``: ``cf.zero(cf.shard(step, mesh), stage=3)`` on ``{"dp": N}`` against FSDP2,
@@ -26,7 +30,7 @@ come from one extra untimed step after the timed ones (the counter slows a step 
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
-    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes zero0,zero3,tp2]
+    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3]
     colfunc bench data_parallel
 """
@@ -57,7 +61,13 @@ from colfunc.sharding.torch_dist import TorchWorld
 gpt = models.gpt
 # the hyperparameters of single_device.py
 ADAMW: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-SCHEMES = {"zero0": "DDP", "zero3": "FSDP2", "tp2": "DTensor TP"}
+SCHEMES = {
+    "dp": "DDP",
+    "dp_after": "DDP",
+    "zero0": "DDP",
+    "zero3": "FSDP2",
+    "tp2": "DTensor TP",
+}
 # config -> (batch size, world sizes, timed steps, warm-up steps): small runs on 2 processes only,
 # so that the whole benchmark stays within about five minutes on 2 cores
 SIZES = {
@@ -110,7 +120,7 @@ def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> 
     model: nn.Module = (HeadsGPT if scheme == "tp2" else GPT)(cfg)
     model.load_colfunc(params)  # type: ignore[operator]
     dp_group = dist.group.WORLD
-    if scheme == "zero0":
+    if scheme in ("zero0", "dp", "dp_after"):
         model = DDP(model)
     elif scheme == "zero3":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -143,6 +153,8 @@ def ours(scheme: str, cfg: Config, mesh: cf.Mesh) -> cf.Step:
     ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW))
     if scheme == "tp2":
         return cf.shard(ref, mesh, plan=gpt.tp_plan)
+    if scheme in ("dp", "dp_after"):
+        return cf.shard(ref, mesh, overlap=scheme == "dp")
     return cf.zero(cf.shard(ref, mesh), stage=int(scheme[-1]))
 
 
@@ -310,6 +322,10 @@ class CountingWorld(TorchWorld):
     def collective(self, rank: int, call: Any, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return super().collective(rank, call, x)
+
+    def start(self, rank: int, call: Any, x: torch.Tensor) -> Any:
+        self.calls += 1
+        return super().start(rank, call, x)
 
 
 def scheme_mesh(scheme: str, n: int, rank: int) -> cf.Mesh:

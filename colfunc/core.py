@@ -22,11 +22,13 @@ import torch
 from colfunc import tree
 
 __all__ = [
+    "LayerGrads",
     "Layered",
     "LossScale",
     "NormReduction",
     "P",
     "SplitBackward",
+    "WidenGrads",
     "context",
     "frames",
     "innermost",
@@ -130,6 +132,48 @@ class NormReduction:
         self.reduce = reduce
 
 
+class LayerGrads:
+    """A frame that is handed each scanned layer's parameter gradients as soon as they exist.
+
+    Inside it, :func:`scan_layers` calls ``on_layer(i, grads, layer_params)`` from the backward
+    pass, right after the gradients of layer ``i``'s parameters have been computed and before the
+    backward pass goes on to layer ``i - 1``: ``grads`` holds one gradient per leaf of the stacked
+    blocks (in leaf order; None where a leaf got none) and ``layer_params`` the layer's slices of
+    those leaves. Data parallelism uses it to start reducing a layer's gradients while the earlier
+    layers are still being differentiated. It only observes: the gradients flow on unchanged.
+    """
+
+    def __init__(self, on_layer: Callable[[int, list[Any], list[torch.Tensor]], None]) -> None:
+        self.on_layer = on_layer
+
+
+class WidenGrads:
+    """A frame saying that the gradients computed inside it are widened to ``dtype`` afterwards
+    (``amp``'s fp32 master weights), so a reduction running inside may widen them first."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's parameter slices whose backward reports their gradients."""
+
+    @staticmethod
+    def forward(frame: LayerGrads, i: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.frame, ctx.i = inputs[0], inputs[1]
+        ctx.params = [x.detach() for x in inputs[2:]]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.frame.on_layer(ctx.i, list(grads), ctx.params)
+        return (None, None, *grads)
+
+
 def num_layers(blocks: PyTree) -> int:
     """The size of the leading (layer) axis shared by every leaf of ``blocks``."""
     sizes = {x.shape[0] if x.dim() else None for x in tree.tensors(blocks)}
@@ -149,8 +193,12 @@ def _plain_scan(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
     # would materialise a full-size zero gradient per layer).
     flat, treedef = tree.flatten_with_paths(blocks)
     per_leaf = [x.unbind(0) for _, x in flat]
+    taps = innermost(LayerGrads)
     for i in range(n):
-        h = block(tree.unflatten(treedef, [xs[i] for xs in per_leaf]), h)
+        layer = [xs[i] for xs in per_leaf]
+        if taps is not None and torch.is_grad_enabled() and any(x.requires_grad for x in layer):
+            layer = list(_Tap.apply(taps, i, *layer))
+        h = block(tree.unflatten(treedef, layer), h)
     return h
 
 

@@ -117,7 +117,7 @@ def meshes(
 
 def compositions(
     mesh_strategy: Any = None,
-    stages: tuple[int, ...] = (0, 1, 2, 3),
+    stages: tuple[int | None, ...] = (None, 0, 1, 2, 3),
     remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
     schedules: tuple[str, ...] = (),
 ) -> Any:
@@ -125,7 +125,8 @@ def compositions(
     "order"}``.
 
     ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
-    (innermost first), any of the six.
+    (innermost first), any of the six. ``zero`` is the stage, or None for no ``zero`` at all
+    (``shard`` then reduces the gradients itself).
 
     With ``schedules`` (pipeline schedule names) a composition also has ``"pipeline"``: the
     ``schedule``, ``microbatches`` (one to three times the mesh's ``pp`` size) and
@@ -169,7 +170,7 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
             tp = mesh.shape.get("tp", 1) > 1
             sp = bool(composition.get("sequence_parallel", False))
             step = shard(step, mesh, plan=plan if tp else None, sequence_parallel=sp)
-        elif name == "zero":
+        elif name == "zero" and composition.get("zero") is not None:
             step = zero(step, composition["zero"])
         elif name == "remat":
             step = remat(step, composition["remat"])

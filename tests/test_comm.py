@@ -238,6 +238,45 @@ def test_torch_func_grad_through_collectives() -> None:
         torch.testing.assert_close(got[r], xs[r].grad)
 
 
+@settings(max_examples=8)
+@given(
+    shape=st.sampled_from([{"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2}, {"dp": 1}]),
+    op=st.sampled_from(["sum", "avg", "max", "min"]),
+)
+def test_all_reduce_async_equals_all_reduce(shape: dict[str, int], op: str) -> None:
+    def fn(mesh: Mesh) -> tuple[bool, int]:
+        xs = [
+            torch.randn(5, 3, generator=torch.Generator().manual_seed(mesh.rank + k))
+            for k in range(3)
+        ]
+        with recording() as led:
+            # several in flight at once, interleaved with a blocking collective on the same group
+            pending = [comm.all_reduce_async(x.clone(), "dp", op) for x in xs]
+            blocking = [comm.all_reduce(x, "dp", op) for x in xs]
+            got = [p.wait() for p in reversed(pending)][::-1]
+            again = pending[0].wait() is got[0]
+        same = all(torch.equal(g, b) for g, b in zip(got, blocking))
+        sent = led.bytes("all_reduce", "dp")
+        return same and again, sent
+
+    for same, sent in launch(fn, shape):
+        assert same
+        n = shape["dp"]
+        assert sent == 2 * 2 * 3 * 60 * (n - 1) // n  # 3 tensors of 60 bytes, twice
+
+
+def test_all_reduce_async_bad_arguments() -> None:
+    def fn(mesh: Mesh) -> None:
+        with pytest.raises(ValueError, match="op must be one of"):
+            comm.all_reduce_async(torch.ones(2), "dp", "mean")
+        with pytest.raises(TypeError, match="floating"):
+            comm.all_reduce_async(torch.ones(2, dtype=torch.int64), "dp", "avg")
+        with pytest.raises(ValueError, match="pp"):
+            comm.all_reduce_async(torch.ones(2), "pp")
+
+    launch(fn, {"dp": 2})
+
+
 def test_ledger_is_off_by_default_and_resettable() -> None:
     def fn(mesh: Mesh) -> tuple[int, int, int]:
         x = torch.ones(4, 8)

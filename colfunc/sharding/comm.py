@@ -38,8 +38,10 @@ from colfunc.sharding.mesh import Axes, Mesh, current_mesh
 from colfunc.sharding.world import Call, combine
 
 __all__ = [
+    "Pending",
     "all_gather",
     "all_reduce",
+    "all_reduce_async",
     "all_to_all",
     "broadcast",
     "ppermute",
@@ -51,8 +53,7 @@ __all__ = [
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-def _run(mesh: Mesh, call: Call, x: torch.Tensor) -> torch.Tensor:
-    """Record ``call`` in the ledger, then run it on the mesh's world."""
+def _record(mesh: Mesh, call: Call, x: torch.Tensor) -> None:
     n = len(call.group)
     led = mesh.ledger
     if led.enabled:
@@ -69,14 +70,23 @@ def _run(mesh: Mesh, call: Call, x: torch.Tensor) -> torch.Tensor:
             sends = any(s == index != d for s, d in call.perm)
         axis: Any = call.axis[0] if len(call.axis) == 1 else call.axis
         led.record(call.op, axis, ring_bytes(call.op, nbytes, n, sends=sends))
-    if n == 1:
-        return combine(call, [x], 0)
+
+
+def _world(mesh: Mesh, call: Call, x: torch.Tensor) -> Any:
     if mesh.world is None:
         raise RuntimeError(
             f"{call.describe(x)} on {mesh!r}: this mesh has no backend world; run the code under "
             "colfunc.sharding.launch(fn, mesh=...)"
         )
-    return mesh.world.collective(mesh.rank, call, x)
+    return mesh.world
+
+
+def _run(mesh: Mesh, call: Call, x: torch.Tensor) -> torch.Tensor:
+    """Record ``call`` in the ledger, then run it on the mesh's world."""
+    _record(mesh, call, x)
+    if len(call.group) == 1:
+        return combine(call, [x], 0)
+    return _world(mesh, call, x).collective(mesh.rank, call, x)
 
 
 def _prepare(x: Any, axis: Axes, mesh: Mesh | None, name: str) -> tuple[Mesh, tuple[str, ...]]:
@@ -262,6 +272,55 @@ def all_reduce(
     if op == "avg" and not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"all_reduce: op='avg' needs a floating tensor; got dtype {x.dtype}")
     return _AllReduce.apply(x, mesh, axes, op)
+
+
+class Pending:
+    """A collective in flight; ``wait()`` returns its result (and the same tensor if called again)."""
+
+    def __init__(self, work: Any, divide: int = 1) -> None:
+        self._work, self._divide = work, divide
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            out = self._work.wait()
+            self._result = out.div_(self._divide) if self._divide > 1 else out
+            self._work = None
+        return self._result
+
+
+class _Done:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def wait(self) -> torch.Tensor:
+        return self.x
+
+
+def all_reduce_async(
+    x: torch.Tensor, axis: Axes, op: str = "sum", mesh: Mesh | None = None
+) -> Pending:
+    """Start :func:`all_reduce` of ``x`` and return at once; ``wait()`` on the result gives it.
+
+    ``x`` is handed over: the backend may reduce in its storage, so neither read nor write it
+    until ``wait()`` returns. On torch.distributed the reduction runs on the backend's own threads
+    while this rank computes (``async_op=True``); the threads backend runs it when waited for.
+    Every rank must start the same collectives in the same order, as for blocking ones. Not
+    differentiable (it is for gradients, which are reduced after they are computed).
+    """
+    mesh, axes = _prepare(x, axis, mesh, "all_reduce_async")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_async: op must be one of {_REDUCE_OPS}; got {op!r}")
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"all_reduce_async: op='avg' needs a floating tensor; got dtype {x.dtype}")
+    call = _group_call(mesh, "all_reduce", axes, reduce="sum" if op == "avg" else op)
+    _record(mesh, call, x)
+    n = len(call.group)
+    x = x.detach()
+    if n == 1:
+        return Pending(_Done(x))
+    work = _world(mesh, call, x).start(mesh.rank, call, x)
+    return Pending(work, n if op == "avg" else 1)
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, mesh: Mesh | None = None) -> torch.Tensor:

@@ -105,6 +105,11 @@ class ThreadWorld:
                 if rnd.finished < len(key):
                     self._raise_if_failed(rank, call, x)
 
+    def start(self, rank: int, call: Call, x: torch.Tensor) -> _Deferred:
+        # Run when waited for: every rank starts and waits in the same order, so the deferred
+        # rounds meet just as the blocking ones do, and the numbers are the same.
+        return _Deferred(self, rank, call, x)
+
     # --- point to point: a mailbox per (sender, receiver, tag) --------------------------------
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Sent:
         message = x.clone(memory_format=torch.contiguous_format)  # the sender may reuse x
@@ -260,6 +265,16 @@ class ThreadWorld:
                     break
                 self._cond.wait(left)
             return [r for r in range(self.size) if r not in self._ended]
+
+
+class _Deferred:
+    """A collective started on the threads backend: it runs when first waited for."""
+
+    def __init__(self, world: ThreadWorld, rank: int, call: Call, x: torch.Tensor) -> None:
+        self.world, self.rank, self.call, self.x = world, rank, call, x
+
+    def wait(self) -> torch.Tensor:
+        return self.world.collective(self.rank, self.call, self.x)
 
 
 class _Sent:

@@ -118,6 +118,15 @@ class TorchWorld:
             raise ValueError(f"unknown collective {op!r}")
         return out
 
+    def start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
+        if call.op != "all_reduce":
+            raise ValueError(f"only all_reduce can be started asynchronously, not {call.op!r}")
+        buf = x if x.is_contiguous() else x.contiguous()
+        work = dist.all_reduce(
+            buf, op=_RED[call.reduce], group=self._groups[call.group], async_op=True
+        )
+        return _Request(work, buf)
+
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Request:
         x = x.contiguous()  # kept alive by the request until the transfer is done
         return _Request(dist.isend(x, dst, tag=tag), x)

@@ -74,6 +74,11 @@ class World(Protocol):
         """Run ``call`` with this rank's input ``x``; return a new tensor (never ``x`` itself)."""
         ...
 
+    def start(self, rank: int, call: Call, x: torch.Tensor) -> Any:
+        """Start ``call`` (an ``all_reduce``) with this rank's ``x``, which the backend may reduce
+        in place; a request whose ``wait()`` returns the result."""
+        ...
+
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> Any:
         """Start sending ``x`` to global rank ``dst``; a request with ``wait()``."""
         ...

@@ -13,6 +13,7 @@ of ``torch.amp.GradScaler``). bf16 has fp32's exponent range and needs no scalin
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -121,7 +122,11 @@ def amp(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         scale = float(extra["loss_scale"]) if scaled else 1.0
-        with core.context(core.LossScale(scale)):
+        masters = {x.dtype for x in tree.tensors(params) if x.is_floating_point()}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(core.context(core.LossScale(scale)))
+            if len(masters) == 1:  # a reduction inside may widen to the masters' dtype first
+                stack.enter_context(core.context(core.WidenGrads(masters.pop())))
             loss, grads = inner_fb(_cast(params, compute), batch, extra)
         # widen to the masters' dtype, then unscale in fp32 (unscaling in fp16 could underflow)
         grads = tree.map(

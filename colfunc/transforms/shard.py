@@ -6,15 +6,19 @@ vocabulary-parallel embedding). A parameter that no pattern names is replicated.
 parameters are :class:`~colfunc.sharding.ShardedTensor`\\ s, so the unchanged single-device model
 runs on them and the propagation rules insert the collectives.
 
-Every rank is handed the same global batch and keeps its slice along dim 0 over ``batch_axis``;
-after the backward pass the gradients are averaged over that axis in a few large buckets (one
-``all_reduce`` per bucket rather than one per parameter, as DDP does). The loss is the mean of the
-ranks' local means, which is the global mean when every rank holds the same number of counted
-labels (always so without ``-100`` labels).
+Every rank is handed the same global batch and keeps its slice along dim 0 over ``batch_axis``,
+and the gradients are averaged over that axis in a few large buckets (one ``all_reduce`` per
+bucket rather than one per parameter), as DDP does: each scanned layer's gradients are packed
+into the open bucket as soon as the backward pass has computed them, and a full bucket's
+``all_reduce`` starts at once, running while the backward pass goes on to the earlier layers. The
+parameters outside the stacked layers (embeddings, final norm) follow in the last buckets. The
+loss is the mean of the ranks' local means, which is the global mean when every rank holds the
+same number of counted labels (always so without ``-100`` labels).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ __all__ = ["shard"]
 
 PyTree = Any
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket is small, so that communication starts early
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +67,129 @@ def all_reduce_buckets(
                     out[k] = piece.view_as(xs[k])
                 bucket, size = [], 0
     return [x for x in out if x is not None]
+
+
+class _ReducedAbove:
+    """Frame: a transform applied over ``shard`` (``zero``) reduces the gradients over ``axis``
+    itself, so ``shard``'s forward-backward must leave them unreduced."""
+
+    def __init__(self, axis: str) -> None:
+        self.axis = axis
+
+
+def _in_placement(g: Any, p: Any) -> Any:
+    """The gradient ``g`` in its parameter ``p``'s placements (a rule may leave one Partial)."""
+    if (
+        isinstance(p, ShardedTensor)
+        and isinstance(g, ShardedTensor)
+        and g.placements != p.placements
+    ):
+        return g.redistribute(p.placements)
+    return g
+
+
+class _GradBuckets:
+    """Data-parallel gradient reduction that starts during the backward pass (DDP's buckets).
+
+    As a :class:`~colfunc.core.LayerGrads` frame it receives each scanned layer's gradients
+    when they are computed, packs them by dtype into flat buckets and starts a bucket's
+    ``all_reduce`` as soon as it holds ``bucket_bytes`` (the first one sooner).
+    :meth:`finish` adds the other parameters' gradients, waits, and builds the reduced tree.
+    Gradients are reduced in the dtype that :class:`~colfunc.core.WidenGrads` names (``amp``'s
+    masters), so the result is that of widening first and reducing after the backward pass.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
+        self.mesh, self.axis, self.bucket_bytes = mesh, axis, bucket_bytes
+        self.limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
+        wide = core.innermost(core.WidenGrads)
+        self.wide = wide.dtype if wide is not None else None
+        self.open: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
+        self.open_bytes: dict[torch.dtype, int] = {}
+        self.started: list[tuple[comm.Pending, list[tuple[Any, torch.Tensor]]]] = []
+        self.seen: set[int] = set()
+        self.broken = False  # a layer differentiated twice: reduce after the backward instead
+
+    def _widen(self, g: torch.Tensor) -> torch.Tensor:
+        return g.to(self.wide) if self.wide is not None and g.is_floating_point() else g
+
+    def _add(self, key: Any, g: torch.Tensor) -> None:
+        g = self._widen(g)
+        self.open.setdefault(g.dtype, []).append((key, g))
+        size = self.open_bytes.get(g.dtype, 0) + g.numel() * g.element_size()
+        self.open_bytes[g.dtype] = size
+        if size >= self.limit:
+            self._start(g.dtype)
+            self.limit = self.bucket_bytes
+
+    def _start(self, dtype: torch.dtype) -> None:
+        entries = self.open.pop(dtype)
+        del self.open_bytes[dtype]
+        flat = torch.cat([g.reshape(-1) for _, g in entries])
+        self.started.append((comm.all_reduce_async(flat, self.axis, "avg", self.mesh), entries))
+
+    def on_layer(self, i: int, grads: list[Any], params: list[torch.Tensor]) -> None:
+        if self.broken:
+            return
+        if i in self.seen:
+            self.broken = True
+            return
+        self.seen.add(i)
+        for j, (g, p) in enumerate(zip(grads, params)):
+            if g is not None:
+                self._add((i, j), _local(_in_placement(g, p)))
+
+    def _wait(self) -> dict[Any, torch.Tensor]:
+        for dtype in list(self.open):
+            self._start(dtype)
+        out: dict[Any, torch.Tensor] = {}
+        for pending, entries in self.started:
+            flat = pending.wait()
+            pieces = flat.split([g.numel() for _, g in entries])
+            for (key, g), piece in zip(entries, pieces):
+                out[key] = piece.view_as(g)
+        self.started = []
+        return out
+
+    def _layers_complete(self, grads: PyTree, params: PyTree) -> bool:
+        if self.broken or not self.seen or not isinstance(grads, dict) or "blocks" not in grads:
+            return False
+        leaves = tree.leaves(params.get("blocks")) if isinstance(params, dict) else []
+        if len(leaves) != len(tree.leaves(grads["blocks"])) or not leaves:
+            return False
+        return self.seen == set(range(core.num_layers(params["blocks"])))
+
+    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+        """The reduced gradients, from the backward pass's ``grads`` for ``params``."""
+        if not self._layers_complete(grads, params):
+            self._wait()  # started reductions are completed on every rank, then set aside
+            self.seen, self.broken = set(), False
+            grads = tree.map(_in_placement, grads, params)
+            flat, treedef = tree.flatten_with_paths(grads)
+            for k, (_, g) in enumerate(flat):
+                self._add(k, _local(g))
+            got = self._wait()
+            return tree.unflatten(treedef, [_rewrap(g, got[k]) for k, (_, g) in enumerate(flat)])
+        rest = {k: v for k, v in grads.items() if k != "blocks"}
+        rest_params = {k: v for k, v in params.items() if k != "blocks"}
+        rest = tree.map(_in_placement, rest, rest_params)
+        flat, treedef = tree.flatten_with_paths(rest)
+        for k, (_, g) in enumerate(flat):
+            self._add(("rest", k), _local(g))
+        got = self._wait()
+        out = tree.unflatten(
+            treedef, [_rewrap(g, got[("rest", k)]) for k, (_, g) in enumerate(flat)]
+        )
+        bflat, btreedef = tree.flatten_with_paths(params["blocks"])
+        stacked = []
+        for j, (_, p) in enumerate(bflat):
+            local = _local(p)
+            rows = [got.get((i, j)) for i in range(local.shape[0])]
+            dtype = next((r.dtype for r in rows if r is not None), self._widen(local).dtype)
+            rows_ = [torch.zeros(local.shape[1:], dtype=dtype) if r is None else r for r in rows]
+            stacked.append(_rewrap(p, torch.stack(rows_)))
+        out["blocks"] = tree.unflatten(btreedef, stacked)
+        return out
 
 
 def _to_local(t: PyTree) -> PyTree:
@@ -246,11 +374,17 @@ def shard(
     plan: dict[str, P] | None = None,
     batch_axis: str | None = "dp",
     sequence_parallel: bool = False,
+    *,
+    bucket_mb: float = 25.0,
+    overlap: bool = True,
 ) -> Step:
     """Data parallel over ``batch_axis`` and tensor parallel by ``plan``; see the module docs.
 
     ``batch_axis=None`` (or an axis the mesh does not have, for the default ``"dp"``) turns data
-    parallelism off. Call it on every rank with that rank's mesh.
+    parallelism off. Call it on every rank with that rank's mesh. ``bucket_mb`` is the size of the
+    gradient buckets (DDP's ``bucket_cap_mb``); ``overlap=False`` reduces them only after the
+    backward pass. Under a pipeline the reduction always follows the backward pass, since the
+    microbatches' gradients are complete only then.
 
     Example:
         >>> def main(mesh):
@@ -268,6 +402,8 @@ def shard(
                 f"{mesh.axis_names}"
             )
         batch_axis = None
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
+        raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {bucket_mb!r}")
     plan_ = _check_plan(plan, mesh)
     divisors = getattr(step.loss_fn, "divisors", {})
     for axis in sorted({a for spec in plan_.values() for a in spec.axes()}):
@@ -286,10 +422,24 @@ def shard(
         rebuilt = step.options["base"]
         for transform, kwargs in step.options["applied"]:
             if transform is _zero():
-                rebuilt = shard(rebuilt, mesh, plan, batch_axis, sequence_parallel)
+                rebuilt = shard(
+                    rebuilt,
+                    mesh,
+                    plan,
+                    batch_axis,
+                    sequence_parallel,
+                    bucket_mb=bucket_mb,
+                    overlap=overlap,
+                )
             rebuilt = transform(rebuilt, **kwargs)
         return rebuilt
     dp = batch_axis if batch_axis is not None and mesh.axis_size(batch_axis) > 1 else None
+    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    # the reduction starts inside the backward pass unless zero beneath owns it or a pipeline
+    # beneath differentiates microbatch by microbatch; else it is the sync piece, after it
+    in_backward = (
+        dp is not None and overlap and "zero" not in step.options and "pipeline" not in step.options
+    )
     inner_layout, inner_fb, inner_sync = step.layout, step.forward_backward, step.sync
     update = local_update(step.update, mesh) if plan_ else step.update
 
@@ -302,28 +452,25 @@ def shard(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch = _split_batch(batch, dp, mesh) if dp else batch
-        if seq is not None:
-            with core.context(seq):
-                loss, grads = inner_fb(params, local_batch, extra)
-        else:
+        reduce_here = in_backward and core.innermost(_ReducedAbove) is None
+        buckets = _GradBuckets(mesh, dp, bucket_bytes) if reduce_here and dp else None
+        with contextlib.ExitStack() as stack:
+            if seq is not None:
+                stack.enter_context(core.context(seq))
+            if buckets is not None:
+                stack.enter_context(core.context(core.LayerGrads(buckets.on_layer)))
             loss, grads = inner_fb(params, local_batch, extra)
         if isinstance(loss, ShardedTensor):
             loss = loss.full_tensor()
+        if buckets is not None:
+            return loss, buckets.finish(grads, params)
         # gradients take their parameter's placements (a rule may leave one Partial)
-        grads = tree.map(
-            lambda g, p: (
-                g.redistribute(p.placements)
-                if isinstance(p, ShardedTensor) and isinstance(g, ShardedTensor)
-                else g
-            ),
-            grads,
-            params,
-        )
-        return loss, grads
+        return loss, tree.map(_in_placement, grads, params)
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
-        if dp is None or "zero" in step.options:  # zero beneath owns the data-parallel reduction
+        # zero beneath owns the data-parallel reduction; else it ran inside the backward pass
+        if dp is None or "zero" in step.options or in_backward:
             return grads
         flat, treedef = tree.flatten_with_paths(grads)
         gs = [g for _, g in flat]
@@ -352,9 +499,13 @@ def shard(
                 plan=plan,
                 batch_axis=batch_axis,
                 sequence_parallel=sequence_parallel,
+                bucket_mb=bucket_mb,
+                overlap=overlap,
             ),
             "mesh": mesh,
             "batch_axis": dp,
+            "bucket_bytes": bucket_bytes,
+            "overlap": overlap,
             "plan": plan_,
             "sync_before_dp": inner_sync,
             "update_before_local": step.update,

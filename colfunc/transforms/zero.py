@@ -1,6 +1,7 @@
 """``zero``: ZeRO (Rajbhandari et al. 2020) over the data-parallel axis.
 
-Stage 0 is plain data parallel: gradients are all-reduced and every rank runs the whole update.
+Stage 0 is plain data parallel: gradients are all-reduced in buckets started during the backward
+pass (as ``shard`` does) and every rank runs the whole update.
 Stage 1 shards the optimizer states: each parameter is flattened, padded to a multiple of ``N``
 (the axis size) and cut in ``N`` chunks; gradients are reduce-scattered so that each rank receives
 the averaged chunk it owns, updates that chunk of the parameter with its chunk of the optimizer
@@ -32,7 +33,10 @@ from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState
 from colfunc.transforms.shard import (
+    BUCKET_BYTES,
+    _GradBuckets,
     _local,
+    _ReducedAbove,
     _rewrap,
     _sharded_axes,
     all_reduce_buckets,
@@ -217,6 +221,9 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
     inner_update = step.options.get("update_before_local", step.update)
     whole_update = step.update  # stage 0 updates whole (tensor-parallel) parameters
     inner_layout, inner_fb = step.layout, step.forward_backward
+    # stage 0 reduces during the backward pass, as shard does, unless a pipeline beneath
+    # differentiates microbatch by microbatch
+    stage0_in_backward = "pipeline" not in step.options and step.options.get("overlap", True)
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
     def mesh_() -> Mesh:
@@ -250,6 +257,19 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         return inner_init_opt(placed if stage in (0, 3) else cut(placed)[0])
 
     def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
+        # a shard beneath leaves its data-parallel reduction to this transform's sync
+        with core.context(_ReducedAbove(axis)):
+            return _forward_backward(params, batch, extra)
+
+    def _forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
+        if stage == 0 and stage0_in_backward:
+            m = mesh_()
+            if m.axis_size(axis) == 1:
+                return inner_fb(params, batch, extra)
+            buckets = _GradBuckets(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
+            with core.context(core.LayerGrads(buckets.on_layer)):
+                loss, grads = inner_fb(params, batch, extra)
+            return loss, buckets.finish(grads, params)
         if stage < 3:
             return inner_fb(params, batch, extra)
         z: ZeroLayout = extra["zero"]
@@ -270,6 +290,8 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         grads = inner_sync(grads)
         m = mesh_()
         n = m.axis_size(axis)
+        if stage == 0 and stage0_in_backward:
+            return grads  # reduced in the backward pass
         if stage == 0:
             flat, treedef = tree.flatten_with_paths(grads)
             gs = [g for _, g in flat]
