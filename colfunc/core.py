@@ -133,18 +133,31 @@ class NormReduction:
 
 
 class LayerGrads:
-    """A frame that is handed each scanned layer's parameter gradients as soon as they exist.
+    """A frame that takes each scanned layer's parameter gradients as soon as they exist.
 
-    Inside it, :func:`scan_layers` calls ``on_layer(i, grads, layer_params)`` from the backward
-    pass, right after the gradients of layer ``i``'s parameters have been computed and before the
-    backward pass goes on to layer ``i - 1``: ``grads`` holds one gradient per leaf of the stacked
-    blocks (in leaf order; None where a leaf got none) and ``layer_params`` the layer's slices of
-    those leaves. Data parallelism uses it to start reducing a layer's gradients while the earlier
-    layers are still being differentiated. It only observes: the gradients flow on unchanged.
+    Whoever differentiates the loss inside it (the training step's forward-backward) first calls
+    :meth:`track` with its leaves by path. :func:`scan_layers` then unstacks each tracked stacked
+    leaf so that the backward pass calls ``on_layer(i, grads, layer_params)`` right after the
+    gradients of layer ``i`` have been computed, before it goes on to layer ``i - 1``: ``grads``
+    maps the tracked leaves' paths to that layer's gradient (None where there is none) and
+    ``layer_params`` to the layer's slices. Those gradients are *taken*: the stacked leaf receives
+    zeros from the scan instead, the tensor kept in ``handed[path]``, so the final gradient of a
+    leaf is exactly that tensor unless something outside the scan also contributed to it.
+
+    Data parallelism uses it to start reducing a layer's gradients while the earlier layers are
+    still being differentiated, and to drop each one once it is packed for sending.
     """
 
-    def __init__(self, on_layer: Callable[[int, list[Any], list[torch.Tensor]], None]) -> None:
+    def __init__(
+        self, on_layer: Callable[[int, dict[str, Any], dict[str, torch.Tensor]], None]
+    ) -> None:
         self.on_layer = on_layer
+        self.paths: dict[int, str] = {}
+        self.handed: dict[str, torch.Tensor] = {}
+
+    def track(self, leaves: Mapping[str, torch.Tensor]) -> None:
+        """Name the differentiated leaves (path -> tensor) whose layers' gradients to take."""
+        self.paths = {id(x): path for path, x in leaves.items() if x.requires_grad}
 
 
 class WidenGrads:
@@ -155,23 +168,48 @@ class WidenGrads:
         self.dtype = dtype
 
 
-class _Tap(torch.autograd.Function):
-    """Identity on a layer's parameter slices whose backward reports their gradients."""
+class _Unstack(torch.autograd.Function):
+    """``unbind(0)`` of tracked stacked leaves; the backward hands back zeros (see LayerGrads)."""
 
     @staticmethod
-    def forward(frame: LayerGrads, i: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(frame: LayerGrads, paths: tuple[str, ...], *xs: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(r for x in xs for r in x.unbind(0))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.frame, ctx.paths = inputs[0], inputs[1]
+        ctx.xs = [x.detach() for x in inputs[2:]]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        zeros = []
+        for path, x in zip(ctx.paths, ctx.xs):
+            z = torch.zeros_like(x)
+            ctx.frame.handed[path] = z
+            zeros.append(z)
+        return (None, None, *zeros)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's tracked slices whose backward hands their gradients to the frame."""
+
+    @staticmethod
+    def forward(
+        frame: LayerGrads, i: int, paths: tuple[str, ...], *xs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.frame, ctx.i = inputs[0], inputs[1]
-        ctx.params = [x.detach() for x in inputs[2:]]
+        ctx.frame, ctx.i, ctx.paths = inputs[0], inputs[1], inputs[2]
+        ctx.params = [x.detach() for x in inputs[3:]]
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.frame.on_layer(ctx.i, list(grads), ctx.params)
-        return (None, None, *grads)
+        ctx.frame.on_layer(ctx.i, dict(zip(ctx.paths, grads)), dict(zip(ctx.paths, ctx.params)))
+        return (None, None, None, *(None for _ in grads))
 
 
 def num_layers(blocks: PyTree) -> int:
@@ -192,12 +230,27 @@ def _plain_scan(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
     # unbind once per leaf (its backward is a single stack), not x[i] per layer (whose backward
     # would materialise a full-size zero gradient per layer).
     flat, treedef = tree.flatten_with_paths(blocks)
-    per_leaf = [x.unbind(0) for _, x in flat]
+    xs = [x for _, x in flat]
     taps = innermost(LayerGrads)
+    tracked = (
+        []
+        if taps is None or not torch.is_grad_enabled()
+        else [k for k, x in enumerate(xs) if id(x) in taps.paths]
+    )
+    per_leaf: list[Any] = [None] * len(xs)
+    if tracked:
+        assert taps is not None
+        paths = tuple(taps.paths[id(xs[k])] for k in tracked)
+        rows = _Unstack.apply(taps, paths, *(xs[k] for k in tracked))
+        for m, k in enumerate(tracked):
+            per_leaf[k] = rows[m * n : (m + 1) * n]
+    per_leaf = [x.unbind(0) if rows_ is None else rows_ for x, rows_ in zip(xs, per_leaf)]
     for i in range(n):
-        layer = [xs[i] for xs in per_leaf]
-        if taps is not None and torch.is_grad_enabled() and any(x.requires_grad for x in layer):
-            layer = list(_Tap.apply(taps, i, *layer))
+        layer = [r[i] for r in per_leaf]
+        if tracked:
+            tapped = _Tap.apply(taps, i, paths, *(layer[k] for k in tracked))
+            for k, t in zip(tracked, tapped):
+                layer[k] = t
         h = block(tree.unflatten(treedef, layer), h)
     return h
 

@@ -66,6 +66,9 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
         flat, treedef = tree.flatten_with_paths(params)
         # Fresh leaves that share storage with the caller's tensors: the caller's are untouched.
         leaves = [x.detach().requires_grad_(x.is_floating_point()) for _, x in flat]
+        taps = core.innermost(core.LayerGrads)
+        if taps is not None:  # a frame that takes each scanned layer's gradients as they come
+            taps.track({path: x for (path, _), x in zip(flat, leaves)})
         with torch.enable_grad():
             loss = loss_fn(tree.unflatten(treedef, leaves), batch)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

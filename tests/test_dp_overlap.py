@@ -144,16 +144,22 @@ def test_amp_reduces_in_the_master_dtype_bitwise() -> None:
         assert dtypes == {torch.float32}  # reduced wide, as after the backward pass
 
 
-def test_layers_used_twice_fall_back_to_reducing_after_backward() -> None:
+@pytest.mark.parametrize("use", ["scanned_twice", "penalised_outside_the_scan"])
+def test_stacked_leaves_used_more_than_once(use) -> None:
+    """Every contribution to a stacked leaf's gradient is reduced: a second scan's and that of a
+    term outside the scan (an L2 penalty on the blocks)."""
     model, cfg, params, batches = _problem()
     loss = model.loss(cfg)
 
-    def twice(p, batch):  # the same stacked layers scanned twice: each layer's grads arrive twice
+    def twice(p, batch):
         h = loss.pre(p, batch)
         h = core.scan_layers(loss.block, core.scan_layers(loss.block, h, p["blocks"]), p["blocks"])
         return loss.post(p, h, batch)
 
-    ref = cf.train_step(twice, ADAM_CLIP)
+    def penalised(p, batch):
+        return loss(p, batch) + 1e-2 * sum((x**2).sum() for x in cf.tree.tensors(p["blocks"]))
+
+    ref = cf.train_step(twice if use == "scanned_twice" else penalised, ADAM_CLIP)
 
     def main(mesh):
         step = cf.shard(ref, mesh, bucket_mb=TINY_BUCKET)

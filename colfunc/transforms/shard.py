@@ -91,12 +91,14 @@ def _in_placement(g: Any, p: Any) -> Any:
 class _GradBuckets:
     """Data-parallel gradient reduction that starts during the backward pass (DDP's buckets).
 
-    As a :class:`~colfunc.core.LayerGrads` frame it receives each scanned layer's gradients
-    when they are computed, packs them by dtype into flat buckets and starts a bucket's
-    ``all_reduce`` as soon as it holds ``bucket_bytes`` (the first one sooner).
-    :meth:`finish` adds the other parameters' gradients, waits, and builds the reduced tree.
-    Gradients are reduced in the dtype that :class:`~colfunc.core.WidenGrads` names (``amp``'s
-    masters), so the result is that of widening first and reducing after the backward pass.
+    Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
+    when they are computed; they are packed by dtype into flat buckets, and a bucket's
+    ``all_reduce`` starts as soon as it holds ``bucket_bytes`` (the first one sooner, so that
+    communication starts early). :meth:`finish` adds the other gradients, waits, and builds the
+    reduced tree. A layer scanned twice contributes twice, and a stacked parameter also used
+    outside the scan has that part reduced at the end: the sum is the same either way. Gradients
+    are reduced in the dtype that :class:`~colfunc.core.WidenGrads` names (``amp``'s masters),
+    as they would be if widened first and reduced after the backward pass.
     """
 
     def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
@@ -104,11 +106,11 @@ class _GradBuckets:
         self.limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
         wide = core.innermost(core.WidenGrads)
         self.wide = wide.dtype if wide is not None else None
+        self.frame = core.LayerGrads(self.on_layer)
         self.open: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
         self.open_bytes: dict[torch.dtype, int] = {}
         self.started: list[tuple[comm.Pending, list[tuple[Any, torch.Tensor]]]] = []
-        self.seen: set[int] = set()
-        self.broken = False  # a layer differentiated twice: reduce after the backward instead
+        self.rows: dict[str, tuple[int, ...]] = {}  # tracked path -> local shape of one layer
 
     def _widen(self, g: torch.Tensor) -> torch.Tensor:
         return g.to(self.wide) if self.wide is not None and g.is_floating_point() else g
@@ -128,68 +130,59 @@ class _GradBuckets:
         flat = torch.cat([g.reshape(-1) for _, g in entries])
         self.started.append((comm.all_reduce_async(flat, self.axis, "avg", self.mesh), entries))
 
-    def on_layer(self, i: int, grads: list[Any], params: list[torch.Tensor]) -> None:
-        if self.broken:
-            return
-        if i in self.seen:
-            self.broken = True
-            return
-        self.seen.add(i)
-        for j, (g, p) in enumerate(zip(grads, params)):
+    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+        for path, g in grads.items():
             if g is not None:
-                self._add((i, j), _local(_in_placement(g, p)))
+                self._add((path, i), _local(_in_placement(g, params[path])))
 
-    def _wait(self) -> dict[Any, torch.Tensor]:
+    def _wait(self) -> dict[Any, list[torch.Tensor]]:
         for dtype in list(self.open):
             self._start(dtype)
-        out: dict[Any, torch.Tensor] = {}
+        out: dict[Any, list[torch.Tensor]] = {}
         for pending, entries in self.started:
             flat = pending.wait()
             pieces = flat.split([g.numel() for _, g in entries])
             for (key, g), piece in zip(entries, pieces):
-                out[key] = piece.view_as(g)
+                out.setdefault(key, []).append(piece.view_as(g))
         self.started = []
         return out
 
-    def _layers_complete(self, grads: PyTree, params: PyTree) -> bool:
-        if self.broken or not self.seen or not isinstance(grads, dict) or "blocks" not in grads:
-            return False
-        leaves = tree.leaves(params.get("blocks")) if isinstance(params, dict) else []
-        if len(leaves) != len(tree.leaves(grads["blocks"])) or not leaves:
-            return False
-        return self.seen == set(range(core.num_layers(params["blocks"])))
-
     def finish(self, grads: PyTree, params: PyTree) -> PyTree:
         """The reduced gradients, from the backward pass's ``grads`` for ``params``."""
-        if not self._layers_complete(grads, params):
-            self._wait()  # started reductions are completed on every rank, then set aside
-            self.seen, self.broken = set(), False
-            grads = tree.map(_in_placement, grads, params)
-            flat, treedef = tree.flatten_with_paths(grads)
-            for k, (_, g) in enumerate(flat):
-                self._add(k, _local(g))
-            got = self._wait()
-            return tree.unflatten(treedef, [_rewrap(g, got[k]) for k, (_, g) in enumerate(flat)])
-        rest = {k: v for k, v in grads.items() if k != "blocks"}
-        rest_params = {k: v for k, v in params.items() if k != "blocks"}
-        rest = tree.map(_in_placement, rest, rest_params)
-        flat, treedef = tree.flatten_with_paths(rest)
-        for k, (_, g) in enumerate(flat):
-            self._add(("rest", k), _local(g))
+        handed = self.frame.handed
+        flat, treedef = tree.flatten_with_paths(grads)
+        placed = dict(tree.flatten_with_paths(params)[0])
+        for path, g in flat:
+            # a scanned leaf's own gradient is the zeros handed back, unless something outside
+            # the scan added to it: that part is reduced too
+            if path not in handed or g is not handed[path]:
+                self._add(("rest", path), _local(_in_placement(g, placed[path])))
         got = self._wait()
-        out = tree.unflatten(
-            treedef, [_rewrap(g, got[("rest", k)]) for k, (_, g) in enumerate(flat)]
-        )
-        bflat, btreedef = tree.flatten_with_paths(params["blocks"])
-        stacked = []
-        for j, (_, p) in enumerate(bflat):
-            local = _local(p)
-            rows = [got.get((i, j)) for i in range(local.shape[0])]
-            dtype = next((r.dtype for r in rows if r is not None), self._widen(local).dtype)
-            rows_ = [torch.zeros(local.shape[1:], dtype=dtype) if r is None else r for r in rows]
-            stacked.append(_rewrap(p, torch.stack(rows_)))
-        out["blocks"] = tree.unflatten(btreedef, stacked)
-        return out
+
+        def total(key: Any) -> torch.Tensor | None:
+            parts = got.get(key)
+            if not parts:
+                return None
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+        out = []
+        for path, _ in flat:
+            rest = total(("rest", path))
+            if path not in handed:
+                assert rest is not None
+                out.append(_rewrap(placed[path], rest))
+                continue
+            zeros = _local(handed[path])
+            rows = [total((path, i)) for i in range(zeros.shape[0])]
+            dtype = self._widen(zeros).dtype
+            buf = zeros if dtype == zeros.dtype else torch.zeros(zeros.shape, dtype=dtype)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    buf[i].copy_(row)
+            if rest is not None:
+                buf += rest
+            out.append(_rewrap(placed[path], buf))
+        return tree.unflatten(treedef, out)
 
 
 def _to_local(t: PyTree) -> PyTree:
@@ -458,7 +451,7 @@ def shard(
             if seq is not None:
                 stack.enter_context(core.context(seq))
             if buckets is not None:
-                stack.enter_context(core.context(core.LayerGrads(buckets.on_layer)))
+                stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
         if isinstance(loss, ShardedTensor):
             loss = loss.full_tensor()

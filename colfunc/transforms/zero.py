@@ -267,7 +267,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
             if m.axis_size(axis) == 1:
                 return inner_fb(params, batch, extra)
             buckets = _GradBuckets(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
-            with core.context(core.LayerGrads(buckets.on_layer)):
+            with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             return loss, buckets.finish(grads, params)
         if stage < 3:
