@@ -6,7 +6,7 @@
         data=2,                                        # data-parallel ranks ("dp")
         tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan)
         pipeline=dict(stages=2, microbatches=8, schedule="1f1b"),  # "pp"
-        zero=dict(stage=2),                            # or zero=2
+        zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
         remat="full",                                  # or "save_matmuls", "none"
         backend="threads",                             # "threads" or "gloo"; "env" under torchrun
@@ -39,6 +39,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pipeline: dict[str, Any] | None = None
     zero: int | None = None
+    zero_prefetch: int = 1
     amp: dict[str, Any] | None = None
     remat: str = "none"
     backend: str = "threads"
@@ -50,6 +51,9 @@ class ParallelConfig:
                 raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
             raise ValueError(f"parallel: zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        p = self.zero_prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"parallel: zero prefetch must be an int >= 0, got {p!r}")
         if self.backend not in ("threads", "gloo", "nccl", "env"):
             raise ValueError(
                 f"parallel: backend must be 'threads', 'gloo', 'nccl' or 'env', got {self.backend!r}"
@@ -89,8 +93,11 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
         kw["tensor"] = tensor
     zero = section.get("zero")
     if isinstance(zero, dict):
-        if set(zero) - {"stage"}:
-            raise ValueError(f"parallel['zero'] takes only stage=, got {sorted(zero)}")
+        if set(zero) - {"stage", "prefetch"}:
+            raise ValueError(
+                f"parallel['zero'] takes only stage= and prefetch=, got {sorted(zero)}"
+            )
+        kw["zero_prefetch"] = zero.get("prefetch", 1)
         zero = zero.get("stage", 1)
     kw["zero"] = zero
     amp = section.get("amp")
@@ -127,7 +134,7 @@ def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | Non
         sequence_parallel=pc.sequence_parallel and pc.tensor > 1,
     )
     if pc.zero is not None:
-        step = zero(step, pc.zero)
+        step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
     if pc.amp is not None:
         step = amp(step, **pc.amp)
     if pc.remat != "none":

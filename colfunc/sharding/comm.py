@@ -40,6 +40,7 @@ from colfunc.sharding.world import Call, combine
 __all__ = [
     "Pending",
     "all_gather",
+    "all_gather_async",
     "all_reduce",
     "all_reduce_async",
     "all_to_all",
@@ -321,6 +322,23 @@ def all_reduce_async(
         return Pending(_Done(x))
     work = _world(mesh, call, x).start(mesh.rank, call, x)
     return Pending(work, n if op == "avg" else 1)
+
+
+def all_gather_async(x: torch.Tensor, axis: Axes, mesh: Mesh | None = None) -> Pending:
+    """Start :func:`all_gather` of ``x`` along dim 0 and return at once; ``wait()`` gives it.
+
+    Lets a rank fetch what it needs next (ZeRO-3's next layer) while it computes. ``x`` must not
+    be modified until ``wait()`` returns; the rest is as for :func:`all_reduce_async`.
+    """
+    mesh, axes = _prepare(x, axis, mesh, "all_gather_async")
+    if x.dim() == 0:
+        raise ValueError("all_gather_async: x must have at least one dim to gather along")
+    call = _group_call(mesh, "all_gather", axes, dim=0)
+    _record(mesh, call, x)
+    x = x.detach()
+    if len(call.group) == 1:
+        return Pending(_Done(x.clone(memory_format=torch.contiguous_format)))
+    return Pending(_world(mesh, call, x).start(mesh.rank, call, x))
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, mesh: Mesh | None = None) -> torch.Tensor:

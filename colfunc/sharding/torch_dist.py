@@ -119,13 +119,19 @@ class TorchWorld:
         return out
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
-        if call.op != "all_reduce":
-            raise ValueError(f"only all_reduce can be started asynchronously, not {call.op!r}")
+        pg = self._groups[call.group]
         buf = x if x.is_contiguous() else x.contiguous()
-        work = dist.all_reduce(
-            buf, op=_RED[call.reduce], group=self._groups[call.group], async_op=True
+        if call.op == "all_reduce":
+            work = dist.all_reduce(buf, op=_RED[call.reduce], group=pg, async_op=True)
+            return _Request(work, buf)
+        if call.op == "all_gather" and call.dim == 0:
+            out = buf.new_empty((len(call.group) * buf.shape[0], *buf.shape[1:]))
+            work = _all_gather_single(out, buf, group=pg, async_op=True)
+            return _Request(work, out, keep=buf)
+        raise ValueError(
+            f"{call.describe(x)}: only all_reduce and all_gather along dim 0 can be started "
+            "asynchronously"
         )
-        return _Request(work, buf)
 
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Request:
         x = x.contiguous()  # kept alive by the request until the transfer is done
@@ -167,12 +173,14 @@ class TorchWorld:
 class _Request:
     """An ``isend`` or ``irecv`` in progress and the buffer it reads or fills."""
 
-    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
+    def __init__(self, work: Any, buffer: torch.Tensor, keep: Any = None) -> None:
         self.work, self.buffer = work, buffer
+        self.keep = keep  # an input the transfer still reads
 
     def wait(self) -> torch.Tensor:
         """Wait for the transfer; the received tensor (for a send, the tensor sent)."""
         self.work.wait()
+        self.keep = None
         return self.buffer
 
 

@@ -75,8 +75,9 @@ class World(Protocol):
         ...
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> Any:
-        """Start ``call`` (an ``all_reduce``) with this rank's ``x``, which the backend may reduce
-        in place; a request whose ``wait()`` returns the result."""
+        """Start ``call`` (an ``all_reduce``, or an ``all_gather`` along dim 0) with this rank's
+        ``x``, which the backend may reduce in place; a request whose ``wait()`` returns the
+        result."""
         ...
 
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> Any:

@@ -9,8 +9,12 @@ state, and the new parameters are all-gathered. Stage 2 also keeps only the owne
 a functional step reduce-scatters the gradients as soon as the backward pass returns them, so
 stages 1 and 2 run the same code (and each sends ``2 * Psi * (N - 1) / N`` elements per step).
 Stage 3 stores the parameters themselves as chunks: the stacked layers are gathered one layer at a
-time inside :func:`colfunc.scan_layers`, under a checkpoint so that the gathered weights are freed
-after the layer's forward pass and gathered again for its backward pass; the gradient of a gather
+time inside :func:`colfunc.scan_layers`, each gather started ``prefetch`` layers ahead of its use
+so that it runs while the layers before it compute. Saved-tensor hooks keep the backward pass
+from holding on to the gathered weights: they are freed after the layer's forward pass and
+gathered again (prefetched the same way, in reverse order) when its backward pass first needs
+them, without recomputing the layer. Under ``remat`` the checkpoint already drops them, and
+with tensor-parallel shards inside the layer is checkpointed instead. The gradient of a gather
 is a reduce-scatter, so each rank receives its gradient chunks directly (``3 * Psi * (N - 1) / N``
 for the layers). The parameters outside the stacked layers (embeddings, final norm) are gathered
 once per step and kept until its backward pass (``2 * Psi * (N - 1) / N`` for those).
@@ -171,33 +175,183 @@ class ZeroLayout:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
 
 
+def _saving_hooks_active() -> bool:
+    """Whether saved-tensor hooks are already in force (inside a checkpoint, say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_autograd_node() is not None
+
+
+class _Started:
+    """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
+
+    def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
+        self.n, self.count = mesh.axis_size(axis), len(chunks)
+        self.groups = []
+        for idx in _by_dtype(chunks).values():
+            sizes = [chunks[i].numel() for i in idx]
+            packed = torch.cat([chunks[i].detach().reshape(-1) for i in idx])
+            self.groups.append((idx, sizes, comm.all_gather_async(packed, axis, mesh)))
+
+    def wait(self) -> list[torch.Tensor]:
+        out: list[Any] = [None] * self.count
+        for idx, sizes, pending in self.groups:
+            full = pending.wait().view(self.n, -1)
+            for i, part in zip(idx, full.split(sizes, dim=1)):
+                out[i] = part.reshape(-1)
+        return out
+
+
+class _Gathered(torch.autograd.Function):
+    """The flats of a started gather, differentiably: the backward reduce-scatters, exactly as
+    that of :func:`gather_flat` does."""
+
+    @staticmethod
+    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
+        return tuple(started.wait())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis, ctx.mesh = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
+
+
+class _Regathered:
+    """Layer ``i``'s gathered weights, gathered again on first use in the backward pass.
+
+    Saved-tensor hooks replace each view of the gathered buffers that the layer's backward would
+    keep by a token naming the buffer and the view, so the buffers are freed after the forward
+    pass; the first token unpacked gathers the layer again. The copy lives as long as tokens
+    that use it, i.e. until the layer's backward ends.
+    """
+
+    def __init__(self, owner: _LayerGathers, i: int) -> None:
+        self.owner, self.i = owner, i
+        self.buffers: list[torch.Tensor] | None = None
+
+    def get(self, k: int) -> torch.Tensor:
+        if self.buffers is None:
+            self.buffers = self.owner.take(self.i, backward=True).wait()
+        return self.buffers[k]
+
+
+class _LayerGathers:
+    """The gathers of one scan's layers, each started ``prefetch`` layers ahead of its use: the
+    next layers in the forward pass, the previous ones in the backward pass."""
+
+    def __init__(self, z: ZeroLayout, blocks: PyTree, prefetch: int) -> None:
+        self.z, self.prefetch = z, prefetch
+        leaves = tree.leaves(blocks)
+        self.n = core.num_layers(blocks)
+        self.rows = [[x.detach()[i] for x in leaves] for i in range(self.n)]
+        self.index = {row[0].data_ptr(): i for i, row in enumerate(self.rows)} if leaves else {}
+        self.ahead: tuple[dict[int, _Started], dict[int, _Started]] = ({}, {})
+        self.taken: tuple[set[int], set[int]] = (set(), set())
+
+    def layer_of(self, chunks: list[torch.Tensor]) -> int | None:
+        """Which layer ``chunks`` (views of the stacked chunks) are, if they are one."""
+        i = self.index.get(chunks[0].data_ptr()) if chunks else None
+        return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
+
+    def _start(self, i: int) -> _Started:
+        if not _saving_hooks_active():
+            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+        # inside a checkpoint, whose recomputation must replay the same ops: which layers are
+        # started ahead differs between the forward pass and the recomputation, so starting one
+        # stays out of sight of the checkpoint's dispatch modes
+        with torch.utils._python_dispatch._disable_current_modes():
+            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+
+    def take(self, i: int, backward: bool) -> _Started:
+        ahead, taken = self.ahead[backward], self.taken[backward]
+        started = ahead.pop(i, None) or self._start(i)
+        taken.add(i)
+        step = -1 if backward else 1
+        for d in range(1, self.prefetch + 1):
+            j = i + step * d
+            if 0 <= j < self.n and j not in ahead and j not in taken:
+                ahead[j] = self._start(j)
+        return started
+
+
 class _Gather:
     """Context frame for stage 3: gather each layer's chunks inside ``scan_layers``."""
 
-    def __init__(self, layout: ZeroLayout) -> None:
-        self.z = layout
-
-    def layer(self, chunks: PyTree) -> PyTree:
-        return self.z.gather_tree(chunks, self.z.metas["blocks"], stacked_layer=True)
+    def __init__(self, layout: ZeroLayout, prefetch: int) -> None:
+        self.z, self.prefetch = layout, prefetch
 
     def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
+        metas = tree.leaves(self.z.metas["blocks"])
+        tensor_parallel = any(m.template is not None for m in metas)
+        gathers = _LayerGathers(self.z, blocks, self.prefetch)
+
+        def layer(layer_chunks: PyTree) -> PyTree:
+            flat, treedef = tree.flatten_with_paths(layer_chunks)
+            chunks = [c for _, c in flat]
+            i = gathers.layer_of(chunks)
+            if i is None:  # not one of this scan's layers as stacked: gather it now
+                flats = gather_flat(chunks, self.z.axis, self.z.mesh)
+            else:
+                started = gathers.take(i, backward=_in_backward())
+                flats = list(_Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
+            whole = [_whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
+            return tree.unflatten(treedef, whole)
+
         def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
-            if not torch.is_grad_enabled():
-                return block(self.layer(layer_chunks), x)
-            # the gathered weights are not saved for backward: the checkpoint gathers them again
-            return checkpoint(
-                lambda c, y: block(self.layer(c), y), layer_chunks, x, use_reentrant=False
-            )
+            if not torch.is_grad_enabled() or _saving_hooks_active():
+                # inference, or inside a checkpoint (remat): that drops the gathered weights
+                # after the forward pass and gathers them again when it recomputes the layer
+                return block(layer(layer_chunks), x)
+            if tensor_parallel or core.innermost(core.SplitBackward) is not None:
+                # the gathered weights are not saved for backward: the checkpoint gathers them
+                # again (saved ShardedTensors cannot be told apart by their storage, and a split
+                # backward would keep a regathered layer between its two parts)
+                return checkpoint(
+                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
+                )
+            i = gathers.layer_of(tree.leaves(layer_chunks))
+            if i is None:
+                return checkpoint(
+                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
+                )
+            full = layer(layer_chunks)
+            # a view is rebuilt from the storage it was saved from (the offset is the storage's),
+            # so leaves that share one storage may name either
+            storages = {w.untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))}
+            again = _Regathered(gathers, i)
+
+            def pack(t: torch.Tensor) -> Any:
+                k = storages.get(t.untyped_storage().data_ptr())
+                if k is None:
+                    return t
+                return (again, k, t.size(), t.stride(), t.storage_offset())
+
+            def unpack(packed: Any) -> torch.Tensor:
+                if isinstance(packed, torch.Tensor):
+                    return packed
+                holder, k, size, stride, offset = packed
+                return holder.get(k).as_strided(size, stride, offset)
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return block(full, x)
 
         return inner(gathered_block, h, blocks)
 
 
-def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
+def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Step:
     """Shard optimizer states (1), gradients (2) and parameters (3) over ``axis``; see the module.
 
     Call it on every rank. The mesh is the one ``shard`` bound, else the current mesh (inside
     ``cf.launch``). Without a data-parallel ``shard`` the batch is not split: every rank computes
-    on the whole batch, and the gradients are still averaged over ``axis``.
+    on the whole batch, and the gradients are still averaged over ``axis``. ``prefetch`` (stage
+    3) is how many layers ahead each layer's gather starts; each costs one layer's gathered
+    weights of memory (0: gather each layer when it is used).
 
     Example:
         >>> s = cf.zero(cf.shard(cf.train_step(loss_fn, optim.adamw(3e-4)), mesh, plan), stage=2)
@@ -208,6 +362,10 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
     if "zero" in step.options:
         raise ValueError("zero: the step already has zero applied; apply it once")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(
+            f"zero: prefetch must be an int >= 0 (layers gathered ahead of use), got {prefetch!r}"
+        )
     bound: Mesh | None = step.options.get("mesh")
     if bound is not None and axis not in bound.axis_names:
         raise ValueError(
@@ -277,7 +435,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         rest_metas = {k: z.metas[k] for k in rest}
         with torch.no_grad():  # the whole non-stacked parameters; their grads are scattered below
             full = {**z.gather_tree(rest, rest_metas), "blocks": params["blocks"]}
-        with core.context(_Gather(z)):
+        with core.context(_Gather(z, prefetch)):
             loss, grads = inner_fb(full, batch, extra)
         n = z.mesh.axis_size(axis)
         # the stacked layers' gradients are chunks already (the gathers' backward scattered them)
@@ -329,7 +487,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp") -> Step:
         update=update,
         options={
             **step.options,
-            **step.recorded(zero, stage=stage, axis=axis),
-            "zero": {"stage": stage, "axis": axis},
+            **step.recorded(zero, stage=stage, axis=axis, prefetch=prefetch),
+            "zero": {"stage": stage, "axis": axis, "prefetch": prefetch},
         },
     )
