@@ -121,12 +121,12 @@ def compositions(
     remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
     schedules: tuple[str, ...] = (),
 ) -> Any:
-    """A strategy of transform compositions: ``{"mesh", "zero", "remat", "sequence_parallel",
-    "order"}``.
+    """A strategy of transform compositions: ``{"mesh", "zero", "prefetch", "remat",
+    "sequence_parallel", "order"}``.
 
     ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
     (innermost first), any of the six. ``zero`` is the stage, or None for no ``zero`` at all
-    (``shard`` then reduces the gradients itself).
+    (``shard`` then reduces the gradients itself); ``prefetch`` is ZeRO-3's.
 
     With ``schedules`` (pipeline schedule names) a composition also has ``"pipeline"``: the
     ``schedule``, ``microbatches`` (one to three times the mesh's ``pp`` size) and
@@ -143,6 +143,7 @@ def compositions(
         out = {
             "mesh": mesh,
             "zero": d(st.sampled_from(stages)),
+            "prefetch": d(st.integers(0, 2)),
             "remat": d(st.sampled_from(remat_policies)),
             "sequence_parallel": mesh.get("tp", 1) > 1 and d(st.booleans()),
             "order": tuple(order),
@@ -171,7 +172,7 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
             sp = bool(composition.get("sequence_parallel", False))
             step = shard(step, mesh, plan=plan if tp else None, sequence_parallel=sp)
         elif name == "zero" and composition.get("zero") is not None:
-            step = zero(step, composition["zero"])
+            step = zero(step, composition["zero"], prefetch=composition.get("prefetch", 1))
         elif name == "remat":
             step = remat(step, composition["remat"])
     return step

@@ -57,6 +57,7 @@ def _losses(run: Path) -> list[float]:
     "section",
     [
         {"data": 2, "zero": {"stage": 2}},
+        {"data": 2, "zero": {"stage": 3, "prefetch": 2}},
         {"tensor": {"size": 2, "sequence_parallel": True}, "zero": 3, "remat": "full"},
         {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}, "data": 2},
     ],
@@ -105,6 +106,8 @@ def test_colfunc_run_trains_on_torchrun_ranks(tmp_path, corpus) -> None:
         ({"data": 0}, "data must be an int >= 1"),
         ({"tensor": {"size": 2, "overlap": True}}, "unknown key 'overlap'"),
         ({"zero": 5}, "zero stage must be"),
+        ({"zero": {"stage": 3, "prefetch": -1}}, "zero prefetch must be"),
+        ({"zero": {"stage": 3, "buckets": 2}}, "takes only stage= and prefetch="),
         ({"pipelines": 2}, "unknown key 'pipelines'"),
         ({"backend": "mpi"}, "backend must be"),
         ({"pipeline": 2}, "must be a dict like"),
