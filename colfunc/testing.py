@@ -15,7 +15,14 @@ import torch
 from colfunc import tree
 from colfunc.step import Step, full_state
 
-__all__ = ["assert_equivalent", "assert_trees_close", "compose", "compositions", "meshes"]
+__all__ = [
+    "assert_equivalent",
+    "assert_trees_close",
+    "compose",
+    "compositions",
+    "meshes",
+    "placements",
+]
 
 PyTree = Any
 
@@ -113,6 +120,36 @@ def meshes(
         return n <= max_ranks
 
     return st.fixed_dictionaries({a: st.sampled_from(sizes) for a in axes}).filter(ok)
+
+
+def placements(ndim: int, n_axes: int, partial: bool = True) -> Any:
+    """A strategy of placements for an ``ndim``-dim tensor on a mesh of ``n_axes`` axes: one of
+    ``Shard(d)``, ``Replicate()`` or (with ``partial``) ``Partial("sum"|"avg"|"max")`` per axis.
+
+    A ``max`` partial is never drawn beside a ``sum`` or ``avg`` one, since no single reduction
+    recovers such a tensor.
+
+    Example:
+        >>> @given(pl=cf.testing.placements(ndim=2, n_axes=2))
+        ... def test_round_trip(pl): ...
+    """
+    from hypothesis import strategies as st
+
+    from colfunc.sharding.placement import Partial, Replicate, Shard
+
+    if ndim < 0 or n_axes < 1:
+        raise ValueError(f"placements: need ndim >= 0 and n_axes >= 1, got {ndim}, {n_axes}")
+    kinds: list[Any] = [st.just(Replicate())]
+    if ndim:
+        kinds.append(st.builds(Shard, st.integers(0, ndim - 1)))
+    if partial:
+        kinds.append(st.sampled_from([Partial("sum"), Partial("avg"), Partial("max")]))
+    one = st.one_of(*kinds)
+
+    def ops(pl: tuple[Any, ...]) -> set[str]:
+        return {p.op for p in pl if isinstance(p, Partial)}
+
+    return st.tuples(*[one] * n_axes).filter(lambda pl: not ("max" in ops(pl) and len(ops(pl)) > 1))
 
 
 def compositions(

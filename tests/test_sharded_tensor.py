@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import colfunc.sharding as cs
+from colfunc import testing as cf_testing
 from colfunc.core import P
 from colfunc.sharding import (
     Mesh,
@@ -84,12 +85,7 @@ meshes = (
 )
 
 
-def placements(ndim: int, n_axes: int) -> st.SearchStrategy[tuple[Any, ...]]:
-    one = st.one_of(
-        st.builds(Shard, st.integers(0, ndim - 1)), st.just(Replicate()), st.sampled_from(PARTIALS)
-    )
-    ops = lambda pl: {p.op for p in pl if isinstance(p, Partial)}  # noqa: E731
-    return st.tuples(*[one] * n_axes).filter(lambda pl: not ("max" in ops(pl) and len(ops(pl)) > 1))
+placements = cf_testing.placements
 
 
 def has_partial(pl: Any) -> bool:
