@@ -35,7 +35,7 @@ import torch
 
 from colfunc import core, tree
 from colfunc.optim.base import GradientTransformation, apply_updates
-from colfunc.optim.clip import global_norm
+from colfunc.optim.clip import global_norm, known_norm
 
 __all__ = ["Step", "TrainState", "full_state", "train_step"]
 
@@ -90,13 +90,17 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
 
 def _update(optimizer: GradientTransformation) -> Update:
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-        info = {"grad_norm": global_norm(grads), "lr": optimizer.lr(state.opt_state)}
-        fast = optimizer.apply(grads, state.opt_state, state.params) if optimizer.apply else None
-        if fast is not None:
-            params, opt_state = fast
-        else:
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = apply_updates(state.params, updates)
+        norm = global_norm(grads)
+        info = {"grad_norm": norm, "lr": optimizer.lr(state.opt_state)}
+        with known_norm(grads, norm):  # clipping reuses it
+            fast = (
+                optimizer.apply(grads, state.opt_state, state.params) if optimizer.apply else None
+            )
+            if fast is not None:
+                params, opt_state = fast
+            else:
+                updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+                params = apply_updates(state.params, updates)
         return state._replace(params=params, opt_state=opt_state), info
 
     return update

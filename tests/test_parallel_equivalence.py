@@ -122,6 +122,31 @@ def test_ledger_matches_zero_theory(n) -> None:
         assert all(g == pytest.approx(want, rel=1e-9) for g in got), (stage, got, want)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_clipping_reuses_the_gradient_norm_of_the_metrics(stage) -> None:
+    """Clipping by the global norm sends nothing more: the step's one norm all_reduce serves the
+    metrics and the clip alike (and amp's overflow check adds only its flag)."""
+    model, cfg, params, batches = _problem("gpt", torch.float32)
+
+    def sent(opt, mesh):
+        step = cf.zero(cf.shard(cf.train_step(model.loss(cfg), opt), mesh), stage)
+        state = step.init(params)
+        with cf.sharding.recording() as led:
+            led.reset()
+            step(state, batches[0])
+        return led.bytes("all_reduce")
+
+    def main(mesh):
+        plain, clipped = (
+            optim.adamw(1e-3),
+            optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3)),
+        )
+        return sent(plain, mesh), sent(clipped, mesh)
+
+    for plain, clipped in cf.launch(main, mesh={"dp": 2}):
+        assert clipped == plain
+
+
 def test_memory_report_follows_the_zero_formulas() -> None:
     """fp32 Adam: 4 bytes of parameter, 4 of gradient and 8 of state per element (K = 8).
 

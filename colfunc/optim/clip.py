@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -9,9 +11,27 @@ import torch
 from colfunc import core, tree
 from colfunc.optim.base import GradientTransformation, check_number
 
-__all__ = ["clip_by_global_norm", "global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm", "known_norm"]
 
 PyTree = Any
+
+
+class _KnownNorm:
+    """Frame: the global norm of the gradient tree ``grads`` (that very object) is ``norm``."""
+
+    def __init__(self, grads: PyTree, norm: torch.Tensor) -> None:
+        self.grads, self.norm = grads, norm
+
+
+@contextmanager
+def known_norm(grads: PyTree, norm: torch.Tensor) -> Iterator[None]:
+    """Inside the block, :func:`global_norm` of ``grads`` (the same object) returns ``norm``.
+
+    A training step computes the norm for its metrics once and lets ``clip_by_global_norm``
+    reuse it; under a mesh that saves a collective as well as a pass over the gradients.
+    """
+    with core.context(_KnownNorm(grads, norm)):
+        yield
 
 
 def global_norm(grads: PyTree) -> torch.Tensor:
@@ -20,6 +40,9 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     One norm per tensor, then the norm of those norms: the same reduction order as
     ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients.
     """
+    known = core.innermost(_KnownNorm)
+    if known is not None and known.grads is grads:
+        return known.norm
     # integer "gradients" (zeros, of integer leaves) count as floats
     ts = [t if t.is_floating_point() else t.float() for t in tree.tensors(grads)]
     if not ts:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from colfunc import core, tree
-from colfunc.optim.clip import global_norm
+from colfunc.optim.clip import global_norm, known_norm
 from colfunc.sharding import Mesh, ShardedTensor, comm
 from colfunc.step import Step, TrainState
 
@@ -145,7 +145,8 @@ def amp(
                 extra["loss_scale"] = scale / 2
             info = {"grad_norm": norm, "lr": step.optimizer.lr(state.opt_state)}
             return state._replace(extra=extra), {**info, "loss_scale": scale, "skipped": True}
-        new_state, info = inner_update(grads, state)
+        with known_norm(grads, norm):
+            new_state, info = inner_update(grads, state)
         good += 1
         if dynamic and good >= growth_interval:
             scale, good = scale * 2, 0
