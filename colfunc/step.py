@@ -106,6 +106,10 @@ def _update(optimizer: GradientTransformation) -> Update:
     return update
 
 
+def _shape(x: Any) -> Any:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -156,6 +160,39 @@ class Step:
         placed = self.layout(params)
         return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(params)))
 
+    def place_state(self, full: TrainState) -> TrainState:
+        """The inverse of :func:`full_state`: a state in the single-device layout (say, from a
+        checkpoint) laid out as this step lays out its own, on this rank.
+
+        The parameters are placed by ``layout``; every part of the optimizer state that mirrors
+        the parameters (Adam's moments, momentum) is placed the same way, and cut like the
+        optimizer's own where a transform keeps it in pieces (ZeRO); the rest is kept. The
+        transforms' own entries of ``extra`` are made afresh; plain values (amp's loss scale)
+        are kept. So a run saved under one mesh continues under another. Call it on every rank.
+        """
+        if not isinstance(full, TrainState):
+            raise TypeError(f"place_state takes a TrainState, got {type(full).__name__}")
+        fresh = self.init(full.params)
+        entries = [e for e in fresh.extra.values() if hasattr(e, "place_opt")]  # innermost first
+
+        def place(states: PyTree) -> PyTree:
+            placed = self.layout(states)
+            for entry in entries:
+                placed = entry.place_opt(placed)
+            return placed
+
+        opt_state = tree.map_subtrees(place, full.opt_state, full.params)
+        want = [(p, _shape(x)) for p, x in tree.flatten_with_paths(fresh.opt_state)[0]]
+        got = [(p, _shape(x)) for p, x in tree.flatten_with_paths(opt_state)[0]]
+        if want != got:
+            diff = sorted(set(want) ^ set(got))[:3]
+            raise ValueError(
+                f"place_state: the optimizer state does not match this step's optimizer ({diff}); "
+                "give the state of a step with the same loss and optimizer"
+            )
+        kept = {k: v for k, v in full.extra.items() if not hasattr(v, "gather_params")}
+        return TrainState(fresh.params, opt_state, full.step, {**fresh.extra, **kept})
+
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -200,7 +237,9 @@ def full_state(state: PyTree) -> PyTree:
     """The state with every distributed tensor gathered to a full tensor on every rank.
 
     On one device this is the state itself. Distributed tensors (anything with ``full_tensor()``)
-    are gathered, which is a collective: call it on every rank.
+    are gathered, and so are parameters and optimizer states that a transform keeps in pieces
+    (ZeRO's chunks, a pipeline stage's layers): the result is laid out as the single-device
+    step's state (:meth:`Step.place_state` is the inverse). A collective: call it on every rank.
     """
 
     def full(x: Any) -> Any:
@@ -208,9 +247,14 @@ def full_state(state: PyTree) -> PyTree:
 
     if isinstance(state, TrainState):
         # a transform that stores parameters in pieces of its own keeps, in ``extra``, an object
-        # that can put them back together (``gather_params``)
-        # (outermost transform first: its entry comes last, since each adds to its inner's)
+        # that can put them back together (``gather_params``, and ``gather_opt`` where the
+        # optimizer states that mirror the parameters are cut otherwise), outermost transform
+        # first: its entry comes last, since each adds to its inner's
+        like, params, opt_state = state.params, state.params, state.opt_state
         for entry in reversed(list(state.extra.values())):
             if hasattr(entry, "gather_params"):
-                state = state._replace(params=entry.gather_params(state.params))
+                gather_opt = getattr(entry, "gather_opt", entry.gather_params)
+                opt_state = tree.map_subtrees(gather_opt, opt_state, like)
+                params = entry.gather_params(params)
+        state = state._replace(params=params, opt_state=opt_state)
     return tree.map(full, state)

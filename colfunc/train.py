@@ -180,17 +180,12 @@ def run(
     ``train.steps``). Ctrl-C saves a checkpoint before it stops.
 
     With a ``parallel`` section the same loop runs on every rank of its mesh (threads in this
-    process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder, whose
-    checkpoint then holds the gathered parameters (the model, for ``colfunc generate``) but not
-    the sharded optimizer state, so such a run cannot be resumed yet.
+    process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder. Its
+    checkpoint holds the state gathered into the single-device layout (:func:`full_state`), so a
+    run resumes under any ``parallel`` section, or none.
     """
     run_dir = Path(run_dir)
     pc = parallel.parse(cfg.parallel) if cfg.parallel else None
-    if pc is not None and state is not None:
-        raise ValueError(
-            "resuming a run with a parallel section is not available yet (its checkpoint holds "
-            "the parameters only); start a new run"
-        )
     lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
     if state is None and lead_process and run_dir.exists():
         raise ValueError(
@@ -228,9 +223,12 @@ def _train(
     if pc is not None and mesh is not None:
         step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
     params0 = model.init(cfg.model, seed=tc.seed)
-    fresh = step_fn.init(params0)
-    if state is not None:
-        _check_resumable(state, fresh)
+    if state is not None:  # saved in the single-device layout, whatever the mesh was
+        _check_resumable(
+            state, train_step(loss_fn, build_optimizer(cfg.optim, tc.steps)).init(params0)
+        )
+        if mesh is not None:
+            state = step_fn.place_state(state)
     val_batches = [
         data.batch_at(corpus.val, dc.batch_size, dc.seq_len, dc.seed, i)
         for i in range(tc.eval_batches)
@@ -238,16 +236,20 @@ def _train(
 
     def validation(state: TrainState) -> float | None:
         # a collective under a mesh (the parameters are gathered), evaluated on rank 0
-        params = state.params if mesh is None else full_state(state).params
+        params = state.params if mesh is None else full_state(state._replace(opt_state=())).params
         return evaluate(loss_fn, params, val_batches) if lead else None
 
     def saved(state: TrainState) -> TrainState:
         if mesh is None:
             return state
-        return TrainState(full_state(state).params, (), state.step, {})
+        # the single-device layout, which any mesh can take up again; the transforms' own
+        # entries of extra (layouts) are made afresh on resuming, plain values are kept
+        full = full_state(state)
+        kept = {k: v for k, v in full.extra.items() if not hasattr(v, "gather_params")}
+        return TrainState(full.params, full.opt_state, full.step, kept)
 
     log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
-    state = fresh if state is None else state
+    state = step_fn.init(params0) if state is None else state
     n_params = sum(x.numel() for x in tree.tensors(params0))
     where = (
         f"{torch.get_num_threads()} CPU threads"

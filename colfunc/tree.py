@@ -96,6 +96,22 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     return unflatten(treedef, out)
 
 
+def map_subtrees(fn: Callable[[PyTree], PyTree], tree: PyTree, like: PyTree) -> PyTree:
+    """``tree`` with every subtree shaped like ``like`` (the same structure) replaced by
+    ``fn(subtree)``; e.g. the moments of an optimizer state, which mirror the parameters."""
+    spec = structure(like)
+
+    def shaped(node: Any) -> bool:
+        return structure(node) == spec
+
+    return optree.tree_map(
+        lambda node: fn(node) if shaped(node) else node,
+        tree,
+        is_leaf=shaped,
+        none_is_leaf=_NONE_IS_LEAF,
+    )
+
+
 def match(pattern: str, path: str) -> bool:
     """Whether ``path`` matches the glob ``pattern`` (the whole path, case-sensitive)."""
     return fnmatch.fnmatchcase(path, pattern)

@@ -17,10 +17,12 @@ PyTree = Any
 
 
 class _KnownNorm:
-    """Frame: the global norm of the gradient tree ``grads`` (that very object) is ``norm``."""
+    """Frame: the global norm of the gradient tree ``grads`` (that very object) is ``norm``, as
+    computed under the :class:`~colfunc.core.NormReduction` frame ``reduction``."""
 
     def __init__(self, grads: PyTree, norm: torch.Tensor) -> None:
         self.grads, self.norm = grads, norm
+        self.reduction = core.innermost(core.NormReduction)
 
 
 @contextmanager
@@ -41,7 +43,10 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients.
     """
     known = core.innermost(_KnownNorm)
-    if known is not None and known.grads is grads:
+    frame = core.innermost(core.NormReduction)
+    # the same tree, whose pieces add up the same way (a transform in between may say that they
+    # are pieces of a larger whole)
+    if known is not None and known.grads is grads and known.reduction is frame:
         return known.norm
     # integer "gradients" (zeros, of integer leaves) count as floats
     ts = [t if t.is_floating_point() else t.float() for t in tree.tensors(grads)]
@@ -51,7 +56,6 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
     norms = torch._foreach_norm(ts, 2.0, dtype=dtype)
     device = ts[0].device
-    frame = core.innermost(core.NormReduction)
     if frame is not None:  # the leaves are local pieces of distributed tensors
         return frame.reduce([n.to(device).square() for n in norms]).sqrt()
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))

@@ -171,6 +171,24 @@ class ZeroLayout:
         with torch.no_grad():
             return tree.map(self.gather, params, self.metas)
 
+    def gather_opt(self, states: PyTree) -> PyTree:
+        """Whole tensors from a tree of this rank's chunks shaped like the parameters, as the
+        optimizer states of stages 1-3 are kept (a collective; identity for stage 0)."""
+        if self.stage == 0:
+            return states
+        if self.stage == 3:
+            return self.gather_params(states)
+        with torch.no_grad():
+            return self.gather_tree(states, self.metas)
+
+    def place_opt(self, states: PyTree) -> PyTree:
+        """This rank's chunks of whole (placed) tensors shaped like the parameters: the layout of
+        the optimizer states in stages 1 and 2 (stage 3's parameters are chunks already)."""
+        if self.stage not in (1, 2):
+            return states
+        n, i = self.mesh.axis_size(self.axis), self.mesh.axis_index(self.axis)
+        return tree.map(lambda x: _cut(x, n, i, False)[0], states)
+
     def __repr__(self) -> str:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
 
