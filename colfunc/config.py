@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -376,6 +377,7 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """``cfg`` with each ``"section.field=value"`` applied (all of a section's fields at once, so
     that fields which must change together, like ``n_head`` and ``d_model``, can)."""
     changes: dict[str, dict[str, Any]] = {}
+    layout = dict(cfg.parallel)
     for item in overrides:
         key, sep, text = item.partition("=")
         section, dot, field = key.strip().partition(".")
@@ -383,6 +385,9 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
             raise ValueError(
                 f"--set {item!r} must look like section.field=value (e.g. train.steps=100)"
             )
+        if section == "parallel":  # a plain dict: any key, a Python literal (checked at launch)
+            layout[field] = _literal(text.strip())
+            continue
         if section not in SECTIONS:
             raise ValueError(
                 f"--set {item!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
@@ -405,7 +410,25 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         except ValueError as e:
             shown = ", ".join(f"{section}.{k}={v!r}" for k, v in fields.items())
             raise ValueError(f"--set {shown}: {e}") from e
+    if layout != cfg.parallel:
+        from colfunc import parallel  # the check, here so that a bad value fails at once
+
+        if layout:
+            try:
+                parallel.parse(layout)
+            except ValueError as e:
+                raise ValueError(f"--set parallel: {e}") from e
+        replaced["parallel"] = layout
     return dataclasses.replace(cfg, **replaced) if replaced else cfg
+
+
+def _literal(text: str) -> Any:
+    """A ``--set parallel.key=value`` value: a Python literal (``2``, ``{"stage": 3}``), else
+    the text itself (``full``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _jsonable(value: Any) -> Any:

@@ -57,6 +57,26 @@ def test_set_coerces_by_annotation() -> None:
     )
 
 
+def test_set_changes_the_parallel_section() -> None:
+    base = config.load(EXAMPLES / "gpt_tiny_parallel.py")
+    cfg = config.override(
+        base,
+        ["parallel.data=1", "parallel.zero={'stage': 3, 'prefetch': 2}", "parallel.remat=full"],
+    )
+    assert cfg.parallel == {
+        **base.parallel,
+        "data": 1,
+        "zero": {"stage": 3, "prefetch": 2},
+        "remat": "full",
+    }
+    assert base.parallel != cfg.parallel  # the loaded config is left as it was
+    assert config.load(None, ["parallel.data=2"]).parallel == {"data": 2}
+    with pytest.raises(ValueError, match="--set parallel: parallel: zero stage must be"):
+        config.override(base, ["parallel.zero=7"])
+    with pytest.raises(ValueError, match="unknown key 'datas'"):
+        config.load(None, ["parallel.datas=2"])
+
+
 def test_fields_that_change_together_are_set_together() -> None:
     # n_head=3 alone does not divide d_model=128; together with d_model=96 it does.
     cfg = config.load(None, ["model.n_head=3", "model.d_model=96"])
