@@ -202,6 +202,49 @@ class _Memo:
 
 
 _MEMO: dict[Any, _Memo] = {}
+_CONTAINERS = (list, tuple, dict)
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten((args, kwargs))``, without its cost for the common shapes of ATen
+    calls: positional arguments that are leaves or plain lists/tuples of leaves. The spec is
+    then a tuple (``None`` for a leaf, ``(type, length)`` for a list), else pytree's own."""
+    if kwargs:
+        return pytree.tree_flatten((args, kwargs))
+    flat: list[Any] = []
+    spec: list[Any] = []
+    for a in args:
+        kind = type(a)
+        if kind is list or kind is tuple:
+            for b in a:
+                if isinstance(b, _CONTAINERS):
+                    return pytree.tree_flatten((args, kwargs))
+            flat.extend(a)
+            spec.append((kind, len(a)))
+        elif isinstance(a, _CONTAINERS):  # a subclass (torch.Size, a named tuple): pytree knows
+            return pytree.tree_flatten((args, kwargs))
+        else:
+            flat.append(a)
+            spec.append(None)
+    return flat, tuple(spec)
+
+
+def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inverse of :func:`_flatten`: ``(args, kwargs)``."""
+    if not isinstance(spec, tuple):
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        return args, kwargs
+    out: list[Any] = []
+    i = 0
+    for s in spec:
+        if s is None:
+            out.append(flat[i])
+            i += 1
+        else:
+            kind, n = s
+            out.append(kind(flat[i : i + n]))
+            i += n
+    return tuple(out), {}
 
 
 def _memo(func: Any, flat: list[Any], tree: Any, specs: dict[int, Spec], mesh: Mesh) -> _Memo:
@@ -228,9 +271,7 @@ def _memo(func: Any, flat: list[Any], tree: Any, specs: dict[int, Spec], mesh: M
     rule = lookup(func)
     if rule is None:  # not remembered: every fallback is counted
         return _Memo(_fallback(func, list(specs.values())), ids, mesh)
-    spec_args, spec_kwargs = pytree.tree_unflatten(
-        [specs.get(i, x) for i, x in enumerate(flat)], tree
-    )
+    spec_args, spec_kwargs = _unflatten([specs.get(i, x) for i, x in enumerate(flat)], tree)
     got = rule(*spec_args, **spec_kwargs)
     memo = _Memo(got if isinstance(got, Plan) else Plan(outputs=got), ids, mesh)
     if key is not None:
@@ -244,7 +285,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ATen ``func`` on arguments that include ShardedTensors; see the module docstring."""
     if _is_inplace(func):
         return _inplace(func, args, kwargs)
-    flat, tree = pytree.tree_flatten((args, kwargs))
+    flat, tree = _flatten(args, kwargs)
     mesh = _mesh_of(flat)
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     # each ShardedTensor is read in the layout at hand: its own, or one an earlier op reduced it to
@@ -270,13 +311,18 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if plan.args is not None or plan.kwargs is not None:
         call_args = plan.args if plan.args is not None else args
         call_kwargs = plan.kwargs if plan.kwargs is not None else kwargs
-        lflat, ltree = pytree.tree_flatten((call_args, call_kwargs))
+        lflat, ltree = _flatten(call_args, call_kwargs)
         local_of = {sid: local_at[i] for sid, i in zip(ids, tensors)}  # the plan names Specs
         lflat = [local_of.get(id(x), x) if isinstance(x, Spec) else x for x in lflat]
     else:
         lflat, ltree = [local_at.get(i, x) for i, x in enumerate(flat)], tree
-    largs, lkwargs = pytree.tree_unflatten(lflat, ltree)
-    out = (plan.compute or _empty_safe(func))(*largs, **lkwargs)
+    largs, lkwargs = _unflatten(lflat, ltree)
+    if plan.compute is not None:
+        out = plan.compute(*largs, **lkwargs)
+    elif any(isinstance(x, torch.Tensor) and x.numel() == 0 for x in lflat):
+        out = _empty_safe(func)(*largs, **lkwargs)
+    else:
+        out = func(*largs, **lkwargs)
 
     if memo.meta is None:  # the global shapes and strides of the outputs
         memo.meta = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
