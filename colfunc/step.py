@@ -22,7 +22,8 @@ A :class:`Step` is five pieces plus the loss and optimizer they close over:
     work after the update: re-gather, casts (identity by default).
 
 A transform is a ``Step -> Step`` that swaps only the pieces it owns, so transforms compose.
-A step never mutates the state or the batch passed in.
+A step never mutates the state or the batch passed in, unless built to donate the state (see
+:func:`train_step`).
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
     return forward_backward
 
 
-def _update(optimizer: GradientTransformation) -> Update:
+def _update(optimizer: GradientTransformation, donate: bool) -> Update:
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         norm = global_norm(grads)
         info = {"grad_norm": norm, "lr": optimizer.lr(state.opt_state)}
         with known_norm(grads, norm):  # clipping reuses it
             fast = (
-                optimizer.apply(grads, state.opt_state, state.params) if optimizer.apply else None
+                optimizer.apply(grads, state.opt_state, state.params, donate=donate)
+                if optimizer.apply
+                else None
             )
             if fast is not None:
                 params, opt_state = fast
@@ -104,6 +107,26 @@ def _update(optimizer: GradientTransformation) -> Update:
         return state._replace(params=params, opt_state=opt_state), info
 
     return update
+
+
+def _storage(x: torch.Tensor) -> int:
+    local = getattr(x, "_local", x)  # a ShardedTensor's own piece
+    return int(local.untyped_storage().data_ptr())
+
+
+def _owned(placed: PyTree, given: PyTree) -> PyTree:
+    """``placed`` with every tensor that shares memory with one of ``given`` copied."""
+    shared = {_storage(x) for x in tree.tensors(given)}
+
+    def own(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or _storage(x) not in shared:
+            return x
+        if hasattr(x, "_local"):  # a ShardedTensor: its piece, copied, in the same placements
+            sharded: Any = x
+            return type(x)(sharded._local.clone(), sharded.mesh, sharded.placements, tuple(x.shape))
+        return x.clone()
+
+    return tree.map(own, placed)
 
 
 def _shape(x: Any) -> Any:
@@ -154,10 +177,16 @@ class Step:
         }
 
     def init(self, params: PyTree) -> TrainState:
-        """The initial state: parameters placed by ``layout`` and a fresh optimizer state."""
+        """The initial state: parameters placed by ``layout`` and a fresh optimizer state.
+
+        A donating step's state owns its buffers: placed parameters that share memory with
+        ``params`` (on one device they are ``params`` themselves) are copied.
+        """
         if not tree.tensors(params):
             raise ValueError("Step.init: params has no tensor leaves")
         placed = self.layout(params)
+        if self.options.get("donate"):
+            placed = _owned(placed, params)
         return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(params)))
 
     def place_state(self, full: TrainState) -> TrainState:
@@ -190,6 +219,8 @@ class Step:
                 f"place_state: the optimizer state does not match this step's optimizer ({diff}); "
                 "give the state of a step with the same loss and optimizer"
             )
+        if self.options.get("donate"):  # the new state must own what it will write into
+            opt_state = _owned(opt_state, full)
         kept = {k: v for k, v in full.extra.items() if not hasattr(v, "gather_params")}
         return TrainState(fresh.params, opt_state, full.step, {**fresh.extra, **kept})
 
@@ -205,8 +236,13 @@ class Step:
         return self.finish(new_state), {"loss": loss, **info}
 
 
-def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
+def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bool = False) -> Step:
     """The single-device training step for ``loss_fn(params, batch) -> scalar``.
+
+    ``donate=True`` lets the step reuse the buffers of the state passed in for the new state
+    (as JAX's ``donate_argnums``): the optimizer updates parameters and moments in place instead
+    of on copies, which saves three passes over the model per step. The state passed in must
+    then not be used again; ``state, metrics = step(state, batch)`` is the intended use.
 
     Example:
         >>> step = cf.train_step(models.gpt.loss(cfg), optim.adamw(3e-4))
@@ -228,8 +264,9 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation) -> Step:
         init_extra=_no_extra,
         forward_backward=_forward_backward(loss_fn),
         sync=_identity,
-        update=_update(optimizer),
+        update=_update(optimizer, donate),
         finish=_identity,
+        options={"donate": True} if donate else {},
     )
 
 

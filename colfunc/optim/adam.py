@@ -105,9 +105,12 @@ def _scale_by_adam(
     def current_lr(state: AdamState) -> float:
         return learning_rate(lr, state.step)
 
-    def apply(grads: PyTree, state: AdamState, params: PyTree) -> tuple[PyTree, AdamState] | None:
+    def apply(
+        grads: PyTree, state: AdamState, params: PyTree, donate: bool = False
+    ) -> tuple[PyTree, AdamState] | None:
         # torch's fused kernel (in place) run on fresh copies of the parameters and moments:
-        # nothing passed in is modified, in about half the passes over memory of `update`
+        # nothing passed in is modified, in about half the passes over memory of `update`; with
+        # `donate`, on the buffers passed in (no copies)
         treedef = tree.structure(params)
         ps: list[torch.Tensor] = treedef.flatten_up_to(params)
         gs: list[torch.Tensor] = treedef.flatten_up_to(grads)
@@ -122,7 +125,10 @@ def _scale_by_adam(
         if not (decoupled and not amsgrad and ps and same and wide):
             return None
         t = state.step + 1
-        new_p, new_m, new_v = (torch._foreach_mul(xs, 1.0) for xs in (ps, ms, vs))  # copies
+        new_p, new_m, new_v = (
+            list(xs) if donate else list(torch._foreach_mul(xs, 1.0))  # copies
+            for xs in (ps, ms, vs)
+        )
         steps = [torch.tensor(float(t), device=p.device) for p in ps]
         torch._fused_adamw_(
             new_p,

@@ -33,10 +33,11 @@ class GradientTransformation(NamedTuple):
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     lr: Callable[[PyTree], float | None] = lambda state: None
-    # Optional fast path, ``apply(grads, state, params) -> (new_params, state)``: the same result
-    # as ``update`` then ``apply_updates``, in fewer passes over memory. It may return None where
-    # it does not apply (then the caller takes the two-step path).
-    apply: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree] | None] | None = None
+    # Optional fast path, ``apply(grads, state, params, donate=False) -> (new_params, state)``:
+    # the same result as ``update`` then ``apply_updates``, in fewer passes over memory. With
+    # ``donate`` it may write the new values into the buffers of ``params`` and ``state``. It may
+    # return None where it does not apply (then the caller takes the two-step path).
+    apply: Callable[..., tuple[PyTree, PyTree] | None] | None = None
 
 
 def learning_rate(lr: float | Schedule, count: int) -> float:
@@ -124,13 +125,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     last = transforms[-1] if transforms else None
 
-    def apply(grads: PyTree, state: tuple[PyTree, ...], params: PyTree) -> Any:
+    def apply(
+        grads: PyTree, state: tuple[PyTree, ...], params: PyTree, donate: bool = False
+    ) -> Any:
         assert last is not None and last.apply is not None
         new_state = []
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params)
             new_state.append(s)
-        out = last.apply(grads, state[-1], params)
+        out = last.apply(grads, state[-1], params, donate=donate)
         if out is None:
             return None
         new_params, s = out
