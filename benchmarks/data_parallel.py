@@ -149,8 +149,9 @@ def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> 
 
 
 def ours(scheme: str, cfg: Config, mesh: cf.Mesh) -> cf.Step:
-    """The colfunc step of ``scheme`` on ``mesh``."""
-    ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW))
+    """The colfunc step of ``scheme`` on ``mesh`` (donating its state, as the training loop
+    does: the peers update in place too)."""
+    ref = cf.train_step(gpt.loss(cfg), optim.adamw(**ADAMW), donate=True)
     if scheme == "tp2":
         return cf.shard(ref, mesh, plan=gpt.tp_plan)
     if scheme in ("dp", "dp_after"):

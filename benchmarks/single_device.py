@@ -90,7 +90,8 @@ class GPT(nn.Module):
 def bench(name: str, cfg: gpt.Config, batch_size: int, steps: int, warmup: int = 3) -> float:
     params = gpt.init(cfg, seed=0)
     kw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    step = cf.train_step(gpt.loss(cfg), optim.adamw(**kw))  # type: ignore[arg-type]
+    # donating, as `colfunc train` does (the peer's optimizer updates in place too)
+    step = cf.train_step(gpt.loss(cfg), optim.adamw(**kw), donate=True)  # type: ignore[arg-type]
     state = step.init(params)
     ref = GPT(cfg)
     ref.load_colfunc(params)

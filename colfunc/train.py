@@ -17,11 +17,15 @@ a resumed run continues exactly: 20 steps equal 10 steps, a checkpoint, and 10 m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +92,22 @@ def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
                 f"data.corpus={cfg.data.corpus!r}: its {side} split has {tokens.numel()} bytes, "
                 f"fewer than data.seq_len={cfg.data.seq_len}; use more text or a shorter seq_len"
             )
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends (in the main thread; elsewhere signals never arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _check_resumable(state: Any, fresh: TrainState) -> None:
@@ -219,7 +239,8 @@ def _train(
     tokens_per_step = dc.batch_size * dc.seq_len
     model = model_module(cfg.model)
     loss_fn = model.loss(cfg.model)
-    step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps))
+    # the loop never looks at a state again once it is stepped: let the step reuse its buffers
+    step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps), donate=True)
     if pc is not None and mesh is not None:
         step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
     params0 = model.init(cfg.model, seed=tc.seed)
@@ -284,7 +305,8 @@ def _train(
                 log.emit({"step": 0, "val_loss": val})
         while state.step < stop:
             batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
-            state, metrics = step_fn(state, batch)
+            with _interrupt_after():  # a donated state is half-written until the step returns
+                state, metrics = step_fn(state, batch)
             losses.append(metrics["loss"])
             bar.update(1)
             s = state.step

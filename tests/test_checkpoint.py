@@ -250,3 +250,21 @@ def test_parallel_run_resumes_under_another_mesh(corpus: Path, tmp_path: Path) -
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{what} {p}")
             else:
                 assert a == b, (what, p)
+
+
+def test_ctrl_c_during_a_step_waits_for_it_to_finish() -> None:
+    """The training loop donates its state to the step, which writes it in place: an interrupt
+    must not land half-way, so it is held until the step has returned."""
+    import os
+    import signal
+    import time
+
+    from colfunc.train import _interrupt_after
+
+    finished = []
+    with pytest.raises(KeyboardInterrupt), _interrupt_after():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the signal arrives in here, and is held
+        finished.append(True)
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
