@@ -141,8 +141,9 @@ class LayerGrads:
     gradients of layer ``i`` have been computed, before it goes on to layer ``i - 1``: ``grads``
     maps the tracked leaves' paths to that layer's gradient (None where there is none) and
     ``layer_params`` to the layer's slices. Those gradients are *taken*: the stacked leaf receives
-    zeros from the scan instead, the tensor kept in ``handed[path]``, so the final gradient of a
-    leaf is exactly that tensor unless something outside the scan also contributed to it.
+    zeros from the scan instead (a read-only stride-0 view where it can), the tensor kept in
+    ``handed[path]``, so the final gradient of a leaf is exactly that tensor unless something
+    outside the scan also contributed to it.
 
     Data parallelism uses it to start reducing a layer's gradients while the earlier layers are
     still being differentiated, and to drop each one once it is packed for sending.
@@ -185,7 +186,11 @@ class _Unstack(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         zeros = []
         for path, x in zip(ctx.paths, ctx.xs):
-            z = torch.zeros_like(x)
+            # one zero seen through a stride-0 view costs no memory; a distributed tensor's
+            # zeros must carry its placements
+            plain = type(x) is torch.Tensor
+            z = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape) if plain else None
+            z = torch.zeros_like(x) if z is None else z
             ctx.frame.handed[path] = z
             zeros.append(z)
         return (None, None, *zeros)

@@ -173,11 +173,12 @@ class _GradBuckets:
                 out.append(_rewrap(placed[path], rest))
                 continue
             zeros = _local(handed[path])
-            rows = [total((path, i)) for i in range(zeros.shape[0])]
-            dtype = self._widen(zeros).dtype
-            buf = zeros if dtype == zeros.dtype else torch.zeros(zeros.shape, dtype=dtype)
-            for i, row in enumerate(rows):
-                if row is not None:
+            buf = torch.empty(zeros.shape, dtype=self._widen(zeros).dtype, device=zeros.device)
+            for i in range(zeros.shape[0]):
+                row = total((path, i))
+                if row is None:  # a layer that gave this leaf no gradient
+                    buf[i].zero_()
+                else:
                     buf[i].copy_(row)
             if rest is not None:
                 buf += rest
