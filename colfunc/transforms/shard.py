@@ -110,10 +110,12 @@ class _GradBuckets:
         self.open: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
         self.open_bytes: dict[torch.dtype, int] = {}
         self.started: list[tuple[comm.Pending, list[tuple[Any, torch.Tensor]]]] = []
-        self.rows: dict[str, tuple[int, ...]] = {}  # tracked path -> local shape of one layer
+
+    def _dtype(self, g: torch.Tensor) -> torch.dtype:
+        return self.wide if self.wide is not None and g.is_floating_point() else g.dtype
 
     def _widen(self, g: torch.Tensor) -> torch.Tensor:
-        return g.to(self.wide) if self.wide is not None and g.is_floating_point() else g
+        return g.to(self._dtype(g))
 
     def _add(self, key: Any, g: torch.Tensor) -> None:
         g = self._widen(g)
@@ -173,7 +175,7 @@ class _GradBuckets:
                 out.append(_rewrap(placed[path], rest))
                 continue
             zeros = _local(handed[path])
-            buf = torch.empty(zeros.shape, dtype=self._widen(zeros).dtype, device=zeros.device)
+            buf = torch.empty(zeros.shape, dtype=self._dtype(zeros), device=zeros.device)
             for i in range(zeros.shape[0]):
                 row = total((path, i))
                 if row is None:  # a layer that gave this leaf no gradient
