@@ -200,7 +200,9 @@ def _saving_hooks_active() -> bool:
 
 
 def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
+    """Whether autograd is running a backward node (remat recomputing a layer, say)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
 
 
 class _Started:
