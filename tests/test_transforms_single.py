@@ -129,6 +129,7 @@ def test_amp_dynamic_scale_skips_overflow_and_grows() -> None:
 
     after, metrics = step(state, bad)
     assert metrics["skipped"] and after.extra["loss_scale"] == 2.0**15
+    assert float(metrics["grad_norm"]) == float("inf")
     cf.testing.assert_trees_close(after.params, state.params)  # bitwise unchanged
     cf.testing.assert_trees_close(after.opt_state, state.opt_state)
     assert after.step == 1

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from colfunc import core, tree
-from colfunc.optim.clip import global_norm, known_norm
 from colfunc.sharding import Mesh, ShardedTensor, comm
 from colfunc.step import Step, TrainState
 
@@ -138,15 +137,17 @@ def amp(
         if not scaled:
             return inner_update(grads, state)
         scale, good = float(state.extra["loss_scale"]), int(state.extra["good_steps"])
-        norm = global_norm(grads)
         if _overflow(grads):
             extra = {**state.extra, "good_steps": 0}
             if dynamic:
                 extra["loss_scale"] = scale / 2
+            # some gradient is not finite, on some rank: so is the global norm, on every rank
+            # (a local norm here would differ between ranks holding different pieces)
+            norm = torch.tensor(float("inf"))
             info = {"grad_norm": norm, "lr": step.optimizer.lr(state.opt_state)}
             return state._replace(extra=extra), {**info, "loss_scale": scale, "skipped": True}
-        with known_norm(grads, norm):
-            new_state, info = inner_update(grads, state)
+        # the update computes the norm, under the frames that say how its pieces add up
+        new_state, info = inner_update(grads, state)
         good += 1
         if dynamic and good >= growth_interval:
             scale, good = scale * 2, 0
