@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 import colfunc as cf
 from colfunc import models, optim
@@ -106,3 +107,23 @@ def test_a_placed_state_is_owned_by_each_donating_rank() -> None:
         cf.testing.assert_trees_close(a.params, b.params, what="params")
         cf.testing.assert_trees_close(a.opt_state, b.opt_state, what="opt_state")
     cf.testing.assert_trees_close(full.opt_state, kept.opt_state, what="the full state given")
+
+
+@settings(max_examples=6)
+@given(composition=cf.testing.compositions(cf.testing.meshes(sizes=(1, 2), max_ranks=4)))
+def test_donating_equals_plain_for_drawn_compositions(composition) -> None:
+    model, cfg, params, batches = _problem()
+
+    def main(mesh):
+        steps = [
+            cf.testing.compose(
+                cf.train_step(model.loss(cfg), ADAM_CLIP, donate=donate),
+                mesh,
+                composition,
+                plan=model.tp_plan,
+            )
+            for donate in (True, False)
+        ]
+        return cf.testing.assert_equivalent(*steps, params, batches)
+
+    cf.launch(main, mesh=composition["mesh"], timeout=120)
