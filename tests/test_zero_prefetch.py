@@ -54,6 +54,25 @@ def test_prefetch_equals_single_device(name, dp, prefetch, remat) -> None:
     cf.launch(main, mesh={"dp": dp})
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_tensor_parallel_inside_zero3_without_recomputing(name) -> None:
+    """dp=2 x tp=2: the saved tensor-parallel weights are ShardedTensors, known by their local
+    pieces' storage and rewrapped as they were, with and without sequence parallelism."""
+    model, cfg, params, batches = _problem(name, n_layer=3)
+    ref = cf.train_step(model.loss(cfg), ADAM_CLIP)
+
+    def main(mesh):
+        for sp in (False, True):
+            step = cf.zero(
+                cf.shard(ref, mesh, plan=model.tp_plan, sequence_parallel=sp), 3, prefetch=1
+            )
+            cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
+        return cf.sharding.fallback_counts(mesh)
+
+    cf.sharding.reset_fallback_counts()
+    assert cf.launch(main, mesh={"dp": 2, "tp": 2}) == [{}] * 4
+
+
 class _Probe(torch.autograd.Function):
     """Records the ledger when the forward pass enters a layer and when the backward leaves it."""
 
@@ -136,7 +155,8 @@ def test_at_most_two_plus_prefetch_gathered_layers_are_alive() -> None:
 def _zero3_on_gloo(mesh):
     model, cfg, params, batches = _problem(n_layer=3)
     ref = cf.train_step(model.loss(cfg), ADAM_CLIP)
-    step = cf.zero(cf.shard(ref, mesh), 3, prefetch=1)
+    plan = model.tp_plan if "tp" in mesh.shape else None
+    step = cf.zero(cf.shard(ref, mesh, plan=plan), 3, prefetch=1)
     losses = cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
     x = torch.arange(4.0) + 10 * mesh.rank
     got = cf.sharding.comm.all_gather_async(x, "dp").wait()
@@ -144,9 +164,10 @@ def _zero3_on_gloo(mesh):
     return losses
 
 
-def test_zero3_prefetch_on_gloo_processes() -> None:
-    results = cf.launch(_zero3_on_gloo, mesh={"dp": 2}, backend="gloo", timeout=180)
-    assert results[0] == results[1]
+@pytest.mark.parametrize("shape", [{"dp": 2}, {"dp": 2, "tp": 2}])
+def test_zero3_prefetch_on_gloo_processes(shape) -> None:
+    results = cf.launch(_zero3_on_gloo, mesh=shape, backend="gloo", timeout=180)
+    assert all(r == results[0] for r in results)
 
 
 def test_bad_prefetch_is_a_value_error() -> None:

@@ -13,8 +13,8 @@ time inside :func:`colfunc.scan_layers`, each gather started ``prefetch`` layers
 so that it runs while the layers before it compute. Saved-tensor hooks keep the backward pass
 from holding on to the gathered weights: they are freed after the layer's forward pass and
 gathered again (prefetched the same way, in reverse order) when its backward pass first needs
-them, without recomputing the layer. Under ``remat`` the checkpoint already drops them, and
-with tensor-parallel shards inside the layer is checkpointed instead. The gradient of a gather
+them, without recomputing the layer (tensor-parallel weights are known by their local pieces).
+Under ``remat`` the checkpoint already drops them. The gradient of a gather
 is a reduce-scatter, so each rank receives its gradient chunks directly (``3 * Psi * (N - 1) / N``
 for the layers). The parameters outside the stacked layers (embeddings, final norm) are gathered
 once per step and kept until its backward pass (``2 * Psi * (N - 1) / N`` for those).
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
+from colfunc.sharding.dispatch import _is_param
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState
 from colfunc.transforms.shard import (
@@ -308,7 +309,6 @@ class _Gather:
 
     def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
         metas = tree.leaves(self.z.metas["blocks"])
-        tensor_parallel = any(m.template is not None for m in metas)
         gathers = _LayerGathers(self.z, blocks, self.prefetch)
 
         def layer(layer_chunks: PyTree) -> PyTree:
@@ -328,35 +328,44 @@ class _Gather:
                 # inference, or inside a checkpoint (remat): that drops the gathered weights
                 # after the forward pass and gathers them again when it recomputes the layer
                 return block(layer(layer_chunks), x)
-            if tensor_parallel or core.innermost(core.SplitBackward) is not None:
-                # the gathered weights are not saved for backward: the checkpoint gathers them
-                # again (saved ShardedTensors cannot be told apart by their storage, and a split
-                # backward would keep a regathered layer between its two parts)
-                return checkpoint(
-                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
-                )
             i = gathers.layer_of(tree.leaves(layer_chunks))
-            if i is None:
+            if i is None or core.innermost(core.SplitBackward) is not None:
+                # the checkpoint gathers the weights again for the backward pass (a split
+                # backward would keep a regathered layer alive between its two parts)
                 return checkpoint(
                     lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
                 )
             full = layer(layer_chunks)
             # a view is rebuilt from the storage it was saved from (the offset is the storage's),
-            # so leaves that share one storage may name either
-            storages = {w.untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))}
+            # so leaves that share one storage may name either; a tensor-parallel weight is
+            # known by its local piece's storage, and rewrapped as it was
+            storages = {
+                _local(w).untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))
+            }
             again = _Regathered(gathers, i)
 
             def pack(t: torch.Tensor) -> Any:
-                k = storages.get(t.untyped_storage().data_ptr())
+                local = _local(t)
+                k = storages.get(local.untyped_storage().data_ptr())
                 if k is None:
                     return t
-                return (again, k, t.size(), t.stride(), t.storage_offset())
+                view = (local.size(), local.stride(), local.storage_offset())
+                if not isinstance(t, ShardedTensor):
+                    return (again, k, view, None)
+                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), _is_param(t))
+                return (again, k, view, wrap)
 
             def unpack(packed: Any) -> torch.Tensor:
                 if isinstance(packed, torch.Tensor):
                     return packed
-                holder, k, size, stride, offset = packed
-                return holder.get(k).as_strided(size, stride, offset)
+                holder, k, view, wrap = packed
+                local = holder.get(k).as_strided(*view)
+                if wrap is None:
+                    return local
+                mesh, placements, shape, stride, param = wrap
+                out = ShardedTensor(local, mesh, placements, shape, stride)
+                out._param = param  # the rules keep a parameter where it is, as they did
+                return out
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return block(full, x)
