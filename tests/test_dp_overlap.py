@@ -108,6 +108,29 @@ def test_zero_stage0_and_tensor_parallel_overlap_too() -> None:
             assert log[0] == 0 and 0 < log[1] < log[2], log
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_2_reduce_scatter_while_the_backward_pass_runs(stage) -> None:
+    model, cfg, params, batches = _problem(n_layer=4)
+    layer = _layer_bytes(params)
+
+    def main(mesh):
+        log: list[int] = []
+        read = lambda: mesh.ledger.bytes("reduce_scatter", "dp")  # noqa: E731
+        fn = _probed(model.loss(cfg), read, log)
+        step = cf.zero(
+            cf.shard(cf.train_step(fn, optim.sgd(0.1)), mesh, bucket_mb=TINY_BUCKET), stage
+        )
+        state = step.init(params)
+        with cf.sharding.recording(mesh):
+            before = read()
+            step(state, batches[0])
+        return [v - before for v in log]
+
+    for got in cf.launch(main, mesh={"dp": 2}):
+        # a reduce_scatter over 2 sends half of what it is given: one layer's bytes per layer
+        assert got == [k * layer // 2 for k in range(4)]
+
+
 @settings(max_examples=6)
 @given(
     name=st.sampled_from(["gpt", "llama"]),
@@ -144,8 +167,9 @@ def test_amp_reduces_in_the_master_dtype_bitwise() -> None:
         assert dtypes == {torch.float32}  # reduced wide, as after the backward pass
 
 
-@pytest.mark.parametrize("use", ["scanned_twice", "penalised_outside_the_scan"])
-def test_stacked_leaves_used_more_than_once(use) -> None:
+@pytest.mark.parametrize("stage", [None, 2])
+@pytest.mark.parametrize("use", ["scanned_twice", "penalised_outside_the_scan", "not_blocks"])
+def test_stacked_leaves_used_more_than_once(use, stage) -> None:
     """Every contribution to a stacked leaf's gradient is reduced: a second scan's and that of a
     term outside the scan (an L2 penalty on the blocks)."""
     model, cfg, params, batches = _problem()
@@ -159,10 +183,19 @@ def test_stacked_leaves_used_more_than_once(use) -> None:
     def penalised(p, batch):
         return loss(p, batch) + 1e-2 * sum((x**2).sum() for x in cf.tree.tensors(p["blocks"]))
 
-    ref = cf.train_step(twice if use == "scanned_twice" else penalised, ADAM_CLIP)
+    def not_blocks(p, batch):  # stacked layers kept under another name: cut whole by ZeRO
+        h = loss.pre(p, batch)
+        h = core.scan_layers(loss.block, h, p["layers"])
+        return loss.post(p, h, batch)
+
+    fn = {"scanned_twice": twice, "penalised_outside_the_scan": penalised}.get(use, not_blocks)
+    if use == "not_blocks":
+        params = {**{k: v for k, v in params.items() if k != "blocks"}, "layers": params["blocks"]}
+    ref = cf.train_step(fn, ADAM_CLIP)
 
     def main(mesh):
         step = cf.shard(ref, mesh, bucket_mb=TINY_BUCKET)
+        step = step if stage is None else cf.zero(step, stage)
         return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
 
     cf.launch(main, mesh={"dp": 2})
@@ -186,6 +219,8 @@ def _overlap_on_gloo(mesh):
     log = _sent_during_backward(mesh, t, params, batches[0], cfg, model)
     ref = cf.train_step(model.loss(cfg), ADAM_CLIP)
     losses = cf.testing.assert_equivalent(t(ref), ref, params, batches, rtol=1e-9, atol=1e-12)
+    zero2 = cf.zero(t(ref), 2)  # reduce-scatters started during the backward pass
+    cf.testing.assert_equivalent(zero2, ref, params, batches, rtol=1e-9, atol=1e-12)
     x = torch.arange(6.0) * (mesh.rank + 1)
     pending = [cf.sharding.comm.all_reduce_async(x.clone(), "dp", op) for op in ("sum", "avg")]
     blocking = [cf.sharding.comm.all_reduce(x, "dp", op) for op in ("sum", "avg")]

@@ -48,6 +48,7 @@ __all__ = [
     "ppermute",
     "recv",
     "reduce_scatter",
+    "reduce_scatter_async",
     "send",
 ]
 
@@ -362,6 +363,31 @@ def reduce_scatter(
     dim = _dim(x, dim, "reduce_scatter")
     _divisible(x, dim, mesh.axis_size(axes), axes, "reduce_scatter")
     return _ReduceScatter.apply(x, mesh, axes, dim, op)
+
+
+def reduce_scatter_async(
+    x: torch.Tensor, axis: Axes, op: str = "sum", mesh: Mesh | None = None
+) -> Pending:
+    """Start :func:`reduce_scatter` of ``x`` along dim 0 and return at once; ``wait()`` gives
+    this rank's reduced chunk. ``x`` is handed over, as for :func:`all_reduce_async`."""
+    mesh, axes = _prepare(x, axis, mesh, "reduce_scatter_async")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter_async: op must be 'sum' or 'avg'; got {op!r}")
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(
+            f"reduce_scatter_async: op='avg' needs a floating tensor; got dtype {x.dtype}"
+        )
+    if x.dim() == 0:
+        raise ValueError("reduce_scatter_async: x must have at least one dim to scatter along")
+    _divisible(x, 0, mesh.axis_size(axes), axes, "reduce_scatter_async")
+    call = _group_call(mesh, "reduce_scatter", axes, reduce="sum", dim=0)
+    _record(mesh, call, x)
+    n = len(call.group)
+    x = x.detach()
+    if n == 1:
+        return Pending(_Done(x.clone(memory_format=torch.contiguous_format)))
+    work = _world(mesh, call, x).start(mesh.rank, call, x)
+    return Pending(work, n if op == "avg" else 1)
 
 
 def all_to_all(

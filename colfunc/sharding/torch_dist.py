@@ -128,9 +128,13 @@ class TorchWorld:
             out = buf.new_empty((len(call.group) * buf.shape[0], *buf.shape[1:]))
             work = _all_gather_single(out, buf, group=pg, async_op=True)
             return _Request(work, out, keep=buf)
+        if call.op == "reduce_scatter" and call.dim == 0:
+            out = buf.new_empty((buf.shape[0] // len(call.group), *buf.shape[1:]))
+            work = _reduce_scatter_single(out, buf, group=pg, async_op=True)
+            return _Request(work, out, keep=buf)
         raise ValueError(
-            f"{call.describe(x)}: only all_reduce and all_gather along dim 0 can be started "
-            "asynchronously"
+            f"{call.describe(x)}: only all_reduce, and all_gather and reduce_scatter along dim 0, "
+            "can be started asynchronously"
         )
 
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Request:

@@ -75,7 +75,8 @@ class World(Protocol):
         ...
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> Any:
-        """Start ``call`` (an ``all_reduce``, or an ``all_gather`` along dim 0) with this rank's
+        """Start ``call`` (an ``all_reduce``, or an ``all_gather`` or ``reduce_scatter`` along
+        dim 0) with this rank's
         ``x``, which the backend may reduce in place; a request whose ``wait()`` returns the
         result."""
         ...

@@ -2,12 +2,13 @@
 
 Stage 0 is plain data parallel: gradients are all-reduced in buckets started during the backward
 pass (as ``shard`` does) and every rank runs the whole update.
-Stage 1 shards the optimizer states: each parameter is flattened, padded to a multiple of ``N``
-(the axis size) and cut in ``N`` chunks; gradients are reduce-scattered so that each rank receives
-the averaged chunk it owns, updates that chunk of the parameter with its chunk of the optimizer
-state, and the new parameters are all-gathered. Stage 2 also keeps only the owned gradient chunk;
-a functional step reduce-scatters the gradients as soon as the backward pass returns them, so
-stages 1 and 2 run the same code (and each sends ``2 * Psi * (N - 1) / N`` elements per step).
+Stage 1 shards the optimizer states: each parameter (each layer of the stacked ones) is flattened,
+padded to a multiple of ``N`` (the axis size) and cut in ``N`` chunks; gradients are
+reduce-scattered so that each rank receives the averaged chunk it owns, updates that chunk of the
+parameter with its chunk of the optimizer state, and the new parameters are all-gathered. The
+reduce-scatters run in buckets started during the backward pass, as each layer's gradients are
+computed. Stage 2 also keeps only the owned gradient chunk; a functional step never holds more,
+so stages 1 and 2 run the same code (and each sends ``2 * Psi * (N - 1) / N`` elements per step).
 Stage 3 stores the parameters themselves as chunks: the stacked layers are gathered one layer at a
 time inside :func:`colfunc.scan_layers`, each gather started ``prefetch`` layers ahead of its use
 so that it runs while the layers before it compute. Saved-tensor hooks keep the backward pass
@@ -40,6 +41,7 @@ from colfunc.step import Step, TrainState
 from colfunc.transforms.shard import (
     BUCKET_BYTES,
     _GradBuckets,
+    _in_placement,
     _local,
     _ReducedAbove,
     _rewrap,
@@ -147,6 +149,24 @@ def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
 
 
+def _by_rank(g: torch.Tensor, stacked: bool, n: int) -> torch.Tensor:
+    """``g`` (a whole local tensor) as a flat whose ``(n, -1)`` view holds rank ``r``'s chunk
+    in row ``r``: the layout :func:`reduce_scatter_flat` scatters. A stacked tensor is cut per
+    layer, as its chunks are (:func:`_cut`)."""
+    if not stacked:
+        return _padded(g, n)
+    local = _local(g)
+    rows = local.reshape(local.shape[0], -1)
+    c = -(-rows.shape[1] // n)
+    rows = torch.nn.functional.pad(rows, (0, n * c - rows.shape[1]))
+    return rows.view(rows.shape[0], n, c).transpose(0, 1).reshape(-1)
+
+
+def _as_chunk(piece: torch.Tensor, g: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """This rank's piece of ``g`` in :func:`_by_rank`'s layout, shaped as its chunk."""
+    return piece.view(g.shape[0], -1) if stacked else piece
+
+
 class ZeroLayout:
     """The cut of every parameter (``state.extra["zero"]``); gathers stage-3 parameters whole."""
 
@@ -172,6 +192,21 @@ class ZeroLayout:
         with torch.no_grad():
             return tree.map(self.gather, params, self.metas)
 
+    def gather_chunks(self, chunks: PyTree) -> PyTree:
+        """Whole tensors from a tree of this rank's chunks (``[L, c]`` for stacked ones, ``[c]``
+        for the others), in one all_gather per dtype."""
+        n = self.mesh.axis_size(self.axis)
+        flat, treedef = tree.flatten_with_paths(chunks)
+        metas = treedef.flatten_up_to(self.metas)
+        cs = [c for _, c in flat]
+        gathered = gather_flat([c.reshape(-1) for c in cs], self.axis, self.mesh)  # [n * numel]
+        out = []
+        for f, c, m in zip(gathered, cs, metas):
+            if m.stacked:  # rank-major [n, L, c] to layer-major [L, n * c]
+                f = f.view(n, *c.shape).transpose(0, 1).reshape(c.shape[0], -1)
+            out.append(_whole(f, m))
+        return tree.unflatten(treedef, out)
+
     def gather_opt(self, states: PyTree) -> PyTree:
         """Whole tensors from a tree of this rank's chunks shaped like the parameters, as the
         optimizer states of stages 1-3 are kept (a collective; identity for stage 0)."""
@@ -180,7 +215,7 @@ class ZeroLayout:
         if self.stage == 3:
             return self.gather_params(states)
         with torch.no_grad():
-            return self.gather_tree(states, self.metas)
+            return self.gather_chunks(states)
 
     def place_opt(self, states: PyTree) -> PyTree:
         """This rank's chunks of whole (placed) tensors shaped like the parameters: the layout of
@@ -188,10 +223,93 @@ class ZeroLayout:
         if self.stage not in (1, 2):
             return states
         n, i = self.mesh.axis_size(self.axis), self.mesh.axis_index(self.axis)
-        return tree.map(lambda x: _cut(x, n, i, False)[0], states)
+        return tree.map(lambda x, m: _cut(x, n, i, m.stacked)[0], states, self.metas)
 
     def __repr__(self) -> str:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
+
+
+class _ScatterBuckets(_GradBuckets):
+    """ZeRO 1-2's gradient reduce-scatter, started during the backward pass.
+
+    Like data parallelism's buckets (:class:`~colfunc.transforms.shard._GradBuckets`), but each
+    gradient is laid out by rank (:func:`_by_rank`; a scanned layer's row is cut as that layer's
+    chunk is) and a bucket is reduce-scattered, so each rank receives only its averaged chunks.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
+        super().__init__(mesh, axis, bucket_bytes)
+        self.n = mesh.axis_size(axis)
+        self.kept: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    def _start(self, dtype: torch.dtype) -> None:
+        entries = self.open.pop(dtype)
+        del self.open_bytes[dtype]
+        n = self.n
+        packed = torch.cat([g.view(n, -1) for _, g in entries], dim=1).reshape(-1)
+        pending = comm.reduce_scatter_async(packed, self.axis, "avg", self.mesh)
+        self.started.append((pending, entries))
+
+    def _wait(self) -> dict[Any, list[torch.Tensor]]:
+        for dtype in list(self.open):
+            self._start(dtype)
+        out: dict[Any, list[torch.Tensor]] = {}
+        for pending, entries in self.started:
+            mine = pending.wait()
+            for (key, _), piece in zip(
+                entries, mine.split([g.numel() // self.n for _, g in entries])
+            ):
+                out.setdefault(key, []).append(piece)
+        self.started = []
+        return out
+
+    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+        for path, g in grads.items():
+            if g is None:
+                continue
+            row = _local(_in_placement(g, params[path]))
+            if _is_stacked(path):
+                self._add((path, i), _padded(row, self.n))
+            else:  # scanned, but cut whole: kept until the whole gradient is known
+                self.kept.setdefault(path, {}).setdefault(i, []).append(row)
+
+    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+        """This rank's averaged gradient chunks, from the backward pass's ``grads``."""
+        handed = self.frame.handed
+        flat, treedef = tree.flatten_with_paths(grads)
+        placed = dict(tree.flatten_with_paths(params)[0])
+        for path, g in flat:
+            g = _local(_in_placement(g, placed[path]))
+            whole = path not in handed or not _is_stacked(path)
+            if path in handed and not _is_stacked(path):  # the rows taken, and what else came
+                rows = self.kept.get(path, {})
+                total = torch.stack(
+                    [
+                        torch.stack(rows[i]).sum(0) if i in rows else torch.zeros_like(g[i])
+                        for i in range(len(g))
+                    ]
+                )
+                g = total if g is _local(handed[path]) else total + g
+            if whole:
+                self._add(("rest", path), _by_rank(g, _is_stacked(path), self.n))
+            elif g is not _local(handed[path]):  # something outside the scan added to it
+                for i in range(g.shape[0]):
+                    self._add((path, i), _padded(g[i], self.n))
+        got = self._wait()
+        out = []
+        for path, g in flat:
+            if path not in handed or not _is_stacked(path):
+                (piece,) = got[("rest", path)]
+                out.append(_as_chunk(piece, _local(g), _is_stacked(path)))
+                continue
+            local = _local(handed[path])
+            c = -(-local[0].numel() // self.n)
+            chunk = torch.zeros((local.shape[0], c), dtype=self._dtype(local), device=local.device)
+            for i in range(local.shape[0]):
+                for part in got.get((path, i), ()):
+                    chunk[i] += part
+            out.append(chunk)
+        return tree.unflatten(treedef, out)
 
 
 def _saving_hooks_active() -> bool:
@@ -411,6 +529,8 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
     # stage 0 reduces during the backward pass, as shard does, unless a pipeline beneath
     # differentiates microbatch by microbatch
     stage0_in_backward = "pipeline" not in step.options and step.options.get("overlap", True)
+    # likewise stages 1 and 2 reduce-scatter each layer's gradients as they come
+    scatter_in_backward = stage in (1, 2) and stage0_in_backward
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
     def mesh_() -> Mesh:
@@ -426,7 +546,9 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         m = mesh_()
         n, i = m.axis_size(axis), m.axis_index(axis)
         flat, treedef = tree.flatten_with_paths(params)
-        pairs = [_cut(x, n, i, stage == 3 and _is_stacked(p)) for p, x in flat]
+        # stacked layers are cut layer by layer, so that each layer's gradients can be
+        # reduce-scattered (stages 1-2) or its parameters gathered (stage 3) on their own
+        pairs = [_cut(x, n, i, stage >= 1 and _is_stacked(p)) for p, x in flat]
         chunks = tree.unflatten(treedef, [c for c, _ in pairs])
         metas = tree.unflatten(treedef, [mt for _, mt in pairs])
         return chunks, ZeroLayout(metas, axis, m, stage)
@@ -457,7 +579,15 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             return loss, buckets.finish(grads, params)
-        if stage < 3:
+        if stage in (1, 2):
+            if not scatter_in_backward:
+                return inner_fb(params, batch, extra)
+            m = mesh_()
+            buckets = _ScatterBuckets(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
+            with core.context(buckets.frame):
+                loss, grads = inner_fb(params, batch, extra)
+            return loss, buckets.finish(grads, params)
+        if stage == 0:
             return inner_fb(params, batch, extra)
         z: ZeroLayout = extra["zero"]
         rest = {k: v for k, v in params.items() if k != "blocks"}
@@ -486,8 +616,14 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
             return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, red)])
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
             return tree.map(lambda g: g / n, grads)
+        if scatter_in_backward:
+            return grads  # reduce-scattered in the backward pass
         flat, treedef = tree.flatten_with_paths(grads)
-        chunks = reduce_scatter_flat([_padded(g, n) for _, g in flat], axis, m, "avg")
+        stacked = [_is_stacked(p) for p, _ in flat]
+        pieces = reduce_scatter_flat(
+            [_by_rank(g, st, n) for (_, g), st in zip(flat, stacked)], axis, m, "avg"
+        )
+        chunks = [_as_chunk(p, g, st) for p, (_, g), st in zip(pieces, flat, stacked)]
         return tree.unflatten(treedef, chunks)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
@@ -504,7 +640,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         if stage == 3:
             return new, info
         with torch.no_grad():
-            params = z.gather_tree(new.params, z.metas)
+            params = z.gather_chunks(new.params)
         return new._replace(params=params), info
 
     return step.replace(
