@@ -129,8 +129,16 @@ class _GradBuckets:
     def _start(self, dtype: torch.dtype) -> None:
         entries = self.open.pop(dtype)
         del self.open_bytes[dtype]
-        flat = torch.cat([g.reshape(-1) for _, g in entries])
-        self.started.append((comm.all_reduce_async(flat, self.axis, "avg", self.mesh), entries))
+        self.started.append((self._launch([g for _, g in entries]), entries))
+
+    def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
+        """Start the reduction of one bucket."""
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        return comm.all_reduce_async(flat, self.axis, "avg", self.mesh)
+
+    def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One bucket's result, cut back into its entries."""
+        return [p.view_as(g) for p, g in zip(result.split([g.numel() for g in gs]), gs)]
 
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
         for path, g in grads.items():
@@ -142,10 +150,9 @@ class _GradBuckets:
             self._start(dtype)
         out: dict[Any, list[torch.Tensor]] = {}
         for pending, entries in self.started:
-            flat = pending.wait()
-            pieces = flat.split([g.numel() for _, g in entries])
-            for (key, g), piece in zip(entries, pieces):
-                out.setdefault(key, []).append(piece.view_as(g))
+            pieces = self._pieces(pending.wait(), [g for _, g in entries])
+            for (key, _), piece in zip(entries, pieces):
+                out.setdefault(key, []).append(piece)
         self.started = []
         return out
 

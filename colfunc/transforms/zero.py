@@ -242,26 +242,12 @@ class _ScatterBuckets(_GradBuckets):
         self.n = mesh.axis_size(axis)
         self.kept: dict[str, dict[int, list[torch.Tensor]]] = {}
 
-    def _start(self, dtype: torch.dtype) -> None:
-        entries = self.open.pop(dtype)
-        del self.open_bytes[dtype]
-        n = self.n
-        packed = torch.cat([g.view(n, -1) for _, g in entries], dim=1).reshape(-1)
-        pending = comm.reduce_scatter_async(packed, self.axis, "avg", self.mesh)
-        self.started.append((pending, entries))
+    def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
+        packed = torch.cat([g.view(self.n, -1) for g in gs], dim=1).reshape(-1)
+        return comm.reduce_scatter_async(packed, self.axis, "avg", self.mesh)
 
-    def _wait(self) -> dict[Any, list[torch.Tensor]]:
-        for dtype in list(self.open):
-            self._start(dtype)
-        out: dict[Any, list[torch.Tensor]] = {}
-        for pending, entries in self.started:
-            mine = pending.wait()
-            for (key, _), piece in zip(
-                entries, mine.split([g.numel() // self.n for _, g in entries])
-            ):
-                out.setdefault(key, []).append(piece)
-        self.started = []
-        return out
+    def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(result.split([g.numel() // self.n for g in gs]))
 
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
         for path, g in grads.items():
