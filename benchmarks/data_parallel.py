@@ -10,6 +10,8 @@ step (the order alternates every step; every rank starts each side's step at a b
   DDP again, to show what the overlap is worth;
 - ``zero0``: ``cf.zero(cf.shard(step, mesh), stage=0)`` on ``{"dp": N}`` against
   ``DistributedDataParallel``;
+- ``zero2``: ``cf.zero(cf.shard(step, mesh), stage=2)`` against DDP: the same bytes (reduce-scatter
+  and all-gather instead of all-reduce), half the optimizer work per rank with 2 ranks;
 - ``zero3``: ``cf.zero(cf.shard(step, mesh), stage=3)`` on ``{"dp": N}`` against FSDP2,
   ``fully_shard`` on every block and then on the root;
 - ``tp2``: ``cf.shard(step, mesh, plan=gpt.tp_plan)`` on ``{"tp": 2}`` (``{"dp": N/2, "tp": 2}``
@@ -30,7 +32,7 @@ come from one extra untimed step after the timed ones (the counter slows a step 
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
-    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero3,tp2]
+    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3]
     colfunc bench data_parallel
 """
@@ -65,6 +67,7 @@ SCHEMES = {
     "dp": "DDP",
     "dp_after": "DDP",
     "zero0": "DDP",
+    "zero2": "DDP",
     "zero3": "FSDP2",
     "tp2": "DTensor TP",
 }
@@ -120,7 +123,7 @@ def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> 
     model: nn.Module = (HeadsGPT if scheme == "tp2" else GPT)(cfg)
     model.load_colfunc(params)  # type: ignore[operator]
     dp_group = dist.group.WORLD
-    if scheme in ("zero0", "dp", "dp_after"):
+    if scheme in ("zero0", "zero2", "dp", "dp_after"):
         model = DDP(model)
     elif scheme == "zero3":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
