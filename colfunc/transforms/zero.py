@@ -26,145 +26,39 @@ over ``axis`` like whole tensors, and ``shard`` leaves the data-parallel reducti
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
-from colfunc.sharding.dispatch import _is_param
-from colfunc.sharding.placement import Shard
+from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.shard import (
+from colfunc.transforms.buckets import (
     BUCKET_BYTES,
     _GradBuckets,
     _in_placement,
     _local,
-    _ReducedAbove,
     _rewrap,
-    _sharded_axes,
     all_reduce_buckets,
-    axes_reduction,
 )
+from colfunc.transforms.chunks import (
+    _as_chunk,
+    _by_rank,
+    _Chunked,
+    _cut,
+    _is_stacked,
+    _mesh_axes,
+    _padded,
+    _whole,
+    gather_flat,
+    reduce_scatter_flat,
+)
+from colfunc.transforms.layer_gather import _Gather
+from colfunc.transforms.shard import _ReducedAbove, _sharded_axes, axes_reduction
 
 __all__ = ["zero"]
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chunked:
-    """How one parameter is cut: its local shape, the chunk length, and stacked or not."""
-
-    shape: tuple[int, ...]
-    stacked: bool  # stacked layers keep their leading axis: chunks are [L, c], one per layer
-    chunk: int
-    template: Any  # the ShardedTensor the parameter was (tensor parallel), else None
-
-
-def _cut(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Tensor, _Chunked]:
-    """This rank's chunk of ``x`` (its local shard, flattened and zero-padded to ``n`` chunks)."""
-    local = _local(x)
-    template = x if isinstance(x, ShardedTensor) else None
-    flat = local.detach().reshape(local.shape[0], -1) if stacked else local.detach().reshape(-1)
-    c = -(-flat.shape[-1] // n)
-    flat = torch.nn.functional.pad(flat, (0, c * n - flat.shape[-1]))
-    return flat[..., i * c : (i + 1) * c].clone(), _Chunked(
-        tuple(local.shape), stacked, c, template
-    )
-
-
-def _whole(flat: torch.Tensor, meta: _Chunked, stacked_layer: bool = False) -> torch.Tensor:
-    """Un-pad and reshape a gathered flat parameter (one layer of a stacked one if asked).
-
-    Tensor-parallel parameters come back as ShardedTensors (differentiably, for one layer).
-    """
-    shape = meta.shape[1:] if stacked_layer else meta.shape
-    local = flat[..., : math.prod(shape[1:] if meta.stacked and not stacked_layer else shape)]
-    local = local.reshape(shape)
-    t = meta.template
-    if t is None:
-        return local
-    if not stacked_layer:
-        return _rewrap(t, local)
-    # one layer of a stacked parameter: drop the layer dim from the global shape and placements
-    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements]
-    return from_local(local, t.mesh, placements, tuple(t.shape)[1:])
-
-
-def _is_stacked(path: str) -> bool:
-    return path == "blocks" or path.startswith("blocks.")
-
-
-def _mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
-    return tuple(a for a in mesh.axis_names if a in axes)
-
-
-def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(x.dtype, []).append(i)
-    return groups
-
-
-def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch.Tensor]:
-    """Each 1-D chunk gathered whole (``[N * c]``, rank-major), in one all_gather per dtype.
-
-    Packing the chunks into one buffer turns one collective per parameter into one per layer,
-    as FSDP's flat parameters do; the ops are differentiable (the backward is one
-    reduce_scatter of the packed gradient).
-    """
-    n = mesh.axis_size(axis)
-    out: list[torch.Tensor | None] = [None] * len(chunks)
-    for idx in _by_dtype(chunks).values():
-        sizes = [chunks[i].numel() for i in idx]
-        packed = torch.cat([chunks[i].reshape(-1) for i in idx])  # [sum c]
-        full = comm.all_gather(packed, axis, 0, mesh).view(n, -1)  # [N, sum c]
-        for i, part in zip(idx, full.split(sizes, dim=1)):  # each [N, c_i]: the chunks in order
-            out[i] = part.reshape(-1)
-    return [x for x in out if x is not None]
-
-
-def reduce_scatter_flat(
-    flats: list[torch.Tensor], axis: str, mesh: Mesh, op: str
-) -> list[torch.Tensor]:
-    """This rank's chunk of each 1-D tensor (length a multiple of N), reduced; one call per dtype."""
-    n = mesh.axis_size(axis)
-    out: list[torch.Tensor | None] = [None] * len(flats)
-    for idx in _by_dtype(flats).values():
-        sizes = [flats[i].numel() // n for i in idx]
-        packed = torch.cat([flats[i].reshape(n, -1) for i in idx], dim=1).reshape(-1)
-        mine = comm.reduce_scatter(packed, axis, 0, op=op, mesh=mesh)  # [sum c]
-        for i, part in zip(idx, mine.split(sizes)):
-            out[i] = part
-    return [x for x in out if x is not None]
-
-
-def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
-    flat = _local(g).reshape(-1)
-    c = -(-flat.numel() // n)
-    return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
-
-
-def _by_rank(g: torch.Tensor, stacked: bool, n: int) -> torch.Tensor:
-    """``g`` (a whole local tensor) as a flat whose ``(n, -1)`` view holds rank ``r``'s chunk
-    in row ``r``: the layout :func:`reduce_scatter_flat` scatters. A stacked tensor is cut per
-    layer, as its chunks are (:func:`_cut`)."""
-    if not stacked:
-        return _padded(g, n)
-    local = _local(g)
-    rows = local.reshape(local.shape[0], -1)
-    c = -(-rows.shape[1] // n)
-    rows = torch.nn.functional.pad(rows, (0, n * c - rows.shape[1]))
-    return rows.view(rows.shape[0], n, c).transpose(0, 1).reshape(-1)
-
-
-def _as_chunk(piece: torch.Tensor, g: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """This rank's piece of ``g`` in :func:`_by_rank`'s layout, shaped as its chunk."""
-    return piece.view(g.shape[0], -1) if stacked else piece
 
 
 class ZeroLayout:
@@ -296,185 +190,6 @@ class _ScatterBuckets(_GradBuckets):
                     chunk[i] += part
             out.append(chunk)
         return tree.unflatten(treedef, out)
-
-
-def _saving_hooks_active() -> bool:
-    """Whether saved-tensor hooks are already in force (inside a checkpoint, say)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return True if top is None else top(False) is not None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward node (remat recomputing a layer, say)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
-
-
-class _Started:
-    """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
-
-    def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
-        self.n, self.count = mesh.axis_size(axis), len(chunks)
-        self.groups = []
-        for idx in _by_dtype(chunks).values():
-            sizes = [chunks[i].numel() for i in idx]
-            packed = torch.cat([chunks[i].detach().reshape(-1) for i in idx])
-            self.groups.append((idx, sizes, comm.all_gather_async(packed, axis, mesh)))
-
-    def wait(self) -> list[torch.Tensor]:
-        out: list[Any] = [None] * self.count
-        for idx, sizes, pending in self.groups:
-            full = pending.wait().view(self.n, -1)
-            for i, part in zip(idx, full.split(sizes, dim=1)):
-                out[i] = part.reshape(-1)
-        return out
-
-
-class _Gathered(torch.autograd.Function):
-    """The flats of a started gather, differentiably: the backward reduce-scatters, exactly as
-    that of :func:`gather_flat` does."""
-
-    @staticmethod
-    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
-        return tuple(started.wait())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.axis, ctx.mesh = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
-
-
-class _Regathered:
-    """Layer ``i``'s gathered weights, gathered again on first use in the backward pass.
-
-    Saved-tensor hooks replace each view of the gathered buffers that the layer's backward would
-    keep by a token naming the buffer and the view, so the buffers are freed after the forward
-    pass; the first token unpacked gathers the layer again. The copy lives as long as tokens
-    that use it, i.e. until the layer's backward ends.
-    """
-
-    def __init__(self, owner: _LayerGathers, i: int) -> None:
-        self.owner, self.i = owner, i
-        self.buffers: list[torch.Tensor] | None = None
-
-    def get(self, k: int) -> torch.Tensor:
-        if self.buffers is None:
-            self.buffers = self.owner.take(self.i, backward=True).wait()
-        return self.buffers[k]
-
-
-class _LayerGathers:
-    """The gathers of one scan's layers, each started ``prefetch`` layers ahead of its use: the
-    next layers in the forward pass, the previous ones in the backward pass."""
-
-    def __init__(self, z: ZeroLayout, blocks: PyTree, prefetch: int) -> None:
-        self.z, self.prefetch = z, prefetch
-        leaves = tree.leaves(blocks)
-        self.n = core.num_layers(blocks)
-        self.rows = [[x.detach()[i] for x in leaves] for i in range(self.n)]
-        self.index = {row[0].data_ptr(): i for i, row in enumerate(self.rows)} if leaves else {}
-        self.ahead: tuple[dict[int, _Started], dict[int, _Started]] = ({}, {})
-        self.taken: tuple[set[int], set[int]] = (set(), set())
-
-    def layer_of(self, chunks: list[torch.Tensor]) -> int | None:
-        """Which layer ``chunks`` (views of the stacked chunks) are, if they are one."""
-        i = self.index.get(chunks[0].data_ptr()) if chunks else None
-        return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
-
-    def _start(self, i: int) -> _Started:
-        if not _saving_hooks_active():
-            return _Started(self.rows[i], self.z.axis, self.z.mesh)
-        # inside a checkpoint, whose recomputation must replay the same ops: which layers are
-        # started ahead differs between the forward pass and the recomputation, so starting one
-        # stays out of sight of the checkpoint's dispatch modes
-        with torch.utils._python_dispatch._disable_current_modes():
-            return _Started(self.rows[i], self.z.axis, self.z.mesh)
-
-    def take(self, i: int, backward: bool) -> _Started:
-        ahead, taken = self.ahead[backward], self.taken[backward]
-        started = ahead.pop(i, None) or self._start(i)
-        taken.add(i)
-        step = -1 if backward else 1
-        for d in range(1, self.prefetch + 1):
-            j = i + step * d
-            if 0 <= j < self.n and j not in ahead and j not in taken:
-                ahead[j] = self._start(j)
-        return started
-
-
-class _Gather:
-    """Context frame for stage 3: gather each layer's chunks inside ``scan_layers``."""
-
-    def __init__(self, layout: ZeroLayout, prefetch: int) -> None:
-        self.z, self.prefetch = layout, prefetch
-
-    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
-        metas = tree.leaves(self.z.metas["blocks"])
-        gathers = _LayerGathers(self.z, blocks, self.prefetch)
-
-        def layer(layer_chunks: PyTree) -> PyTree:
-            flat, treedef = tree.flatten_with_paths(layer_chunks)
-            chunks = [c for _, c in flat]
-            i = gathers.layer_of(chunks)
-            if i is None:  # not one of this scan's layers as stacked: gather it now
-                flats = gather_flat(chunks, self.z.axis, self.z.mesh)
-            else:
-                started = gathers.take(i, backward=_in_backward())
-                flats = list(_Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
-            whole = [_whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
-            return tree.unflatten(treedef, whole)
-
-        def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
-            if not torch.is_grad_enabled() or _saving_hooks_active():
-                # inference, or inside a checkpoint (remat): that drops the gathered weights
-                # after the forward pass and gathers them again when it recomputes the layer
-                return block(layer(layer_chunks), x)
-            i = gathers.layer_of(tree.leaves(layer_chunks))
-            if i is None or core.innermost(core.SplitBackward) is not None:
-                # the checkpoint gathers the weights again for the backward pass (a split
-                # backward would keep a regathered layer alive between its two parts)
-                return checkpoint(
-                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
-                )
-            full = layer(layer_chunks)
-            # a view is rebuilt from the storage it was saved from (the offset is the storage's),
-            # so leaves that share one storage may name either; a tensor-parallel weight is
-            # known by its local piece's storage, and rewrapped as it was
-            storages = {
-                _local(w).untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))
-            }
-            again = _Regathered(gathers, i)
-
-            def pack(t: torch.Tensor) -> Any:
-                local = _local(t)
-                k = storages.get(local.untyped_storage().data_ptr())
-                if k is None:
-                    return t
-                view = (local.size(), local.stride(), local.storage_offset())
-                if not isinstance(t, ShardedTensor):
-                    return (again, k, view, None)
-                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), _is_param(t))
-                return (again, k, view, wrap)
-
-            def unpack(packed: Any) -> torch.Tensor:
-                if isinstance(packed, torch.Tensor):
-                    return packed
-                holder, k, view, wrap = packed
-                local = holder.get(k).as_strided(*view)
-                if wrap is None:
-                    return local
-                mesh, placements, shape, stride, param = wrap
-                out = ShardedTensor(local, mesh, placements, shape, stride)
-                out._param = param  # the rules keep a parameter where it is, as they did
-                return out
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return block(full, x)
-
-        return inner(gathered_block, h, blocks)
 
 
 def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Step:

@@ -28,10 +28,10 @@ import torch
 from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
 from colfunc.step import Step, TrainState
+from colfunc.transforms.buckets import _local, _rewrap, all_reduce_buckets
 from colfunc.transforms.pipeline import schedules
 from colfunc.transforms.pipeline.link import DTYPES
 from colfunc.transforms.pipeline.runtime import Runner
-from colfunc.transforms.shard import _local, _rewrap, all_reduce_buckets
 
 __all__ = ["PipelineConfig", "PipelineLayout", "pipeline", "pipeline_from_config"]
 

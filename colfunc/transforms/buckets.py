@@ -1,0 +1,170 @@
+"""Gradient buckets: many tensors reduced in a few large collectives, started as they fill.
+
+Data parallelism (``shard``, ZeRO stage 0) all-reduces its gradients this way, and ZeRO stages
+1-2 reduce-scatter them the same way; both take each scanned layer's gradients from the backward
+pass through :class:`~colfunc.core.LayerGrads`, as DDP's reducer takes them from autograd hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colfunc import core, tree
+from colfunc.sharding import Mesh, ShardedTensor, comm
+
+PyTree = Any
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket is small, so that communication starts early
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x._local if isinstance(x, ShardedTensor) else x
+
+
+def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(like, ShardedTensor):
+        return ShardedTensor(local, like.mesh, like.placements, tuple(like.shape))
+    return local
+
+
+def all_reduce_buckets(
+    xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
+) -> list[torch.Tensor]:
+    """``all_reduce`` of many tensors over ``axis``, packed into flat buckets of one dtype each."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for idx in by_dtype.values():
+        bucket: list[int] = []
+        size = 0
+        for j, i in enumerate(idx):
+            bucket.append(i)
+            size += xs[i].numel() * xs[i].element_size()
+            if size >= BUCKET_BYTES or j == len(idx) - 1:
+                flat = torch.cat([xs[k].reshape(-1) for k in bucket])
+                reduced = comm.all_reduce(flat, axis, op=op, mesh=mesh)
+                for k, piece in zip(bucket, reduced.split([xs[k].numel() for k in bucket])):
+                    out[k] = piece.view_as(xs[k])
+                bucket, size = [], 0
+    return [x for x in out if x is not None]
+
+
+def _in_placement(g: Any, p: Any) -> Any:
+    """The gradient ``g`` in its parameter ``p``'s placements (a rule may leave one Partial)."""
+    if (
+        isinstance(p, ShardedTensor)
+        and isinstance(g, ShardedTensor)
+        and g.placements != p.placements
+    ):
+        return g.redistribute(p.placements)
+    return g
+
+
+class _GradBuckets:
+    """Data-parallel gradient reduction that starts during the backward pass (DDP's buckets).
+
+    Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
+    when they are computed; they are packed by dtype into flat buckets, and a bucket's
+    ``all_reduce`` starts as soon as it holds ``bucket_bytes`` (the first one sooner, so that
+    communication starts early). :meth:`finish` adds the other gradients, waits, and builds the
+    reduced tree. A layer scanned twice contributes twice, and a stacked parameter also used
+    outside the scan has that part reduced at the end: the sum is the same either way. Gradients
+    are reduced in the dtype that :class:`~colfunc.core.WidenGrads` names (``amp``'s masters),
+    as they would be if widened first and reduced after the backward pass.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
+        self.mesh, self.axis, self.bucket_bytes = mesh, axis, bucket_bytes
+        self.limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
+        wide = core.innermost(core.WidenGrads)
+        self.wide = wide.dtype if wide is not None else None
+        self.frame = core.LayerGrads(self.on_layer)
+        self.open: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
+        self.open_bytes: dict[torch.dtype, int] = {}
+        self.started: list[tuple[comm.Pending, list[tuple[Any, torch.Tensor]]]] = []
+
+    def _dtype(self, g: torch.Tensor) -> torch.dtype:
+        return self.wide if self.wide is not None and g.is_floating_point() else g.dtype
+
+    def _widen(self, g: torch.Tensor) -> torch.Tensor:
+        return g.to(self._dtype(g))
+
+    def _add(self, key: Any, g: torch.Tensor) -> None:
+        g = self._widen(g)
+        self.open.setdefault(g.dtype, []).append((key, g))
+        size = self.open_bytes.get(g.dtype, 0) + g.numel() * g.element_size()
+        self.open_bytes[g.dtype] = size
+        if size >= self.limit:
+            self._start(g.dtype)
+            self.limit = self.bucket_bytes
+
+    def _start(self, dtype: torch.dtype) -> None:
+        entries = self.open.pop(dtype)
+        del self.open_bytes[dtype]
+        self.started.append((self._launch([g for _, g in entries]), entries))
+
+    def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
+        """Start the reduction of one bucket."""
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        return comm.all_reduce_async(flat, self.axis, "avg", self.mesh)
+
+    def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One bucket's result, cut back into its entries."""
+        return [p.view_as(g) for p, g in zip(result.split([g.numel() for g in gs]), gs)]
+
+    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+        for path, g in grads.items():
+            if g is not None:
+                self._add((path, i), _local(_in_placement(g, params[path])))
+
+    def _wait(self) -> dict[Any, list[torch.Tensor]]:
+        for dtype in list(self.open):
+            self._start(dtype)
+        out: dict[Any, list[torch.Tensor]] = {}
+        for pending, entries in self.started:
+            pieces = self._pieces(pending.wait(), [g for _, g in entries])
+            for (key, _), piece in zip(entries, pieces):
+                out.setdefault(key, []).append(piece)
+        self.started = []
+        return out
+
+    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+        """The reduced gradients, from the backward pass's ``grads`` for ``params``."""
+        handed = self.frame.handed
+        flat, treedef = tree.flatten_with_paths(grads)
+        placed = dict(tree.flatten_with_paths(params)[0])
+        for path, g in flat:
+            # a scanned leaf's own gradient is the zeros handed back, unless something outside
+            # the scan added to it: that part is reduced too
+            if path not in handed or g is not handed[path]:
+                self._add(("rest", path), _local(_in_placement(g, placed[path])))
+        got = self._wait()
+
+        def total(key: Any) -> torch.Tensor | None:
+            parts = got.get(key)
+            if not parts:
+                return None
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+        out = []
+        for path, _ in flat:
+            rest = total(("rest", path))
+            if path not in handed:
+                assert rest is not None
+                out.append(_rewrap(placed[path], rest))
+                continue
+            zeros = _local(handed[path])
+            buf = torch.empty(zeros.shape, dtype=self._dtype(zeros), device=zeros.device)
+            for i in range(zeros.shape[0]):
+                row = total((path, i))
+                if row is None:  # a layer that gave this leaf no gradient
+                    buf[i].zero_()
+                else:
+                    buf[i].copy_(row)
+            if rest is not None:
+                buf += rest
+            out.append(_rewrap(placed[path], buf))
+        return tree.unflatten(treedef, out)

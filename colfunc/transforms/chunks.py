@@ -1,0 +1,130 @@
+"""How ZeRO cuts tensors into per-rank chunks, and the packed collectives that move them.
+
+A tensor is flattened (a stacked one layer by layer), zero-padded to a multiple of ``N`` (the
+axis size) and cut in ``N`` equal chunks; rank ``i`` keeps chunk ``i``. Many chunks travel in
+one collective per dtype, as FSDP's flat parameters do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from colfunc.sharding import Mesh, ShardedTensor, comm, from_local
+from colfunc.sharding.placement import Shard
+from colfunc.transforms.buckets import _local, _rewrap
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    """How one parameter is cut: its local shape, the chunk length, and stacked or not."""
+
+    shape: tuple[int, ...]
+    stacked: bool  # stacked layers keep their leading axis: chunks are [L, c], one per layer
+    chunk: int
+    template: Any  # the ShardedTensor the parameter was (tensor parallel), else None
+
+
+def _cut(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Tensor, _Chunked]:
+    """This rank's chunk of ``x`` (its local shard, flattened and zero-padded to ``n`` chunks)."""
+    local = _local(x)
+    template = x if isinstance(x, ShardedTensor) else None
+    flat = local.detach().reshape(local.shape[0], -1) if stacked else local.detach().reshape(-1)
+    c = -(-flat.shape[-1] // n)
+    flat = torch.nn.functional.pad(flat, (0, c * n - flat.shape[-1]))
+    return flat[..., i * c : (i + 1) * c].clone(), _Chunked(
+        tuple(local.shape), stacked, c, template
+    )
+
+
+def _whole(flat: torch.Tensor, meta: _Chunked, stacked_layer: bool = False) -> torch.Tensor:
+    """Un-pad and reshape a gathered flat parameter (one layer of a stacked one if asked).
+
+    Tensor-parallel parameters come back as ShardedTensors (differentiably, for one layer).
+    """
+    shape = meta.shape[1:] if stacked_layer else meta.shape
+    local = flat[..., : math.prod(shape[1:] if meta.stacked and not stacked_layer else shape)]
+    local = local.reshape(shape)
+    t = meta.template
+    if t is None:
+        return local
+    if not stacked_layer:
+        return _rewrap(t, local)
+    # one layer of a stacked parameter: drop the layer dim from the global shape and placements
+    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements]
+    return from_local(local, t.mesh, placements, tuple(t.shape)[1:])
+
+
+def _is_stacked(path: str) -> bool:
+    return path == "blocks" or path.startswith("blocks.")
+
+
+def _mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    return groups
+
+
+def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch.Tensor]:
+    """Each 1-D chunk gathered whole (``[N * c]``, rank-major), in one all_gather per dtype.
+
+    Packing the chunks into one buffer turns one collective per parameter into one per layer,
+    as FSDP's flat parameters do; the ops are differentiable (the backward is one
+    reduce_scatter of the packed gradient).
+    """
+    n = mesh.axis_size(axis)
+    out: list[torch.Tensor | None] = [None] * len(chunks)
+    for idx in _by_dtype(chunks).values():
+        sizes = [chunks[i].numel() for i in idx]
+        packed = torch.cat([chunks[i].reshape(-1) for i in idx])  # [sum c]
+        full = comm.all_gather(packed, axis, 0, mesh).view(n, -1)  # [N, sum c]
+        for i, part in zip(idx, full.split(sizes, dim=1)):  # each [N, c_i]: the chunks in order
+            out[i] = part.reshape(-1)
+    return [x for x in out if x is not None]
+
+
+def reduce_scatter_flat(
+    flats: list[torch.Tensor], axis: str, mesh: Mesh, op: str
+) -> list[torch.Tensor]:
+    """This rank's chunk of each 1-D tensor (length a multiple of N), reduced; one call per dtype."""
+    n = mesh.axis_size(axis)
+    out: list[torch.Tensor | None] = [None] * len(flats)
+    for idx in _by_dtype(flats).values():
+        sizes = [flats[i].numel() // n for i in idx]
+        packed = torch.cat([flats[i].reshape(n, -1) for i in idx], dim=1).reshape(-1)
+        mine = comm.reduce_scatter(packed, axis, 0, op=op, mesh=mesh)  # [sum c]
+        for i, part in zip(idx, mine.split(sizes)):
+            out[i] = part
+    return [x for x in out if x is not None]
+
+
+def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
+    flat = _local(g).reshape(-1)
+    c = -(-flat.numel() // n)
+    return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
+
+
+def _by_rank(g: torch.Tensor, stacked: bool, n: int) -> torch.Tensor:
+    """``g`` (a whole local tensor) as a flat whose ``(n, -1)`` view holds rank ``r``'s chunk
+    in row ``r``: the layout :func:`reduce_scatter_flat` scatters. A stacked tensor is cut per
+    layer, as its chunks are (:func:`_cut`)."""
+    if not stacked:
+        return _padded(g, n)
+    local = _local(g)
+    rows = local.reshape(local.shape[0], -1)
+    c = -(-rows.shape[1] // n)
+    rows = torch.nn.functional.pad(rows, (0, n * c - rows.shape[1]))
+    return rows.view(rows.shape[0], n, c).transpose(0, 1).reshape(-1)
+
+
+def _as_chunk(piece: torch.Tensor, g: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """This rank's piece of ``g`` in :func:`_by_rank`'s layout, shaped as its chunk."""
+    return piece.view(g.shape[0], -1) if stacked else piece

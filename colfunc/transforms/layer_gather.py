@@ -1,0 +1,200 @@
+"""ZeRO-3's per-layer gathers inside :func:`colfunc.scan_layers`: started ``prefetch`` layers
+ahead, freed after the layer's forward pass, and gathered again for its backward pass through
+saved-tensor hooks, without recomputing the layer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from colfunc import core, tree
+from colfunc.sharding import Mesh, ShardedTensor, comm
+from colfunc.sharding.dispatch import _is_param
+from colfunc.transforms.buckets import _local
+from colfunc.transforms.chunks import _by_dtype, _whole, gather_flat, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from colfunc.transforms.zero import ZeroLayout
+
+PyTree = Any
+
+
+def _saving_hooks_active() -> bool:
+    """Whether saved-tensor hooks are already in force (inside a checkpoint, say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward node (remat recomputing a layer, say)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
+class _Started:
+    """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
+
+    def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
+        self.n, self.count = mesh.axis_size(axis), len(chunks)
+        self.groups = []
+        for idx in _by_dtype(chunks).values():
+            sizes = [chunks[i].numel() for i in idx]
+            packed = torch.cat([chunks[i].detach().reshape(-1) for i in idx])
+            self.groups.append((idx, sizes, comm.all_gather_async(packed, axis, mesh)))
+
+    def wait(self) -> list[torch.Tensor]:
+        out: list[Any] = [None] * self.count
+        for idx, sizes, pending in self.groups:
+            full = pending.wait().view(self.n, -1)
+            for i, part in zip(idx, full.split(sizes, dim=1)):
+                out[i] = part.reshape(-1)
+        return out
+
+
+class _Gathered(torch.autograd.Function):
+    """The flats of a started gather, differentiably: the backward reduce-scatters, exactly as
+    that of :func:`gather_flat` does."""
+
+    @staticmethod
+    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
+        return tuple(started.wait())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis, ctx.mesh = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
+
+
+class _Regathered:
+    """Layer ``i``'s gathered weights, gathered again on first use in the backward pass.
+
+    Saved-tensor hooks replace each view of the gathered buffers that the layer's backward would
+    keep by a token naming the buffer and the view, so the buffers are freed after the forward
+    pass; the first token unpacked gathers the layer again. The copy lives as long as tokens
+    that use it, i.e. until the layer's backward ends.
+    """
+
+    def __init__(self, owner: _LayerGathers, i: int) -> None:
+        self.owner, self.i = owner, i
+        self.buffers: list[torch.Tensor] | None = None
+
+    def get(self, k: int) -> torch.Tensor:
+        if self.buffers is None:
+            self.buffers = self.owner.take(self.i, backward=True).wait()
+        return self.buffers[k]
+
+
+class _LayerGathers:
+    """The gathers of one scan's layers, each started ``prefetch`` layers ahead of its use: the
+    next layers in the forward pass, the previous ones in the backward pass."""
+
+    def __init__(self, z: ZeroLayout, blocks: PyTree, prefetch: int) -> None:
+        self.z, self.prefetch = z, prefetch
+        leaves = tree.leaves(blocks)
+        self.n = core.num_layers(blocks)
+        self.rows = [[x.detach()[i] for x in leaves] for i in range(self.n)]
+        self.index = {row[0].data_ptr(): i for i, row in enumerate(self.rows)} if leaves else {}
+        self.ahead: tuple[dict[int, _Started], dict[int, _Started]] = ({}, {})
+        self.taken: tuple[set[int], set[int]] = (set(), set())
+
+    def layer_of(self, chunks: list[torch.Tensor]) -> int | None:
+        """Which layer ``chunks`` (views of the stacked chunks) are, if they are one."""
+        i = self.index.get(chunks[0].data_ptr()) if chunks else None
+        return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
+
+    def _start(self, i: int) -> _Started:
+        if not _saving_hooks_active():
+            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+        # inside a checkpoint, whose recomputation must replay the same ops: which layers are
+        # started ahead differs between the forward pass and the recomputation, so starting one
+        # stays out of sight of the checkpoint's dispatch modes
+        with torch.utils._python_dispatch._disable_current_modes():
+            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+
+    def take(self, i: int, backward: bool) -> _Started:
+        ahead, taken = self.ahead[backward], self.taken[backward]
+        started = ahead.pop(i, None) or self._start(i)
+        taken.add(i)
+        step = -1 if backward else 1
+        for d in range(1, self.prefetch + 1):
+            j = i + step * d
+            if 0 <= j < self.n and j not in ahead and j not in taken:
+                ahead[j] = self._start(j)
+        return started
+
+
+class _Gather:
+    """Context frame for stage 3: gather each layer's chunks inside ``scan_layers``."""
+
+    def __init__(self, layout: ZeroLayout, prefetch: int) -> None:
+        self.z, self.prefetch = layout, prefetch
+
+    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
+        metas = tree.leaves(self.z.metas["blocks"])
+        gathers = _LayerGathers(self.z, blocks, self.prefetch)
+
+        def layer(layer_chunks: PyTree) -> PyTree:
+            flat, treedef = tree.flatten_with_paths(layer_chunks)
+            chunks = [c for _, c in flat]
+            i = gathers.layer_of(chunks)
+            if i is None:  # not one of this scan's layers as stacked: gather it now
+                flats = gather_flat(chunks, self.z.axis, self.z.mesh)
+            else:
+                started = gathers.take(i, backward=_in_backward())
+                flats = list(_Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
+            whole = [_whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
+            return tree.unflatten(treedef, whole)
+
+        def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled() or _saving_hooks_active():
+                # inference, or inside a checkpoint (remat): that drops the gathered weights
+                # after the forward pass and gathers them again when it recomputes the layer
+                return block(layer(layer_chunks), x)
+            i = gathers.layer_of(tree.leaves(layer_chunks))
+            if i is None or core.innermost(core.SplitBackward) is not None:
+                # the checkpoint gathers the weights again for the backward pass (a split
+                # backward would keep a regathered layer alive between its two parts)
+                return checkpoint(
+                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
+                )
+            full = layer(layer_chunks)
+            # a view is rebuilt from the storage it was saved from (the offset is the storage's),
+            # so leaves that share one storage may name either; a tensor-parallel weight is
+            # known by its local piece's storage, and rewrapped as it was
+            storages = {
+                _local(w).untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))
+            }
+            again = _Regathered(gathers, i)
+
+            def pack(t: torch.Tensor) -> Any:
+                local = _local(t)
+                k = storages.get(local.untyped_storage().data_ptr())
+                if k is None:
+                    return t
+                view = (local.size(), local.stride(), local.storage_offset())
+                if not isinstance(t, ShardedTensor):
+                    return (again, k, view, None)
+                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), _is_param(t))
+                return (again, k, view, wrap)
+
+            def unpack(packed: Any) -> torch.Tensor:
+                if isinstance(packed, torch.Tensor):
+                    return packed
+                holder, k, view, wrap = packed
+                local = holder.get(k).as_strided(*view)
+                if wrap is None:
+                    return local
+                mesh, placements, shape, stride, param = wrap
+                out = ShardedTensor(local, mesh, placements, shape, stride)
+                out._param = param  # the rules keep a parameter where it is, as they did
+                return out
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return block(full, x)
+
+        return inner(gathered_block, h, blocks)
