@@ -32,24 +32,21 @@ def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def all_reduce_buckets(
     xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
 ) -> list[torch.Tensor]:
-    """``all_reduce`` of many tensors over ``axis``, packed into flat buckets of one dtype each."""
-    out: list[torch.Tensor | None] = [None] * len(xs)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_dtype.setdefault(x.dtype, []).append(i)
-    for idx in by_dtype.values():
-        bucket: list[int] = []
-        size = 0
-        for j, i in enumerate(idx):
-            bucket.append(i)
-            size += xs[i].numel() * xs[i].element_size()
-            if size >= BUCKET_BYTES or j == len(idx) - 1:
-                flat = torch.cat([xs[k].reshape(-1) for k in bucket])
-                reduced = comm.all_reduce(flat, axis, op=op, mesh=mesh)
-                for k, piece in zip(bucket, reduced.split([xs[k].numel() for k in bucket])):
-                    out[k] = piece.view_as(xs[k])
-                bucket, size = [], 0
-    return [x for x in out if x is not None]
+    """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`_GradBuckets`."""
+    buckets = _GradBuckets(mesh, axis, BUCKET_BYTES, op=op)
+    for k, x in enumerate(xs):
+        buckets._add(k, x)
+    got = buckets._wait()
+    return [got[k][0] for k in range(len(xs))]
+
+
+def all_reduce_tree(grads: PyTree, axis: str, mesh: Mesh) -> PyTree:
+    """Every gradient of ``grads`` averaged over ``axis`` (after the backward pass), local
+    pieces of tensor-parallel ones included."""
+    flat, treedef = tree.flatten_with_paths(grads)
+    gs = [g for _, g in flat]
+    reduced = all_reduce_buckets([_local(g) for g in gs], axis, mesh)
+    return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, reduced)])
 
 
 def _in_placement(g: Any, p: Any) -> Any:
@@ -76,8 +73,8 @@ class _GradBuckets:
     as they would be if widened first and reduced after the backward pass.
     """
 
-    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
-        self.mesh, self.axis, self.bucket_bytes = mesh, axis, bucket_bytes
+    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int, op: str = "avg") -> None:
+        self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
         self.limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
         wide = core.innermost(core.WidenGrads)
         self.wide = wide.dtype if wide is not None else None
@@ -109,7 +106,7 @@ class _GradBuckets:
     def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
         """Start the reduction of one bucket."""
         flat = torch.cat([g.reshape(-1) for g in gs])
-        return comm.all_reduce_async(flat, self.axis, "avg", self.mesh)
+        return comm.all_reduce_async(flat, self.axis, self.op, self.mesh)
 
     def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One bucket's result, cut back into its entries."""

@@ -33,7 +33,7 @@ from colfunc.transforms.buckets import (
     _in_placement,
     _local,
     _rewrap,
-    all_reduce_buckets,
+    all_reduce_tree,
 )
 
 __all__ = ["shard"]
@@ -329,10 +329,7 @@ def shard(
         # zero beneath owns the data-parallel reduction; else it ran inside the backward pass
         if dp is None or "zero" in step.options or in_backward:
             return grads
-        flat, treedef = tree.flatten_with_paths(grads)
-        gs = [g for _, g in flat]
-        reduced = all_reduce_buckets([_local(g) for g in gs], dp, mesh)
-        return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, reduced)])
+        return all_reduce_tree(grads, dp, mesh)
 
     def loss_over_dp(fb: Any) -> Any:
         def wrapped(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:

@@ -38,8 +38,7 @@ from colfunc.transforms.buckets import (
     _GradBuckets,
     _in_placement,
     _local,
-    _rewrap,
-    all_reduce_buckets,
+    all_reduce_tree,
 )
 from colfunc.transforms.chunks import (
     _as_chunk,
@@ -311,10 +310,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         if stage == 0 and stage0_in_backward:
             return grads  # reduced in the backward pass
         if stage == 0:
-            flat, treedef = tree.flatten_with_paths(grads)
-            gs = [g for _, g in flat]
-            red = all_reduce_buckets([_local(g) for g in gs], axis, m)
-            return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, red)])
+            return all_reduce_tree(grads, axis, m)
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
             return tree.map(lambda g: g / n, grads)
         if scatter_in_backward:
