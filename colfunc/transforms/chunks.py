@@ -73,22 +73,53 @@ def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
+class _Started:
+    """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
+
+    def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
+        self.n, self.count = mesh.axis_size(axis), len(chunks)
+        self.groups = []
+        for idx in _by_dtype(chunks).values():
+            sizes = [chunks[i].numel() for i in idx]
+            packed = torch.cat([chunks[i].detach().reshape(-1) for i in idx])
+            self.groups.append((idx, sizes, comm.all_gather_async(packed, axis, mesh)))
+
+    def wait(self) -> list[torch.Tensor]:
+        out: list[Any] = [None] * self.count
+        for idx, sizes, pending in self.groups:
+            full = pending.wait().view(self.n, -1)
+            for i, part in zip(idx, full.split(sizes, dim=1)):
+                out[i] = part.reshape(-1)
+        return out
+
+
+class _Gathered(torch.autograd.Function):
+    """The flats of a started gather, differentiably: the backward reduce-scatters the packed
+    gradient (the transpose of the all_gather)."""
+
+    @staticmethod
+    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
+        return tuple(started.wait())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis, ctx.mesh = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
+
+
 def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch.Tensor]:
     """Each 1-D chunk gathered whole (``[N * c]``, rank-major), in one all_gather per dtype.
 
     Packing the chunks into one buffer turns one collective per parameter into one per layer,
-    as FSDP's flat parameters do; the ops are differentiable (the backward is one
+    as FSDP's flat parameters do; the result is differentiable (the backward is one
     reduce_scatter of the packed gradient).
     """
-    n = mesh.axis_size(axis)
-    out: list[torch.Tensor | None] = [None] * len(chunks)
-    for idx in _by_dtype(chunks).values():
-        sizes = [chunks[i].numel() for i in idx]
-        packed = torch.cat([chunks[i].reshape(-1) for i in idx])  # [sum c]
-        full = comm.all_gather(packed, axis, 0, mesh).view(n, -1)  # [N, sum c]
-        for i, part in zip(idx, full.split(sizes, dim=1)):  # each [N, c_i]: the chunks in order
-            out[i] = part.reshape(-1)
-    return [x for x in out if x is not None]
+    if not chunks:
+        return []
+    return list(_Gathered.apply(_Started(chunks, axis, mesh), axis, mesh, *chunks))
 
 
 def reduce_scatter_flat(

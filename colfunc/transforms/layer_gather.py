@@ -10,10 +10,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, ShardedTensor, comm
+from colfunc.sharding import ShardedTensor
 from colfunc.sharding.dispatch import _is_param
 from colfunc.transforms.buckets import _local
-from colfunc.transforms.chunks import _by_dtype, _whole, gather_flat, reduce_scatter_flat
+from colfunc.transforms.chunks import _Gathered, _Started, _whole, gather_flat
 
 if TYPE_CHECKING:
     from colfunc.transforms.zero import ZeroLayout
@@ -31,43 +31,6 @@ def _in_backward() -> bool:
     """Whether autograd is running a backward node (remat recomputing a layer, say)."""
     current = getattr(torch._C, "_current_autograd_node", None)
     return current is not None and current() is not None
-
-
-class _Started:
-    """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
-
-    def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
-        self.n, self.count = mesh.axis_size(axis), len(chunks)
-        self.groups = []
-        for idx in _by_dtype(chunks).values():
-            sizes = [chunks[i].numel() for i in idx]
-            packed = torch.cat([chunks[i].detach().reshape(-1) for i in idx])
-            self.groups.append((idx, sizes, comm.all_gather_async(packed, axis, mesh)))
-
-    def wait(self) -> list[torch.Tensor]:
-        out: list[Any] = [None] * self.count
-        for idx, sizes, pending in self.groups:
-            full = pending.wait().view(self.n, -1)
-            for i, part in zip(idx, full.split(sizes, dim=1)):
-                out[i] = part.reshape(-1)
-        return out
-
-
-class _Gathered(torch.autograd.Function):
-    """The flats of a started gather, differentiably: the backward reduce-scatters, exactly as
-    that of :func:`gather_flat` does."""
-
-    @staticmethod
-    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
-        return tuple(started.wait())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.axis, ctx.mesh = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
 
 
 class _Regathered:

@@ -69,15 +69,6 @@ class ZeroLayout:
     def gather(self, chunk: torch.Tensor, meta: _Chunked) -> torch.Tensor:
         return _whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
 
-    def gather_tree(self, chunks: PyTree, metas: PyTree, stacked_layer: bool = False) -> PyTree:
-        """Whole parameters from a tree of 1-D chunks, in one collective per dtype."""
-        flat, treedef = tree.flatten_with_paths(chunks)
-        ms = treedef.flatten_up_to(metas)
-        full = gather_flat([c for _, c in flat], self.axis, self.mesh)
-        return tree.unflatten(
-            treedef, [_whole(f, m, stacked_layer=stacked_layer) for f, m in zip(full, ms)]
-        )
-
     def gather_params(self, params: PyTree) -> PyTree:
         """Whole parameters from stage-3 chunks (a collective; identity for stages 0-2)."""
         if self.stage < 3:
@@ -85,12 +76,13 @@ class ZeroLayout:
         with torch.no_grad():
             return tree.map(self.gather, params, self.metas)
 
-    def gather_chunks(self, chunks: PyTree) -> PyTree:
+    def gather_chunks(self, chunks: PyTree, metas: PyTree = None) -> PyTree:
         """Whole tensors from a tree of this rank's chunks (``[L, c]`` for stacked ones, ``[c]``
-        for the others), in one all_gather per dtype."""
+        for the others), in one all_gather per dtype. ``metas`` is the part of the layout that
+        ``chunks`` holds, when it is not the whole parameter tree."""
         n = self.mesh.axis_size(self.axis)
         flat, treedef = tree.flatten_with_paths(chunks)
-        metas = treedef.flatten_up_to(self.metas)
+        metas = treedef.flatten_up_to(self.metas if metas is None else metas)
         cs = [c for _, c in flat]
         gathered = gather_flat([c.reshape(-1) for c in cs], self.axis, self.mesh)  # [n * numel]
         out = []
@@ -293,7 +285,7 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         rest = {k: v for k, v in params.items() if k != "blocks"}
         rest_metas = {k: z.metas[k] for k in rest}
         with torch.no_grad():  # the whole non-stacked parameters; their grads are scattered below
-            full = {**z.gather_tree(rest, rest_metas), "blocks": params["blocks"]}
+            full = {**z.gather_chunks(rest, rest_metas), "blocks": params["blocks"]}
         with core.context(_Gather(z, prefetch)):
             loss, grads = inner_fb(full, batch, extra)
         n = z.mesh.axis_size(axis)
