@@ -188,9 +188,10 @@ class _Unstack(torch.autograd.Function):
         for path, x in zip(ctx.paths, ctx.xs):
             # one zero seen through a stride-0 view costs no memory; a distributed tensor's
             # zeros must carry its placements
-            plain = type(x) is torch.Tensor
-            z = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape) if plain else None
-            z = torch.zeros_like(x) if z is None else z
+            if type(x) is torch.Tensor:
+                z = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
+            else:
+                z = torch.zeros_like(x)
             ctx.frame.handed[path] = z
             zeros.append(z)
         return (None, None, *zeros)
@@ -242,14 +243,13 @@ def _plain_scan(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
         if taps is None or not torch.is_grad_enabled()
         else [k for k, x in enumerate(xs) if id(x) in taps.paths]
     )
-    per_leaf: list[Any] = [None] * len(xs)
+    taken: dict[int, Any] = {}  # leaf index -> its rows, through the node that takes grads
     if tracked:
         assert taps is not None
         paths = tuple(taps.paths[id(xs[k])] for k in tracked)
         rows = _Unstack.apply(taps, paths, *(xs[k] for k in tracked))
-        for m, k in enumerate(tracked):
-            per_leaf[k] = rows[m * n : (m + 1) * n]
-    per_leaf = [x.unbind(0) if rows_ is None else rows_ for x, rows_ in zip(xs, per_leaf)]
+        taken = {k: rows[m * n : (m + 1) * n] for m, k in enumerate(tracked)}
+    per_leaf = [taken[k] if k in taken else x.unbind(0) for k, x in enumerate(xs)]
     for i in range(n):
         layer = [r[i] for r in per_leaf]
         if tracked:

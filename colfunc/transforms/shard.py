@@ -42,11 +42,8 @@ PyTree = Any
 
 
 class _ReducedAbove:
-    """Frame: a transform applied over ``shard`` (``zero``) reduces the gradients over ``axis``
+    """Frame: a transform applied over ``shard`` (``zero``) reduces the data-parallel gradients
     itself, so ``shard``'s forward-backward must leave them unreduced."""
-
-    def __init__(self, axis: str) -> None:
-        self.axis = axis
 
 
 def _to_local(t: PyTree) -> PyTree:

@@ -218,11 +218,10 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
     inner_update = step.options.get("update_before_local", step.update)
     whole_update = step.update  # stage 0 updates whole (tensor-parallel) parameters
     inner_layout, inner_fb = step.layout, step.forward_backward
-    # stage 0 reduces during the backward pass, as shard does, unless a pipeline beneath
-    # differentiates microbatch by microbatch
-    stage0_in_backward = "pipeline" not in step.options and step.options.get("overlap", True)
-    # likewise stages 1 and 2 reduce-scatter each layer's gradients as they come
-    scatter_in_backward = stage in (1, 2) and stage0_in_backward
+    # stages 0-2 reduce each layer's gradients as they come, as shard does (stage 0 all-reduces,
+    # stages 1-2 reduce-scatter), unless a pipeline beneath differentiates microbatch by
+    # microbatch; stage 3's gathers reduce-scatter by themselves
+    in_backward = stage < 3 and "pipeline" not in step.options and step.options.get("overlap", True)
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
     def mesh_() -> Mesh:
@@ -259,28 +258,20 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
 
     def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
         # a shard beneath leaves its data-parallel reduction to this transform's sync
-        with core.context(_ReducedAbove(axis)):
+        with core.context(_ReducedAbove()):
             return _forward_backward(params, batch, extra)
 
     def _forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
-        if stage == 0 and stage0_in_backward:
+        if stage < 3:
             m = mesh_()
-            if m.axis_size(axis) == 1:
+            # (one rank's all_reduce is the identity; its reduce-scatter still cuts the chunks)
+            if not in_backward or (stage == 0 and m.axis_size(axis) == 1):
                 return inner_fb(params, batch, extra)
-            buckets = _GradBuckets(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
+            reduction = _GradBuckets if stage == 0 else _ScatterBuckets
+            buckets = reduction(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             return loss, buckets.finish(grads, params)
-        if stage in (1, 2):
-            if not scatter_in_backward:
-                return inner_fb(params, batch, extra)
-            m = mesh_()
-            buckets = _ScatterBuckets(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
-            with core.context(buckets.frame):
-                loss, grads = inner_fb(params, batch, extra)
-            return loss, buckets.finish(grads, params)
-        if stage == 0:
-            return inner_fb(params, batch, extra)
         z: ZeroLayout = extra["zero"]
         rest = {k: v for k, v in params.items() if k != "blocks"}
         rest_metas = {k: z.metas[k] for k in rest}
@@ -299,14 +290,12 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         grads = inner_sync(grads)
         m = mesh_()
         n = m.axis_size(axis)
-        if stage == 0 and stage0_in_backward:
+        if in_backward:
             return grads  # reduced in the backward pass
         if stage == 0:
             return all_reduce_tree(grads, axis, m)
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
             return tree.map(lambda g: g / n, grads)
-        if scatter_in_backward:
-            return grads  # reduce-scattered in the backward pass
         flat, treedef = tree.flatten_with_paths(grads)
         stacked = [_is_stacked(p) for p, _ in flat]
         pieces = reduce_scatter_flat(
