@@ -39,7 +39,10 @@ __all__ = [
 ]
 
 PyTree = Any
-Block = Callable[[PyTree, torch.Tensor], torch.Tensor]
+Block = Callable[[PyTree, PyTree], PyTree]  # (layer params, carry) -> carry
+ScanBlock = Callable[
+    [PyTree, PyTree, PyTree], tuple[PyTree, PyTree]
+]  # (layer, carry, x) -> (carry, y)
 T = TypeVar("T")
 
 
@@ -87,9 +90,21 @@ def innermost(kind: type[T]) -> T | None:
 
 @runtime_checkable
 class ScanInterceptor(Protocol):
+    """A frame that changes how :func:`scan_layers` runs.
+
+    ``block`` is always in the ``xs`` form, ``block(layer, carry, x) -> (carry, y)`` (``x`` and
+    ``y`` are None for a scan without ``xs``), and so is ``inner(block, carry, blocks, xs) ->
+    (carry, ys)``, the next frame's version (finally the plain loop).
+    """
+
     def scan_layers(
-        self, block: Block, h: torch.Tensor, blocks: PyTree, inner: Callable[..., torch.Tensor]
-    ) -> torch.Tensor: ...
+        self,
+        block: ScanBlock,
+        carry: PyTree,
+        blocks: PyTree,
+        xs: PyTree,
+        inner: Callable[[ScanBlock, PyTree, PyTree, PyTree], tuple[PyTree, PyTree]],
+    ) -> tuple[PyTree, PyTree]: ...
 
 
 class LossScale:
@@ -231,49 +246,105 @@ def num_layers(blocks: PyTree) -> int:
     return n
 
 
-def _plain_scan(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
+def _plain_scan(
+    block: ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree
+) -> tuple[PyTree, PyTree]:
     n = num_layers(blocks)
     # unbind once per leaf (its backward is a single stack), not x[i] per layer (whose backward
     # would materialise a full-size zero gradient per layer).
     flat, treedef = tree.flatten_with_paths(blocks)
-    xs = [x for _, x in flat]
+    leaves = [x for _, x in flat]
     taps = innermost(LayerGrads)
     tracked = (
         []
         if taps is None or not torch.is_grad_enabled()
-        else [k for k, x in enumerate(xs) if id(x) in taps.paths]
+        else [k for k, x in enumerate(leaves) if id(x) in taps.paths]
     )
     taken: dict[int, Any] = {}  # leaf index -> its rows, through the node that takes grads
     if tracked:
         assert taps is not None
-        paths = tuple(taps.paths[id(xs[k])] for k in tracked)
-        rows = _Unstack.apply(taps, paths, *(xs[k] for k in tracked))
+        paths = tuple(taps.paths[id(leaves[k])] for k in tracked)
+        rows = _Unstack.apply(taps, paths, *(leaves[k] for k in tracked))
         taken = {k: rows[m * n : (m + 1) * n] for m, k in enumerate(tracked)}
-    per_leaf = [taken[k] if k in taken else x.unbind(0) for k, x in enumerate(xs)]
+    per_leaf = [taken[k] if k in taken else x.unbind(0) for k, x in enumerate(leaves)]
+    x_rows = _rows(xs, n)
+    ys: list[PyTree] = []
     for i in range(n):
         layer = [r[i] for r in per_leaf]
         if tracked:
             tapped = _Tap.apply(taps, i, paths, *(layer[k] for k in tracked))
             for k, t in zip(tracked, tapped):
                 layer[k] = t
-        h = block(tree.unflatten(treedef, layer), h)
-    return h
+        carry, y = block(tree.unflatten(treedef, layer), carry, x_rows[i])
+        ys.append(y)
+    return carry, _stack(ys)
 
 
-def scan_layers(block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
-    """Run ``h = block(layer_params, h)`` over the leading layer axis of ``blocks``.
+def _rows(xs: PyTree, n: int) -> list[PyTree]:
+    """``xs`` cut along its leading layer axis: one pytree per layer (``None`` without xs)."""
+    if xs is None:
+        return [None] * n
+    flat, treedef = tree.flatten_with_paths(xs)
+    for path, x in flat:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != n:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"scan_layers: xs.{path} must be a tensor stacked on a leading layer axis of "
+                f"size {n} (the number of layers), got {shape}"
+            )
+    per_leaf = [x.unbind(0) for _, x in flat]
+    return [tree.unflatten(treedef, [r[i] for r in per_leaf]) for i in range(n)]
+
+
+def _stack(ys: list[PyTree]) -> PyTree:
+    """The per-layer outputs stacked on a new leading layer axis (``None`` if every one is)."""
+    if not ys or all(y is None for y in ys):
+        return None
+    structures = {tree.structure(y) for y in ys}
+    if len(structures) != 1:
+        raise ValueError(
+            f"scan_layers: every layer's y must have one structure; got {sorted(map(str, structures))}"
+        )
+    per_layer = [tree.leaves(y) for y in ys]
+    return tree.unflatten(
+        tree.structure(ys[0]), [torch.stack(list(col)) for col in zip(*per_layer)]
+    )
+
+
+def _run_scan(block: ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree) -> tuple[PyTree, PyTree]:
+    """Run the scan through every :class:`ScanInterceptor` on the stack, innermost first."""
+    chain = [f for f in _STACK.frames if isinstance(f, ScanInterceptor)]
+
+    def run(i: int, block: ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree) -> Any:
+        if i < 0:
+            return _plain_scan(block, carry, blocks, xs)
+        return chain[i].scan_layers(
+            block, carry, blocks, xs, lambda b, c, bl, x: run(i - 1, b, c, bl, x)
+        )
+
+    return run(len(chain) - 1, block, carry, blocks, xs)
+
+
+def scan_layers(block: Callable[..., Any], carry: PyTree, blocks: PyTree, xs: PyTree = None) -> Any:
+    """``jax.lax.scan`` over the leading layer axis of ``blocks``.
+
+    Without ``xs``: ``carry = block(layer_params, carry)`` for each layer, and the final carry is
+    returned. With ``xs`` (a pytree of tensors stacked on the same leading layer axis, e.g. this
+    layer's KV cache): ``carry, y = block(layer_params, carry, x)`` with ``x`` the layer's slice
+    of ``xs``, and the scan returns ``(carry, ys)``, the ``y``\\ s stacked per layer (``None``
+    where every ``y`` is None). ``carry`` is any pytree: hidden state, conditioning, positions.
 
     Semantically a loop; transforms on the context stack may change *how* it runs (checkpointed,
     gathered per layer, only a pipeline stage's layers) but never what it computes.
+
+    Example:
+        >>> h = cf.scan_layers(lambda layer, h: h @ layer["w"], h, {"w": torch.randn(4, 8, 8)})
+        >>> (h, c), ys = cf.scan_layers(lambda l, hc, kv: (hc, kv + 1), (h, c), blocks, xs=kv)
     """
-    chain = [f for f in _STACK.frames if isinstance(f, ScanInterceptor)]
-
-    def run(i: int, block: Block, h: torch.Tensor, blocks: PyTree) -> torch.Tensor:
-        if i < 0:
-            return _plain_scan(block, h, blocks)
-        return chain[i].scan_layers(block, h, blocks, lambda b, x, bl: run(i - 1, b, x, bl))
-
-    return run(len(chain) - 1, block, h, blocks)
+    if xs is None:
+        carry, _ = _run_scan(lambda layer, c, x: (block(layer, c), None), carry, blocks, None)
+        return carry
+    return _run_scan(block, carry, blocks, xs)
 
 
 class Layered:
@@ -281,51 +352,71 @@ class Layered:
 
     def __init__(
         self,
-        pre: Callable[[PyTree, PyTree], torch.Tensor],
+        pre: Callable[[PyTree, PyTree], PyTree],
         block: Block,
-        post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
+        post: Callable[[PyTree, PyTree, PyTree], torch.Tensor],
         *,
         name: str = "layered",
         divisors: Mapping[str, int | None] | None = None,
+        sequence_dims: Mapping[str, int] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
             if not callable(fn):
                 raise TypeError(f"layered: {label} must be callable, got {fn!r}")
+        dims = {"": 1} if sequence_dims is None else dict(sequence_dims)
+        for path, dim in dims.items():
+            if not isinstance(path, str) or isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(
+                    f"layered: sequence_dims maps carry leaf paths (str) to dims (int), got "
+                    f"{path!r}: {dim!r}"
+                )
         self.pre, self.block, self.post, self.name = pre, block, post, name
         self.divisors = dict(divisors or {})
+        self.sequence_dims = dims
 
     def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
+        return self.post(params, self.carry(params, batch), batch)
+
+    def carry(self, params: PyTree, batch: PyTree) -> PyTree:
+        """The carry after the last layer: ``pre``, then the scan of ``block``."""
         if not isinstance(params, dict) or "blocks" not in params:
             keys = sorted(params) if isinstance(params, dict) else type(params).__name__
             raise ValueError(
                 f"{self.name}: params must be a dict with the stacked layers under 'blocks'; got {keys}"
             )
-        h = self.pre(params, batch)
-        h = scan_layers(self.block, h, params["blocks"])
-        return self.post(params, h, batch)
+        return scan_layers(self.block, self.pre(params, batch), params["blocks"])
 
     def __repr__(self) -> str:
         return f"Layered({self.name})"
 
 
 def layered(
-    pre: Callable[[PyTree, PyTree], torch.Tensor],
+    pre: Callable[[PyTree, PyTree], PyTree],
     block: Block,
-    post: Callable[[PyTree, torch.Tensor, PyTree], torch.Tensor],
+    post: Callable[[PyTree, PyTree, PyTree], torch.Tensor],
     *,
     name: str = "layered",
     divisors: Mapping[str, int | None] | None = None,
+    sequence_dims: Mapping[str, int] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
 
-    ``pre(params, batch) -> h``; ``block(layer_params, h) -> h`` scanned over ``params["blocks"]``
-    by :func:`scan_layers`; ``post(params, h, batch) -> loss``. ``pipeline`` needs this form, since
-    it tells where a model may be cut into stages.
+    ``pre(params, batch) -> carry`` (any pytree of tensors: hidden state, conditioning,
+    positions); ``block(layer_params, carry) -> carry`` scanned over ``params["blocks"]`` by
+    :func:`scan_layers`; ``post(params, carry, batch) -> loss``. ``pipeline`` needs this form,
+    since it tells where a model may be cut into stages (every tensor leaf of the carry crosses
+    between stages).
 
     ``divisors`` names the sizes that a tensor-parallel axis must divide for the model's plan to
     split it cleanly, e.g. ``{"n_head": 12}``: ``shard`` checks them against its mesh.
+    ``sequence_dims`` maps the paths of the carry leaves that have a sequence dim to that dim,
+    which sequence parallelism splits (default ``{"": 1}``: the carry is one ``[B, T, ...]``
+    tensor); leaves not named (conditioning, rotary tables) stay whole.
+
+    Example:
+        >>> loss = cf.layered(pre, block, post, sequence_dims={"h": 1})  # carry {"h", "cond"}
     """
-    return Layered(pre, block, post, name=name, divisors=divisors)
+    return Layered(pre, block, post, name=name, divisors=divisors, sequence_dims=sequence_dims)
 
 
 class P(tuple):

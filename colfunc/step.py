@@ -9,6 +9,10 @@ A :class:`Step` is five pieces plus the loss and optimizer they close over:
 ``init_extra(params) -> dict``
     the transform-owned entries of a fresh state, from the parameters as given (before
     ``layout``), e.g. ``amp``'s loss scale (empty by default).
+``forward(params, batch, extra) -> loss``
+    the loss alone, without gradients (:meth:`Step.evaluate`); every transform that changes how
+    the forward pass runs (placement, gathers, microbatches, casts) replaces it as it replaces
+    ``forward_backward``.
 ``forward_backward(params, batch, extra) -> (loss, grads)``
     the loss and its gradients (``amp``, ``remat`` and ``pipeline`` replace it). The loss is
     multiplied by :func:`colfunc.core.loss_scale` before differentiation, so a transform can scale
@@ -21,7 +25,9 @@ A :class:`Step` is five pieces plus the loss and optimizer they close over:
 ``finish(state) -> state``
     work after the update: re-gather, casts (identity by default).
 
-A transform is a ``Step -> Step`` that swaps only the pieces it owns, so transforms compose.
+A transform is a ``Step -> Step`` that swaps only the pieces it owns, so transforms compose; the
+step records the plain step it was built from (``base``) and what was applied (``composition``,
+see :mod:`colfunc.transforms.composition`).
 A step never mutates the state or the batch passed in, unless built to donate the state (see
 :func:`train_step`).
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -38,11 +44,15 @@ from colfunc import core, tree
 from colfunc.optim.base import GradientTransformation, apply_updates
 from colfunc.optim.clip import global_norm, known_norm
 
-__all__ = ["Step", "TrainState", "full_state", "train_step"]
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["StateLayout", "Step", "TrainState", "full_state", "train_step"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], torch.Tensor]
 ForwardBackward = Callable[[PyTree, PyTree, dict[str, Any]], tuple[torch.Tensor, PyTree]]
+Forward = Callable[[PyTree, PyTree, dict[str, Any]], torch.Tensor]
 
 
 class TrainState(NamedTuple):
@@ -60,6 +70,40 @@ class TrainState(NamedTuple):
 Update = Callable[[PyTree, TrainState], tuple[TrainState, dict[str, Any]]]
 
 
+@runtime_checkable
+class StateLayout(Protocol):
+    """An entry of ``TrainState.extra`` kept by a transform that stores the state in pieces of
+    its own (ZeRO's chunks, a pipeline's stages): it puts them back together and cuts them again.
+
+    ``gather_params(params)`` gives the parameters as the step beneath this transform lays them
+    out, ``gather_opt(states)`` the same for a tree of optimizer states shaped like the
+    parameters (both collectives), and ``place_opt(states)`` is the inverse of ``gather_opt``
+    on this rank. :func:`full_state` and :meth:`Step.place_state` go through these.
+    """
+
+    def gather_params(self, params: PyTree) -> PyTree: ...
+
+    def gather_opt(self, states: PyTree) -> PyTree: ...
+
+    def place_opt(self, states: PyTree) -> PyTree: ...
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss function must return a scalar tensor, got {shape}")
+
+
+def _forward(loss_fn: LossFn) -> Forward:
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            loss = loss_fn(params, batch)
+        _check_loss(loss)
+        return loss
+
+    return forward
+
+
 def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
@@ -72,9 +116,7 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
             taps.track({path: x for (path, _), x in zip(flat, leaves)})
         with torch.enable_grad():
             loss = loss_fn(tree.unflatten(treedef, leaves), batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError(f"the loss function must return a scalar tensor, got {shape}")
+            _check_loss(loss)
             diff = [x for x in leaves if x.requires_grad]
             scale = core.loss_scale()
             target = loss if scale == 1.0 else loss * scale
@@ -154,27 +196,18 @@ class Step:
     layout: Callable[[PyTree], PyTree]
     init_opt: Callable[[PyTree], PyTree]
     init_extra: Callable[[PyTree], dict[str, Any]]
+    forward: Forward
     forward_backward: ForwardBackward
     sync: Callable[[PyTree], PyTree]
     update: Update
     finish: Callable[[TrainState], TrainState]
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    donate: bool = False  # whether the update writes into the buffers of the state passed in
+    base: Step | None = None  # the plain step the transforms were applied to (None: this one)
+    composition: Composition | None = None  # the transforms applied to ``base``
 
     def replace(self, **pieces: Any) -> Step:
         """A new step with some pieces swapped (the way transforms are written)."""
         return dataclasses.replace(self, **pieces)
-
-    def recorded(self, transform: Callable[..., Step], **kwargs: Any) -> dict[str, Any]:
-        """Options that record ``transform(self, **kwargs)`` being applied, for a replay.
-
-        ``options["base"]`` is the plain step and ``options["applied"]`` the transforms applied
-        to it in order, so a transform can rebuild a composition in another order where only
-        that order can be carried out (``shard`` over ``zero`` with a tensor-parallel plan).
-        """
-        return {
-            "base": self.options.get("base", self),
-            "applied": (*self.options.get("applied", ()), (transform, kwargs)),
-        }
 
     def init(self, params: PyTree) -> TrainState:
         """The initial state: parameters placed by ``layout`` and a fresh optimizer state.
@@ -185,7 +218,7 @@ class Step:
         if not tree.tensors(params):
             raise ValueError("Step.init: params has no tensor leaves")
         placed = self.layout(params)
-        if self.options.get("donate"):
+        if self.donate:
             placed = _owned(placed, params)
         return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(params)))
 
@@ -202,7 +235,7 @@ class Step:
         if not isinstance(full, TrainState):
             raise TypeError(f"place_state takes a TrainState, got {type(full).__name__}")
         fresh = self.init(full.params)
-        entries = [e for e in fresh.extra.values() if hasattr(e, "place_opt")]  # innermost first
+        entries = [e for e in fresh.extra.values() if isinstance(e, StateLayout)]  # innermost first
 
         def place(states: PyTree) -> PyTree:
             placed = self.layout(states)
@@ -219,9 +252,9 @@ class Step:
                 f"place_state: the optimizer state does not match this step's optimizer ({diff}); "
                 "give the state of a step with the same loss and optimizer"
             )
-        if self.options.get("donate"):  # the new state must own what it will write into
+        if self.donate:  # the new state must own what it will write into
             opt_state = _owned(opt_state, full)
-        kept = {k: v for k, v in full.extra.items() if not hasattr(v, "gather_params")}
+        kept = {k: v for k, v in full.extra.items() if not isinstance(v, StateLayout)}
         return TrainState(fresh.params, opt_state, full.step, {**fresh.extra, **kept})
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
@@ -234,6 +267,22 @@ class Step:
         new_state, info = self.update(grads, state)
         new_state = new_state._replace(step=state.step + 1, extra=dict(new_state.extra))
         return self.finish(new_state), {"loss": loss, **info}
+
+    def evaluate(self, state: TrainState, batch: PyTree) -> dict[str, Any]:
+        """The forward-only step: ``{"loss": loss}`` on ``batch``, no gradient, no update.
+
+        Under any composition it runs the forward pass as the training step does (the batch
+        split over the data-parallel axis, stage-3 layers gathered one at a time, microbatches
+        through the pipeline), gathering nothing that forward pass does not gather. Call it on
+        every rank; the loss is the same on all of them.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"Step.evaluate takes the TrainState from step.init(params), got "
+                f"{type(state).__name__}"
+            )
+        with torch.no_grad():
+            return {"loss": self.forward(state.params, batch, state.extra)}
 
 
 def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bool = False) -> Step:
@@ -262,11 +311,12 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bo
         layout=_identity,
         init_opt=optimizer.init,
         init_extra=_no_extra,
+        forward=_forward(loss_fn),
         forward_backward=_forward_backward(loss_fn),
         sync=_identity,
         update=_update(optimizer, donate),
         finish=_identity,
-        options={"donate": True} if donate else {},
+        donate=donate,
     )
 
 
@@ -283,15 +333,13 @@ def full_state(state: PyTree) -> PyTree:
         return x.full_tensor() if hasattr(x, "full_tensor") else x
 
     if isinstance(state, TrainState):
-        # a transform that stores parameters in pieces of its own keeps, in ``extra``, an object
-        # that can put them back together (``gather_params``, and ``gather_opt`` where the
-        # optimizer states that mirror the parameters are cut otherwise), outermost transform
-        # first: its entry comes last, since each adds to its inner's
+        # a transform that stores parameters in pieces of its own keeps, in ``extra``, a
+        # StateLayout that can put them back together, outermost transform first: its entry
+        # comes last, since each adds to its inner's
         like, params, opt_state = state.params, state.params, state.opt_state
         for entry in reversed(list(state.extra.values())):
-            if hasattr(entry, "gather_params"):
-                gather_opt = getattr(entry, "gather_opt", entry.gather_params)
-                opt_state = tree.map_subtrees(gather_opt, opt_state, like)
+            if isinstance(entry, StateLayout):
+                opt_state = tree.map_subtrees(entry.gather_opt, opt_state, like)
                 params = entry.gather_params(params)
         state = state._replace(params=params, opt_state=opt_state)
     return tree.map(full, state)

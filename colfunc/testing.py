@@ -76,8 +76,10 @@ def assert_equivalent(
     rtol: float = 0.0,
     atol: float = 0.0,
 ) -> list[tuple[float, float]]:
-    """Run both steps from ``params`` over ``batches``; assert equal losses and final parameters.
+    """Run both steps from ``params`` over ``batches``; assert equal losses, and equal final
+    parameters and optimizer states.
 
+    Before every step, :meth:`Step.evaluate` of each step is checked against the other's too.
     Returns the per-step ``(loss_a, loss_b)`` pairs. Distributed states are gathered with
     :func:`colfunc.full_state` (a collective: call this on every rank).
 
@@ -87,24 +89,31 @@ def assert_equivalent(
     """
     state_a, state_b = step_a.init(params), step_b.init(params)
     losses = []
+
+    def close(la: float, lb: float, what: str) -> None:
+        if not abs(la - lb) <= atol + rtol * abs(lb):
+            raise AssertionError(f"{what}: {la!r} != {lb!r} (rtol={rtol}, atol={atol})")
+
     for i, batch in enumerate(batches):
+        ea = float(_full(step_a.evaluate(state_a, batch)["loss"]))
+        eb = float(_full(step_b.evaluate(state_b, batch)["loss"]))
+        close(ea, eb, f"evaluate loss before step {i}")
         state_a, metrics_a = step_a(state_a, batch)
         state_b, metrics_b = step_b(state_b, batch)
         la, lb = float(_full(metrics_a["loss"])), float(_full(metrics_b["loss"]))
-        if not abs(la - lb) <= atol + rtol * abs(lb):
-            raise AssertionError(f"loss at step {i}: {la!r} != {lb!r} (rtol={rtol}, atol={atol})")
+        close(la, lb, f"loss at step {i}")
         losses.append((la, lb))
     if not losses:
         raise ValueError("assert_equivalent: batches is empty; give at least one batch")
-    assert_trees_close(
-        full_state(state_a).params, full_state(state_b).params, rtol=rtol, atol=atol, what="params"
-    )
+    full_a, full_b = full_state(state_a), full_state(state_b)
+    assert_trees_close(full_a.params, full_b.params, rtol=rtol, atol=atol, what="params")
+    assert_trees_close(full_a.opt_state, full_b.opt_state, rtol=rtol, atol=atol, what="opt_state")
     return losses
 
 
 # --- hypothesis strategies (hypothesis is imported only when they are called) -----------------
 
-TRANSFORMS = ("shard", "zero", "remat")
+TRANSFORMS = ("shard", "zero", "amp", "remat")
 
 
 def meshes(
@@ -157,13 +166,18 @@ def compositions(
     stages: tuple[int | None, ...] = (None, 0, 1, 2, 3),
     remat_policies: tuple[str, ...] = ("none", "full", "save_matmuls"),
     schedules: tuple[str, ...] = (),
+    amp_dtypes: tuple[str, ...] = ("fp64",),
 ) -> Any:
-    """A strategy of transform compositions: ``{"mesh", "zero", "prefetch", "remat",
+    """A strategy of transform compositions: ``{"mesh", "zero", "prefetch", "remat", "amp",
     "sequence_parallel", "order"}``.
 
-    ``order`` is the order in which :func:`compose` applies ``shard``, ``zero`` and ``remat``
-    (innermost first), any of the six. ``zero`` is the stage, or None for no ``zero`` at all
-    (``shard`` then reduces the gradients itself); ``prefetch`` is ZeRO-3's.
+    ``order`` is the order in which :func:`compose` applies ``shard``, ``zero``, ``amp`` and
+    ``remat``, any of the 24 (every order builds the same step). ``zero`` is the stage, or None
+    for no ``zero`` at all (``shard`` then reduces the gradients itself); ``prefetch`` is
+    ZeRO-3's. ``amp`` is None or ``{"dtype", "loss_scale"}`` with a dtype of ``amp_dtypes``
+    and a dynamic or no loss scale: the default ``"fp64"`` computes in the fp64 of the tests'
+    parameters, so the whole of amp's machinery (scaling, widening, overflow checks) runs where
+    the results stay equal to the reference at fp64 tolerances.
 
     With ``schedules`` (pipeline schedule names) a composition also has ``"pipeline"``: the
     ``schedule``, ``microbatches`` (one to three times the mesh's ``pp`` size) and
@@ -182,6 +196,17 @@ def compositions(
             "zero": d(st.sampled_from(stages)),
             "prefetch": d(st.integers(0, 2)),
             "remat": d(st.sampled_from(remat_policies)),
+            "amp": d(
+                st.sampled_from([None, *amp_dtypes]).flatmap(
+                    lambda dt: (
+                        st.just(None)
+                        if dt is None
+                        else st.builds(
+                            dict, dtype=st.just(dt), loss_scale=st.sampled_from([None, "dynamic"])
+                        )
+                    )
+                )
+            ),
             "sequence_parallel": mesh.get("tp", 1) > 1 and d(st.booleans()),
             "order": tuple(order),
         }
@@ -199,7 +224,7 @@ def compositions(
 
 def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None) -> Step:
     """Apply the transforms of a drawn ``composition`` to ``step`` on this rank's ``mesh``."""
-    from colfunc.transforms import pipeline, remat, shard, zero
+    from colfunc.transforms import amp, pipeline, remat, shard, zero
 
     if composition.get("pipeline") is not None:  # innermost: it replaces the whole backward
         step = pipeline(step, mesh.shape.get("pp", 1), **composition["pipeline"])
@@ -212,4 +237,6 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
             step = zero(step, composition["zero"], prefetch=composition.get("prefetch", 1))
         elif name == "remat":
             step = remat(step, composition["remat"])
+        elif name == "amp" and composition.get("amp") is not None:
+            step = amp(step, **composition["amp"])
     return step

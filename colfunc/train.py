@@ -35,7 +35,7 @@ from colfunc import checkpoint, data, optim, parallel, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.generate import complete
 from colfunc.sharding import Mesh, launch
-from colfunc.step import TrainState, full_state, train_step
+from colfunc.step import StateLayout, TrainState, full_state, train_step
 
 __all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "plot", "run"]
 
@@ -256,9 +256,10 @@ def _train(
     ]
 
     def validation(state: TrainState) -> float | None:
-        # a collective under a mesh (the parameters are gathered), evaluated on rank 0
-        params = state.params if mesh is None else full_state(state._replace(opt_state=())).params
-        return evaluate(loss_fn, params, val_batches) if lead else None
+        # the composition's own forward pass on every rank (a collective under a mesh), which
+        # gathers nothing its training forward pass does not
+        losses = [float(step_fn.evaluate(state, b)["loss"]) for b in val_batches]
+        return sum(losses) / len(losses) if lead else None
 
     def saved(state: TrainState) -> TrainState:
         if mesh is None:
@@ -266,7 +267,7 @@ def _train(
         # the single-device layout, which any mesh can take up again; the transforms' own
         # entries of extra (layouts) are made afresh on resuming, plain values are kept
         full = full_state(state)
-        kept = {k: v for k, v in full.extra.items() if not hasattr(v, "gather_params")}
+        kept = {k: v for k, v in full.extra.items() if not isinstance(v, StateLayout)}
         return TrainState(full.params, full.opt_state, full.step, kept)
 
     log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None

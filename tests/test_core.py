@@ -74,24 +74,24 @@ class Recorder:
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log, self.calls = name, log, 0
 
-    def scan_layers(self, block_fn, h, blocks, inner):
+    def scan_layers(self, block_fn, h, blocks, xs, inner):
         self.log.append(self.name)
 
-        def counted(lp, x):
+        def counted(lp, c, x):
             self.calls += 1
-            return block_fn(lp, x)
+            return block_fn(lp, c, x)
 
-        return inner(counted, h, blocks)
+        return inner(counted, h, blocks, xs)
 
 
 class Reversed:
     """An interceptor that does not delegate: it runs the layers last to first itself."""
 
-    def scan_layers(self, block_fn, h, blocks, inner):
+    def scan_layers(self, block_fn, h, blocks, xs, inner):
         n = core.num_layers(blocks)
         for i in reversed(range(n)):
-            h = block_fn({k: v[i] for k, v in blocks.items()}, h)
-        return h
+            h, _ = block_fn({k: v[i] for k, v in blocks.items()}, h, None)
+        return h, None
 
 
 def test_interceptors_run_innermost_first_and_delegate():

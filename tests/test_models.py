@@ -176,9 +176,9 @@ class _CountScans:
     def __init__(self) -> None:
         self.blocks: list[Any] = []
 
-    def scan_layers(self, block: Any, h: torch.Tensor, blocks: Any, inner: Any) -> torch.Tensor:
+    def scan_layers(self, block: Any, h: Any, blocks: Any, xs: Any, inner: Any) -> Any:
         self.blocks.append(blocks)
-        return inner(block, h, blocks)
+        return inner(block, h, blocks, xs)
 
 
 @pytest.mark.parametrize("module", MODULES, ids=IDS)

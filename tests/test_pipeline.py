@@ -278,8 +278,12 @@ def test_bad_input_is_named() -> None:
         cf.pipeline(ref, 4, 2, "zero_bubble")
     with pytest.raises(ValueError, match="microbatches divisible by stages=2"):
         cf.pipeline(ref, 2, 3, "interleaved", 2)
-    with pytest.raises(ValueError, match=r"apply cf\.pipeline to the plain step first"):
-        cf.pipeline(cf.remat(ref), 2, 4)
+    # any order means the same step: pipeline over remat is remat over pipeline
+    assert (
+        cf.pipeline(cf.remat(ref), 2, 4).composition == cf.remat(cf.pipeline(ref, 2, 4)).composition
+    )
+    with pytest.raises(ValueError, match="already has pipeline applied; apply it once"):
+        cf.pipeline(cf.pipeline(ref, 2, 4), 2, 4)
     with pytest.raises(ValueError, match="unknown key 'stage'"):
         pipeline_from_config(ref, {"stage": 2, "microbatches": 4})
     with pytest.raises(ValueError, match="3 layers, fewer than stages=2 x virtual_stages=2"):

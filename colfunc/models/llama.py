@@ -22,6 +22,7 @@ from colfunc.core import Layered, P, layered, scan_layers
 __all__ = ["Config", "apply", "init", "loss", "param_shapes", "tp_plan"]
 
 Params = dict[str, Any]
+Carry = dict[str, Any]  # {"h": x_BTD, "rope": (cos_TR, sin_TR)}
 
 
 def _swiglu_width(d_model: int) -> int:
@@ -162,14 +163,19 @@ def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Ten
     return nn.embedding(input_ids_BT, params["embed"]["tokens"])
 
 
-def _block(layer: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
+def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
+    """What each block reads: the residual stream and the rotary tables, made once per pass."""
     E = cfg.d_model // cfg.n_head
-    # a few T x E/2 elements per layer: recomputing keeps the block a function of (layer, x) only
-    rope = nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, device=x_BTD.device)
+    return {"h": x_BTD, "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device)}
+
+
+def _block(layer: Params, carry: Carry, cfg: Config) -> Carry:
+    x_BTD, rope = carry["h"], carry["rope"]
+    E = cfg.d_model // cfg.n_head
     h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
     x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E, rope=rope)
     h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
-    return x_BTD + nn.swiglu(h_BTD, layer["mlp"])
+    return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}
 
 
 def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -181,9 +187,9 @@ def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[B, T, V]`` for ``input_ids[B, T]`` (fp32 for fp32 params)."""
-    x_BTD = _embed(params, input_ids, cfg)
-    x_BTD = scan_layers(lambda layer, x: _block(layer, x, cfg), x_BTD, params["blocks"])
-    return _logits(params, x_BTD, cfg)
+    carry = _carry(_embed(params, input_ids, cfg), cfg)
+    carry = scan_layers(lambda layer, c: _block(layer, c, cfg), carry, params["blocks"])
+    return _logits(params, carry["h"], cfg)
 
 
 def loss(cfg: Config) -> Layered:
@@ -193,17 +199,19 @@ def loss(cfg: Config) -> Layered:
     ``layered(pre, block, post)`` form that ``pipeline`` cuts into stages.
     """
 
-    def pre(params: Params, batch: Any) -> torch.Tensor:
-        return _embed(params, batch["input_ids"], cfg)
+    def pre(params: Params, batch: Any) -> Carry:
+        return _carry(_embed(params, batch["input_ids"], cfg), cfg)
 
-    def block(layer: Params, x_BTD: torch.Tensor) -> torch.Tensor:
-        return _block(layer, x_BTD, cfg)
+    def block(layer: Params, carry: Carry) -> Carry:
+        return _block(layer, carry, cfg)
 
-    def post(params: Params, x_BTD: torch.Tensor, batch: Any) -> torch.Tensor:
+    def post(params: Params, carry: Carry, batch: Any) -> torch.Tensor:
+        x_BTD = carry["h"]
         # the last position has no next token inside the sequence: drop it before the head
         logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
         return nn.next_token_loss(logits_BSV, batch["labels"])
 
     # the heads and the vocabulary are what the tensor-parallel plan splits
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}
-    return layered(pre, block, post, name="llama", divisors=divisors)
+    # only the residual stream has a sequence dim to split; the rotary tables stay whole
+    return layered(pre, block, post, name="llama", divisors=divisors, sequence_dims={"h": 1})

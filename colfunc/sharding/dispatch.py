@@ -47,7 +47,7 @@ from colfunc.sharding.redistribute import redistribute_local
 from colfunc.sharding.rules import Plan, Spec, lookup
 from colfunc.sharding.tensor import ShardedTensor
 
-__all__ = ["dispatch", "fallback_counts", "reset_fallback_counts", "strict"]
+__all__ = ["dispatch", "fallback_counts", "is_param", "reset_fallback_counts", "strict"]
 
 STRICT_ENV = "COLFUNC_SHARDING_STRICT"
 
@@ -131,11 +131,11 @@ def _mesh_of(flat: list[Any]) -> Mesh:
 def _spec(x: torch.Tensor, mesh: Mesh, placements: Placements | None) -> Spec:
     if isinstance(x, ShardedTensor):
         assert placements is not None
-        return Spec(tuple(x.shape), placements, x.dtype, mesh, _is_param(x))
+        return Spec(tuple(x.shape), placements, x.dtype, mesh, is_param(x))
     return Spec(tuple(x.shape), (Replicate(),) * len(mesh.axis_names), x.dtype, mesh)
 
 
-def _is_param(x: ShardedTensor) -> bool:
+def is_param(x: ShardedTensor) -> bool:
     """A leaf that requires grad, or a view or cast of one (marked by :func:`_wrap`). (A view
     made without grad, as the backward makes them, is a leaf too, of any tensor: not that.)"""
     return x._param or (x.requires_grad and x.is_leaf and not x._is_view())
@@ -409,7 +409,7 @@ def _redistributed(
     x: ShardedTensor, src: Placements, local: torch.Tensor, want: Placements
 ) -> torch.Tensor:
     """The local part of ``x`` under ``want``, from ``local`` under ``src`` (see above)."""
-    if _is_param(x):
+    if is_param(x):
         return redistribute_local(local, tuple(x.shape), x._mesh, src, want)
     reduced = _reduced(src)
     if (

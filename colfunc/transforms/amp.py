@@ -14,15 +14,20 @@ of ``torch.amp.GradScaler``). bf16 has fp32's exponent range and needs no scalin
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm
 from colfunc.step import Step, TrainState
+from colfunc.transforms.composition import apply_transform
 
-__all__ = ["amp"]
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["AmpConfig", "amp"]
 
 PyTree = Any
 _DTYPES = {
@@ -32,6 +37,10 @@ _DTYPES = {
     "float16": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
+    # no cast for fp64 parameters: amp's scaling and skipping alone (exact with a power-of-two
+    # scale), as the equivalence tests draw it
+    "fp64": torch.float64,
+    "float64": torch.float64,
 }
 
 
@@ -40,9 +49,10 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
         if dtype not in _DTYPES:
             raise ValueError(f"amp: unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise ValueError(
-            f"amp: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}"
+            f"amp: dtype must be torch.bfloat16, torch.float16, torch.float32 or torch.float64, "
+            f"got {dtype}"
         )
     return dtype
 
@@ -52,6 +62,12 @@ def _cast(params: PyTree, dtype: torch.dtype) -> PyTree:
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
         params,
     )
+
+
+def _wide_loss(loss: torch.Tensor, params: PyTree) -> torch.Tensor:
+    """The loss in the masters' dtype (fp32 when they have several), as the reference has it."""
+    masters = {x.dtype for x in tree.tensors(params) if x.is_floating_point()}
+    return loss.to(masters.pop() if len(masters) == 1 else torch.float32)
 
 
 def _overflow(grads: PyTree) -> bool:
@@ -69,6 +85,36 @@ def _overflow(grads: PyTree) -> bool:
         flag = comm.all_reduce(bad.to(torch.float32), mesh.axis_names, op="max", mesh=mesh)
         return bool(flag > 0)
     return bool(bad)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AmpConfig:
+    """The arguments of :func:`amp`, checked."""
+
+    dtype: torch.dtype | str = torch.bfloat16
+    loss_scale: str | float | None = None
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _dtype(self.dtype))
+        ls = self.loss_scale
+        if isinstance(ls, str) and ls != "dynamic":
+            raise ValueError(f"amp: loss_scale must be None, 'dynamic' or a number, got {ls!r}")
+        if (
+            ls is not None
+            and ls != "dynamic"
+            and (isinstance(ls, bool) or not isinstance(ls, int | float) or not ls > 0)
+        ):
+            raise ValueError(f"amp: a fixed loss_scale must be a number > 0, got {ls!r}")
+        if not self.init_scale > 0 or self.growth_interval < 1:
+            raise ValueError(
+                f"amp: need init_scale > 0 and growth_interval >= 1, got {self.init_scale}, "
+                f"{self.growth_interval}"
+            )
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        return _build(step, self)
 
 
 def amp(
@@ -89,26 +135,19 @@ def amp(
     """
     if not isinstance(step, Step):
         raise TypeError(f"amp: expected a Step (from cf.train_step), got {type(step).__name__}")
-    compute = _dtype(dtype)
+    config = AmpConfig(
+        dtype=dtype, loss_scale=loss_scale, init_scale=init_scale, growth_interval=growth_interval
+    )
+    return apply_transform(step, "amp", config)
+
+
+def _build(step: Step, cfg: AmpConfig) -> Step:
+    compute = _dtype(cfg.dtype)
+    loss_scale, init_scale, growth_interval = cfg.loss_scale, cfg.init_scale, cfg.growth_interval
     dynamic = loss_scale == "dynamic"
-    if isinstance(loss_scale, str) and not dynamic:
-        raise ValueError(f"amp: loss_scale must be None, 'dynamic' or a number, got {loss_scale!r}")
-    if (
-        loss_scale is not None
-        and not dynamic
-        and (
-            isinstance(loss_scale, bool)
-            or not isinstance(loss_scale, int | float)
-            or not loss_scale > 0
-        )
-    ):
-        raise ValueError(f"amp: a fixed loss_scale must be a number > 0, got {loss_scale!r}")
-    if not init_scale > 0 or growth_interval < 1:
-        raise ValueError(
-            f"amp: need init_scale > 0 and growth_interval >= 1, got {init_scale}, {growth_interval}"
-        )
     scaled = loss_scale is not None
     inner_init_extra, inner_fb, inner_update = step.init_extra, step.forward_backward, step.update
+    inner_fwd = step.forward
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
@@ -131,7 +170,10 @@ def amp(
         grads = tree.map(
             lambda g, p: g.to(p.dtype) / scale if scale != 1.0 else g.to(p.dtype), grads, params
         )
-        return loss.float(), grads
+        return _wide_loss(loss, params), grads
+
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        return _wide_loss(inner_fwd(_cast(params, compute), batch, extra), params)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         if not scaled:
@@ -159,18 +201,5 @@ def amp(
         }
 
     return step.replace(
-        init_extra=init_extra,
-        forward_backward=forward_backward,
-        update=update,
-        options={
-            **step.options,
-            **step.recorded(
-                amp,
-                dtype=dtype,
-                loss_scale=loss_scale,
-                init_scale=init_scale,
-                growth_interval=growth_interval,
-            ),
-            "amp": {"dtype": compute, "loss_scale": loss_scale},
-        },
+        init_extra=init_extra, forward=forward, forward_backward=forward_backward, update=update
     )

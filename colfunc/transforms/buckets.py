@@ -12,28 +12,19 @@ from typing import Any
 import torch
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, ShardedTensor, comm
+from colfunc.sharding import Mesh, comm
+from colfunc.transforms.local import in_placement, local_piece, rewrap
 
 PyTree = Any
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket is small, so that communication starts early
 
 
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x._local if isinstance(x, ShardedTensor) else x
-
-
-def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if isinstance(like, ShardedTensor):
-        return ShardedTensor(local, like.mesh, like.placements, tuple(like.shape))
-    return local
-
-
 def all_reduce_buckets(
     xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
 ) -> list[torch.Tensor]:
-    """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`_GradBuckets`."""
-    buckets = _GradBuckets(mesh, axis, BUCKET_BYTES, op=op)
+    """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`GradBuckets`."""
+    buckets = GradBuckets(mesh, axis, BUCKET_BYTES, op=op)
     for k, x in enumerate(xs):
         buckets._add(k, x)
     got = buckets._wait()
@@ -45,22 +36,11 @@ def all_reduce_tree(grads: PyTree, axis: str, mesh: Mesh) -> PyTree:
     pieces of tensor-parallel ones included."""
     flat, treedef = tree.flatten_with_paths(grads)
     gs = [g for _, g in flat]
-    reduced = all_reduce_buckets([_local(g) for g in gs], axis, mesh)
-    return tree.unflatten(treedef, [_rewrap(g, r) for g, r in zip(gs, reduced)])
+    reduced = all_reduce_buckets([local_piece(g) for g in gs], axis, mesh)
+    return tree.unflatten(treedef, [rewrap(g, r) for g, r in zip(gs, reduced)])
 
 
-def _in_placement(g: Any, p: Any) -> Any:
-    """The gradient ``g`` in its parameter ``p``'s placements (a rule may leave one Partial)."""
-    if (
-        isinstance(p, ShardedTensor)
-        and isinstance(g, ShardedTensor)
-        and g.placements != p.placements
-    ):
-        return g.redistribute(p.placements)
-    return g
-
-
-class _GradBuckets:
+class GradBuckets:
     """Data-parallel gradient reduction that starts during the backward pass (DDP's buckets).
 
     Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
@@ -115,7 +95,7 @@ class _GradBuckets:
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
         for path, g in grads.items():
             if g is not None:
-                self._add((path, i), _local(_in_placement(g, params[path])))
+                self._add((path, i), local_piece(in_placement(g, params[path])))
 
     def _wait(self) -> dict[Any, list[torch.Tensor]]:
         for dtype in list(self.open):
@@ -137,7 +117,7 @@ class _GradBuckets:
             # a scanned leaf's own gradient is the zeros handed back, unless something outside
             # the scan added to it: that part is reduced too
             if path not in handed or g is not handed[path]:
-                self._add(("rest", path), _local(_in_placement(g, placed[path])))
+                self._add(("rest", path), local_piece(in_placement(g, placed[path])))
         got = self._wait()
 
         def total(key: Any) -> torch.Tensor | None:
@@ -151,9 +131,9 @@ class _GradBuckets:
             rest = total(("rest", path))
             if path not in handed:
                 assert rest is not None
-                out.append(_rewrap(placed[path], rest))
+                out.append(rewrap(placed[path], rest))
                 continue
-            zeros = _local(handed[path])
+            zeros = local_piece(handed[path])
             buf = torch.empty(zeros.shape, dtype=self._dtype(zeros), device=zeros.device)
             for i in range(zeros.shape[0]):
                 row = total((path, i))
@@ -163,5 +143,5 @@ class _GradBuckets:
                     buf[i].copy_(row)
             if rest is not None:
                 buf += rest
-            out.append(_rewrap(placed[path], buf))
+            out.append(rewrap(placed[path], buf))
         return tree.unflatten(treedef, out)

@@ -15,11 +15,11 @@ import torch
 
 from colfunc.sharding import Mesh, ShardedTensor, comm, from_local
 from colfunc.sharding.placement import Shard
-from colfunc.transforms.buckets import _local, _rewrap
+from colfunc.transforms.local import local_piece, rewrap
 
 
 @dataclasses.dataclass(frozen=True)
-class _Chunked:
+class Chunked:
     """How one parameter is cut: its local shape, the chunk length, and stacked or not."""
 
     shape: tuple[int, ...]
@@ -28,19 +28,17 @@ class _Chunked:
     template: Any  # the ShardedTensor the parameter was (tensor parallel), else None
 
 
-def _cut(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Tensor, _Chunked]:
+def cut_chunk(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Tensor, Chunked]:
     """This rank's chunk of ``x`` (its local shard, flattened and zero-padded to ``n`` chunks)."""
-    local = _local(x)
+    local = local_piece(x)
     template = x if isinstance(x, ShardedTensor) else None
     flat = local.detach().reshape(local.shape[0], -1) if stacked else local.detach().reshape(-1)
     c = -(-flat.shape[-1] // n)
     flat = torch.nn.functional.pad(flat, (0, c * n - flat.shape[-1]))
-    return flat[..., i * c : (i + 1) * c].clone(), _Chunked(
-        tuple(local.shape), stacked, c, template
-    )
+    return flat[..., i * c : (i + 1) * c].clone(), Chunked(tuple(local.shape), stacked, c, template)
 
 
-def _whole(flat: torch.Tensor, meta: _Chunked, stacked_layer: bool = False) -> torch.Tensor:
+def whole(flat: torch.Tensor, meta: Chunked, stacked_layer: bool = False) -> torch.Tensor:
     """Un-pad and reshape a gathered flat parameter (one layer of a stacked one if asked).
 
     Tensor-parallel parameters come back as ShardedTensors (differentiably, for one layer).
@@ -52,17 +50,17 @@ def _whole(flat: torch.Tensor, meta: _Chunked, stacked_layer: bool = False) -> t
     if t is None:
         return local
     if not stacked_layer:
-        return _rewrap(t, local)
+        return rewrap(t, local)
     # one layer of a stacked parameter: drop the layer dim from the global shape and placements
     placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements]
     return from_local(local, t.mesh, placements, tuple(t.shape)[1:])
 
 
-def _is_stacked(path: str) -> bool:
+def is_stacked(path: str) -> bool:
     return path == "blocks" or path.startswith("blocks.")
 
 
-def _mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
+def mesh_axes(mesh: Mesh, axes: set[str]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in axes)
 
 
@@ -73,7 +71,7 @@ def _by_dtype(xs: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
-class _Started:
+class StartedGather:
     """:func:`gather_flat` of a layer's chunks, started asynchronously (no autograd)."""
 
     def __init__(self, chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> None:
@@ -93,12 +91,12 @@ class _Started:
         return out
 
 
-class _Gathered(torch.autograd.Function):
+class Gathered(torch.autograd.Function):
     """The flats of a started gather, differentiably: the backward reduce-scatters the packed
     gradient (the transpose of the all_gather)."""
 
     @staticmethod
-    def forward(started: _Started, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
+    def forward(started: StartedGather, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
         return tuple(started.wait())
 
     @staticmethod
@@ -119,7 +117,7 @@ def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch
     """
     if not chunks:
         return []
-    return list(_Gathered.apply(_Started(chunks, axis, mesh), axis, mesh, *chunks))
+    return list(Gathered.apply(StartedGather(chunks, axis, mesh), axis, mesh, *chunks))
 
 
 def reduce_scatter_flat(
@@ -137,25 +135,25 @@ def reduce_scatter_flat(
     return [x for x in out if x is not None]
 
 
-def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
-    flat = _local(g).reshape(-1)
+def padded(g: torch.Tensor, n: int) -> torch.Tensor:
+    flat = local_piece(g).reshape(-1)
     c = -(-flat.numel() // n)
     return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
 
 
-def _by_rank(g: torch.Tensor, stacked: bool, n: int) -> torch.Tensor:
+def by_rank(g: torch.Tensor, stacked: bool, n: int) -> torch.Tensor:
     """``g`` (a whole local tensor) as a flat whose ``(n, -1)`` view holds rank ``r``'s chunk
     in row ``r``: the layout :func:`reduce_scatter_flat` scatters. A stacked tensor is cut per
-    layer, as its chunks are (:func:`_cut`)."""
+    layer, as its chunks are (:func:`cut_chunk`)."""
     if not stacked:
-        return _padded(g, n)
-    local = _local(g)
+        return padded(g, n)
+    local = local_piece(g)
     rows = local.reshape(local.shape[0], -1)
     c = -(-rows.shape[1] // n)
     rows = torch.nn.functional.pad(rows, (0, n * c - rows.shape[1]))
     return rows.view(rows.shape[0], n, c).transpose(0, 1).reshape(-1)
 
 
-def _as_chunk(piece: torch.Tensor, g: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """This rank's piece of ``g`` in :func:`_by_rank`'s layout, shaped as its chunk."""
+def as_chunk(piece: torch.Tensor, g: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """This rank's piece of ``g`` in :func:`by_rank`'s layout, shaped as its chunk."""
     return piece.view(g.shape[0], -1) if stacked else piece

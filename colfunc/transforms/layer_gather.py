@@ -11,9 +11,9 @@ from torch.utils.checkpoint import checkpoint
 
 from colfunc import core, tree
 from colfunc.sharding import ShardedTensor
-from colfunc.sharding.dispatch import _is_param
-from colfunc.transforms.buckets import _local
-from colfunc.transforms.chunks import _Gathered, _Started, _whole, gather_flat
+from colfunc.sharding.dispatch import is_param
+from colfunc.transforms.chunks import Gathered, StartedGather, gather_flat, whole
+from colfunc.transforms.local import local_piece
 
 if TYPE_CHECKING:
     from colfunc.transforms.zero import ZeroLayout
@@ -62,7 +62,7 @@ class _LayerGathers:
         self.n = core.num_layers(blocks)
         self.rows = [[x.detach()[i] for x in leaves] for i in range(self.n)]
         self.index = {row[0].data_ptr(): i for i, row in enumerate(self.rows)} if leaves else {}
-        self.ahead: tuple[dict[int, _Started], dict[int, _Started]] = ({}, {})
+        self.ahead: tuple[dict[int, StartedGather], dict[int, StartedGather]] = ({}, {})
         self.taken: tuple[set[int], set[int]] = (set(), set())
 
     def layer_of(self, chunks: list[torch.Tensor]) -> int | None:
@@ -70,16 +70,16 @@ class _LayerGathers:
         i = self.index.get(chunks[0].data_ptr()) if chunks else None
         return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
 
-    def _start(self, i: int) -> _Started:
+    def _start(self, i: int) -> StartedGather:
         if not _saving_hooks_active():
-            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+            return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
         # inside a checkpoint, whose recomputation must replay the same ops: which layers are
         # started ahead differs between the forward pass and the recomputation, so starting one
         # stays out of sight of the checkpoint's dispatch modes
         with torch.utils._python_dispatch._disable_current_modes():
-            return _Started(self.rows[i], self.z.axis, self.z.mesh)
+            return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
 
-    def take(self, i: int, backward: bool) -> _Started:
+    def take(self, i: int, backward: bool) -> StartedGather:
         ahead, taken = self.ahead[backward], self.taken[backward]
         started = ahead.pop(i, None) or self._start(i)
         taken.add(i)
@@ -91,13 +91,15 @@ class _LayerGathers:
         return started
 
 
-class _Gather:
+class LayerGather:
     """Context frame for stage 3: gather each layer's chunks inside ``scan_layers``."""
 
     def __init__(self, layout: ZeroLayout, prefetch: int) -> None:
         self.z, self.prefetch = layout, prefetch
 
-    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
+    def scan_layers(
+        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any
+    ) -> tuple[PyTree, PyTree]:
         metas = tree.leaves(self.z.metas["blocks"])
         gathers = _LayerGathers(self.z, blocks, self.prefetch)
 
@@ -109,40 +111,45 @@ class _Gather:
                 flats = gather_flat(chunks, self.z.axis, self.z.mesh)
             else:
                 started = gathers.take(i, backward=_in_backward())
-                flats = list(_Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
-            whole = [_whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
-            return tree.unflatten(treedef, whole)
+                flats = list(Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
+            layer_params = [whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
+            return tree.unflatten(treedef, layer_params)
 
-        def gathered_block(layer_chunks: PyTree, x: torch.Tensor) -> torch.Tensor:
+        def gathered_block(layer_chunks: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             if not torch.is_grad_enabled() or _saving_hooks_active():
                 # inference, or inside a checkpoint (remat): that drops the gathered weights
                 # after the forward pass and gathers them again when it recomputes the layer
-                return block(layer(layer_chunks), x)
+                return block(layer(layer_chunks), c, x)
             i = gathers.layer_of(tree.leaves(layer_chunks))
             if i is None or core.innermost(core.SplitBackward) is not None:
                 # the checkpoint gathers the weights again for the backward pass (a split
                 # backward would keep a regathered layer alive between its two parts)
                 return checkpoint(
-                    lambda c, y: block(layer(c), y), layer_chunks, x, use_reentrant=False
+                    lambda ch, c_, x_: block(layer(ch), c_, x_),
+                    layer_chunks,
+                    c,
+                    x,
+                    use_reentrant=False,
                 )
             full = layer(layer_chunks)
             # a view is rebuilt from the storage it was saved from (the offset is the storage's),
             # so leaves that share one storage may name either; a tensor-parallel weight is
             # known by its local piece's storage, and rewrapped as it was
             storages = {
-                _local(w).untyped_storage().data_ptr(): k for k, w in enumerate(tree.leaves(full))
+                local_piece(w).untyped_storage().data_ptr(): k
+                for k, w in enumerate(tree.leaves(full))
             }
             again = _Regathered(gathers, i)
 
             def pack(t: torch.Tensor) -> Any:
-                local = _local(t)
+                local = local_piece(t)
                 k = storages.get(local.untyped_storage().data_ptr())
                 if k is None:
                     return t
                 view = (local.size(), local.stride(), local.storage_offset())
                 if not isinstance(t, ShardedTensor):
                     return (again, k, view, None)
-                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), _is_param(t))
+                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), is_param(t))
                 return (again, k, view, wrap)
 
             def unpack(packed: Any) -> torch.Tensor:
@@ -158,6 +165,6 @@ class _Gather:
                 return out
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return block(full, x)
+                return block(full, c, x)
 
-        return inner(gathered_block, h, blocks)
+        return inner(gathered_block, carry, blocks, xs)

@@ -22,9 +22,10 @@ that of the plain step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import (
@@ -35,8 +36,12 @@ from torch.utils.checkpoint import (
 
 from colfunc import core
 from colfunc.step import Step
+from colfunc.transforms.composition import apply_transform
 
-__all__ = ["MATMUL_OPS", "remat"]
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["MATMUL_OPS", "RematConfig", "remat"]
 
 PyTree = Any
 Policy = str | Collection[str] | Callable[..., CheckpointPolicy]
@@ -94,11 +99,11 @@ class _Remat:
         self.policy_fn = policy_fn
 
     def scan_layers(
-        self, block: Callable, h: torch.Tensor, blocks: PyTree, inner: Callable
-    ) -> torch.Tensor:
-        def layer(layer_params: PyTree, x: torch.Tensor) -> torch.Tensor:
+        self, block: core.ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Callable
+    ) -> tuple[PyTree, PyTree]:
+        def layer(layer_params: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             if not torch.is_grad_enabled():
-                return block(layer_params, x)  # nothing to save: inference runs plainly
+                return block(layer_params, c, x)  # nothing to save: inference runs plainly
             kwargs: dict[str, Any] = {"use_reentrant": False}
             # a selective-checkpoint region allows one backward pass; a split backward (zero
             # bubble) takes two, so it gets full checkpointing: the same values, more recompute
@@ -106,9 +111,35 @@ class _Remat:
                 kwargs["context_fn"] = functools.partial(
                     create_selective_checkpoint_contexts, self.policy_fn
                 )
-            return checkpoint(block, layer_params, x, **kwargs)
+            return checkpoint(block, layer_params, c, x, **kwargs)
 
-        return inner(layer, h, blocks)
+        return inner(layer, carry, blocks, xs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RematConfig:
+    """The argument of :func:`remat`, checked."""
+
+    policy: Policy = "full"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.policy, str) and self.policy == "none"):
+            _policy_fn(self.policy)  # raises on a bad policy
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        if isinstance(self.policy, str) and self.policy == "none":
+            return step
+        frame = _Remat(_policy_fn(self.policy))
+        inner = step.forward_backward
+
+        def forward_backward(
+            params: PyTree, batch: PyTree, extra: dict[str, Any]
+        ) -> tuple[torch.Tensor, PyTree]:
+            with core.context(frame):
+                return inner(params, batch, extra)
+
+        # the forward pass alone saves nothing for a backward: it runs as it is
+        return step.replace(forward_backward=forward_backward)
 
 
 def remat(step: Step, policy: Policy = "full") -> Step:
@@ -119,20 +150,6 @@ def remat(step: Step, policy: Policy = "full") -> Step:
     """
     if not isinstance(step, Step):
         raise TypeError(f"remat: expected a Step (from cf.train_step), got {type(step).__name__}")
-    if isinstance(policy, str) and policy == "none":
-        return step.replace(
-            options={**step.options, **step.recorded(remat, policy=policy), "remat": "none"}
-        )
-    frame = _Remat(_policy_fn(policy))
-    inner = step.forward_backward
-
-    def forward_backward(
-        params: PyTree, batch: PyTree, extra: dict[str, Any]
-    ) -> tuple[torch.Tensor, PyTree]:
-        with core.context(frame):
-            return inner(params, batch, extra)
-
-    return step.replace(
-        forward_backward=forward_backward,
-        options={**step.options, **step.recorded(remat, policy=policy), "remat": policy},
-    )
+    if isinstance(policy, set):
+        policy = frozenset(policy)  # a config is a value: hashable, immutable
+    return apply_transform(step, "remat", RematConfig(policy=policy))

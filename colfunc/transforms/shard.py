@@ -19,7 +19,8 @@ same number of counted labels (always so without ``-100`` labels).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,86 +28,17 @@ from colfunc import core, tree
 from colfunc.core import P
 from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
 from colfunc.sharding.placement import Shard
-from colfunc.step import Step, TrainState, Update
-from colfunc.transforms.buckets import (
-    _GradBuckets,
-    _in_placement,
-    _local,
-    _rewrap,
-    all_reduce_tree,
-)
+from colfunc.step import Step
+from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
+from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.local import in_placement, local_update
 
-__all__ = ["shard"]
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["ShardConfig", "shard"]
 
 PyTree = Any
-
-
-class _ReducedAbove:
-    """Frame: a transform applied over ``shard`` (``zero``) reduces the data-parallel gradients
-    itself, so ``shard``'s forward-backward must leave them unreduced."""
-
-
-def _to_local(t: PyTree) -> PyTree:
-    return tree.map(lambda x: _local(x) if isinstance(x, torch.Tensor) else x, t)
-
-
-def _like(template: PyTree, local: PyTree) -> PyTree:
-    """``local``'s leaves wrapped back with the metadata of ``template``'s sharded leaves."""
-    return tree.map(
-        lambda t, x: _rewrap(t, x) if isinstance(t, ShardedTensor) else x, template, local
-    )
-
-
-def _sharded_axes(x: Any) -> tuple[str, ...]:
-    if not isinstance(x, ShardedTensor):
-        return ()
-    return tuple(a for a, pl in zip(x.mesh.axis_names, x.placements) if isinstance(pl, Shard))
-
-
-def axes_reduction(axes: list[tuple[str, ...]], mesh: Mesh) -> core.NormReduction:
-    """Squared norms of local pieces, each summed over the axes that partition its tensor.
-
-    ``axes[i]`` names the mesh axes over which leaf ``i`` is split (empty: replicated, counted
-    once). Leaves split the same way are added up first, so there is one all_reduce per kind.
-    """
-
-    def reduce(squares: list[torch.Tensor]) -> torch.Tensor:
-        groups: dict[tuple[str, ...], torch.Tensor] = {}
-        for ax, sq in zip(axes, squares):
-            groups[ax] = groups[ax] + sq if ax in groups else sq
-        total = torch.zeros((), dtype=squares[0].dtype)
-        for ax in sorted(groups):  # the same order on every rank
-            part = groups[ax]
-            total = total + (comm.all_reduce(part, ax, mesh=mesh) if ax else part)
-        return total
-
-    return core.NormReduction(reduce)
-
-
-def norm_reduction(grads: PyTree, mesh: Mesh) -> core.NormReduction:
-    """How the local squared norms of ``grads``' leaves add up to the global squared norm."""
-    return axes_reduction([_sharded_axes(g) for g in tree.tensors(grads)], mesh)
-
-
-def local_update(update: Update, mesh: Mesh) -> Update:
-    """Run an update piece on the local shards of sharded parameters, states and gradients.
-
-    Optimizers are elementwise, so updating each shard is updating the whole; only the global
-    gradient norm needs the other ranks, which :func:`norm_reduction` provides.
-    """
-
-    def run(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-        local_state = state._replace(
-            params=_to_local(state.params), opt_state=_to_local(state.opt_state)
-        )
-        with core.context(norm_reduction(grads, mesh)):
-            new, info = update(_to_local(grads), local_state)
-        new = new._replace(
-            params=_like(state.params, new.params), opt_state=_like(state.opt_state, new.opt_state)
-        )
-        return new, info
-
-    return run
 
 
 def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
@@ -175,51 +107,111 @@ def _split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
 
 
 class _SequenceParallel:
-    """Frame: the residual stream between layers is split on the sequence dim over ``axis``.
+    """Frame: the carry leaves with a sequence dim are split on it over ``axis`` between layers.
 
     Megatron-LM's sequence parallelism (Korthikanti et al. 2022): outside the tensor-parallel
     matmuls, each rank keeps only its part of the sequence, so norms and residual adds are not
     repeated and their activations are not stored whole on every rank. The propagation rules then
     all-gather the sequence before the column-parallel matmuls and reduce-scatter the row-parallel
-    outputs back onto it, in place of Megatron's all-reduce.
+    outputs back onto it, in place of Megatron's all-reduce. The model names which carry leaves
+    have a sequence dim (``cf.layered(..., sequence_dims=...)``); the others stay whole.
     """
 
-    def __init__(self, mesh: Mesh, axis: str) -> None:
-        self.mesh, self.axis = mesh, axis
+    def __init__(self, mesh: Mesh, axis: str, dims: dict[str, int]) -> None:
+        self.mesh, self.axis, self.dims = mesh, axis, dims
 
-    def split(self, h: torch.Tensor) -> torch.Tensor:
+    def _split_leaf(self, path: str, h: torch.Tensor, dim: int) -> torch.Tensor:
         n = self.mesh.axis_size(self.axis)
-        if h.dim() < 2 or h.shape[1] % n:
+        if not isinstance(h, torch.Tensor) or h.dim() <= dim or h.shape[dim] % n:
+            shape = tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
             raise ValueError(
-                f"shard: sequence parallelism splits the sequence dim over {self.axis!r} "
-                f"(size {n}); the activations have shape {tuple(h.shape)}: use a sequence length "
+                f"shard: sequence parallelism splits dim {dim} of the carry leaf {path!r} over "
+                f"{self.axis!r} (size {n}); it has shape {shape}: use a sequence length "
                 f"divisible by {n}"
             )
         if not isinstance(h, ShardedTensor):
             h = distribute(h, self.mesh)
         placements = [
-            Shard(1) if a == self.axis else pl for a, pl in zip(self.mesh.axis_names, h.placements)
+            Shard(dim) if a == self.axis else pl
+            for a, pl in zip(self.mesh.axis_names, h.placements)
         ]
         return h.redistribute(placements)
 
-    def scan_layers(self, block: Any, h: torch.Tensor, blocks: PyTree, inner: Any) -> torch.Tensor:
-        return inner(lambda layer, x: self.split(block(layer, x)), self.split(h), blocks)
+    def split(self, carry: PyTree) -> PyTree:
+        flat, treedef = tree.flatten_with_paths(carry)
+        paths = {p for p, _ in flat}
+        missing = sorted(set(self.dims) - paths)
+        if missing:
+            raise ValueError(
+                f"shard: sequence_dims names the carry leaf {missing[0]!r}, which the carry "
+                f"lacks; its leaves are {sorted(paths)} (declare them in cf.layered(..., "
+                "sequence_dims=...))"
+            )
+        leaves = [self._split_leaf(p, x, self.dims[p]) if p in self.dims else x for p, x in flat]
+        return tree.unflatten(treedef, leaves)
+
+    def scan_layers(
+        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any
+    ) -> tuple[PyTree, PyTree]:
+        def split_block(layer: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+            c, y = block(layer, c, x)
+            return self.split(c), y
+
+        return inner(split_block, self.split(carry), blocks, xs)
 
 
-def _zero() -> Any:
-    from colfunc.transforms.zero import zero  # zero imports this module
-
-    return zero
-
-
-def _sequence_frame(plan: dict[str, P], mesh: Mesh, dp: str | None) -> _SequenceParallel:
+def _sequence_frame(
+    plan: dict[str, P], mesh: Mesh, dp: str | None, loss_fn: Any
+) -> _SequenceParallel:
     axes = sorted({a for spec in plan.values() for a in spec.axes()} - {dp})
     if len(axes) != 1:
         raise ValueError(
             "shard: sequence_parallel=True needs a plan that splits parameters over exactly one "
             f"tensor-parallel axis; the plan uses {axes}"
         )
-    return _SequenceParallel(mesh, axes[0])
+    dims = getattr(loss_fn, "sequence_dims", {"": 1})
+    return _SequenceParallel(mesh, axes[0], dict(dims))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """The arguments of :func:`shard`, checked against the mesh when made."""
+
+    mesh: Mesh
+    plan: dict[str, P] = dataclasses.field(default_factory=dict)
+    batch_axis: str | None = "dp"
+    sequence_parallel: bool = False
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        mesh = self.mesh
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"shard: mesh must be a cf.Mesh (the one launch passes), got {mesh!r}")
+        if self.batch_axis is not None and self.batch_axis not in mesh.axis_names:
+            if self.batch_axis != "dp":
+                raise ValueError(
+                    f"shard: batch_axis {self.batch_axis!r} is not a mesh axis; mesh axes are "
+                    f"{mesh.axis_names}"
+                )
+            object.__setattr__(self, "batch_axis", None)
+        b = self.bucket_mb
+        if isinstance(b, bool) or not isinstance(b, int | float) or not b > 0:
+            raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {b!r}")
+        object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
+
+    @property
+    def data_axis(self) -> str | None:
+        """The batch axis when it has more than one rank (None: no data parallelism)."""
+        a = self.batch_axis
+        return a if a is not None and self.mesh.axis_size(a) > 1 else None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        return _build(step, self, comp)
 
 
 def shard(
@@ -247,118 +239,94 @@ def shard(
     """
     if not isinstance(step, Step):
         raise TypeError(f"shard: expected a Step (from cf.train_step), got {type(step).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"shard: mesh must be a cf.Mesh (the one launch passes), got {mesh!r}")
-    if batch_axis is not None and batch_axis not in mesh.axis_names:
-        if batch_axis != "dp":
-            raise ValueError(
-                f"shard: batch_axis {batch_axis!r} is not a mesh axis; mesh axes are "
-                f"{mesh.axis_names}"
-            )
-        batch_axis = None
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
-        raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {bucket_mb!r}")
-    plan_ = _check_plan(plan, mesh)
-    divisors = getattr(step.loss_fn, "divisors", {})
-    for axis in sorted({a for spec in plan_.values() for a in spec.axes()}):
+    config = ShardConfig(
+        mesh=mesh,
+        plan=plan if plan is not None else {},
+        batch_axis=batch_axis,
+        sequence_parallel=sequence_parallel,
+        bucket_mb=bucket_mb,
+        overlap=overlap,
+    )
+    return apply_transform(step, "shard", config)
+
+
+def _check_divisors(loss_fn: Any, plan: dict[str, P], mesh: Mesh) -> None:
+    divisors = getattr(loss_fn, "divisors", {})
+    for axis in sorted({a for spec in plan.values() for a in spec.axes()}):
         n = mesh.axis_size(axis)
         for field, value in divisors.items():
             if value is not None and value % n:
                 raise ValueError(
-                    f"shard: {getattr(step.loss_fn, 'name', 'the model')} has {field}={value}, "
+                    f"shard: {getattr(loss_fn, 'name', 'the model')} has {field}={value}, "
                     f"not divisible by the {axis!r} axis size {n}; choose a {axis!r} size that "
                     f"divides it"
                 )
-    if plan_ and "zero" in step.options:
-        # zero cuts what shard places, so under a tensor-parallel plan shard must come first:
-        # rebuild the composition with shard moved in just before zero (the two commute in
-        # meaning; only this order can be carried out)
-        rebuilt = step.options["base"]
-        for transform, kwargs in step.options["applied"]:
-            if transform is _zero():
-                rebuilt = shard(
-                    rebuilt,
-                    mesh,
-                    plan,
-                    batch_axis,
-                    sequence_parallel,
-                    bucket_mb=bucket_mb,
-                    overlap=overlap,
-                )
-            rebuilt = transform(rebuilt, **kwargs)
-        return rebuilt
-    dp = batch_axis if batch_axis is not None and mesh.axis_size(batch_axis) > 1 else None
-    bucket_bytes = max(1, int(bucket_mb * 2**20))
-    # the reduction starts inside the backward pass unless zero beneath owns it or a pipeline
-    # beneath differentiates microbatch by microbatch; else it is the sync piece, after it
-    in_backward = (
-        dp is not None and overlap and "zero" not in step.options and "pipeline" not in step.options
+
+
+def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
+    mesh, plan_, dp = cfg.mesh, cfg.plan, cfg.data_axis
+    _check_divisors(step.loss_fn, plan_, mesh)
+    # zero above owns the data-parallel reduction; else it starts inside the backward pass
+    # unless a pipeline beneath differentiates microbatch by microbatch, and is the sync piece
+    reduces = dp is not None and not comp.zero_reduces
+    in_backward = reduces and comp.reduce_in_backward
+    inner_layout, inner_fb, inner_fwd, inner_sync = (
+        step.layout,
+        step.forward_backward,
+        step.forward,
+        step.sync,
     )
-    inner_layout, inner_fb, inner_sync = step.layout, step.forward_backward, step.sync
-    update = local_update(step.update, mesh) if plan_ else step.update
+    # zero stages 1-3 hand the optimizer chunks (plain local tensors) and say themselves how
+    # their norms add up; otherwise the update runs on the local pieces of sharded tensors
+    chunked = comp.zero is not None and comp.zero.stage >= 1
+    update = local_update(step.update, mesh) if plan_ and not chunked else step.update
 
     def layout(params: PyTree) -> PyTree:
         return _place(inner_layout(params), plan_, mesh)
 
-    seq = _sequence_frame(plan_, mesh, dp) if sequence_parallel else None
+    seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if cfg.sequence_parallel else None
+
+    def frames(stack: contextlib.ExitStack) -> None:
+        if seq is not None:
+            stack.enter_context(core.context(seq))
+
+    def loss_over_dp(loss: torch.Tensor) -> torch.Tensor:
+        if isinstance(loss, ShardedTensor):
+            loss = loss.full_tensor()
+        if dp is not None:
+            loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
+        return loss
 
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch = _split_batch(batch, dp, mesh) if dp else batch
-        reduce_here = in_backward and core.innermost(_ReducedAbove) is None
-        buckets = _GradBuckets(mesh, dp, bucket_bytes) if reduce_here and dp else None
+        buckets = GradBuckets(mesh, dp, cfg.bucket_bytes) if in_backward and dp else None
         with contextlib.ExitStack() as stack:
-            if seq is not None:
-                stack.enter_context(core.context(seq))
+            frames(stack)
             if buckets is not None:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
-        if isinstance(loss, ShardedTensor):
-            loss = loss.full_tensor()
         if buckets is not None:
-            return loss, buckets.finish(grads, params)
-        # gradients take their parameter's placements (a rule may leave one Partial)
-        return loss, tree.map(_in_placement, grads, params)
+            grads = buckets.finish(grads, params)
+        else:  # gradients take their parameter's placements (a rule may leave one Partial)
+            grads = tree.map(in_placement, grads, params)
+        return loss_over_dp(loss), grads
+
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        local_batch = _split_batch(batch, dp, mesh) if dp else batch
+        with contextlib.ExitStack() as stack:
+            frames(stack)
+            loss = inner_fwd(params, local_batch, extra)
+        return loss_over_dp(loss)
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
-        # zero beneath owns the data-parallel reduction; else it ran inside the backward pass
-        if dp is None or "zero" in step.options or in_backward:
-            return grads
+        if not reduces or in_backward:
+            return grads  # zero above reduces, or it ran inside the backward pass
+        assert dp is not None
         return all_reduce_tree(grads, dp, mesh)
 
-    def loss_over_dp(fb: Any) -> Any:
-        def wrapped(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
-            loss, grads = fb(params, batch, extra)
-            if dp is not None:
-                loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
-            return loss, grads
-
-        return wrapped
-
     return step.replace(
-        layout=layout,
-        forward_backward=loss_over_dp(forward_backward),
-        sync=sync,
-        update=update,
-        options={
-            **step.options,
-            **step.recorded(
-                shard,
-                mesh=mesh,
-                plan=plan,
-                batch_axis=batch_axis,
-                sequence_parallel=sequence_parallel,
-                bucket_mb=bucket_mb,
-                overlap=overlap,
-            ),
-            "mesh": mesh,
-            "batch_axis": dp,
-            "bucket_bytes": bucket_bytes,
-            "overlap": overlap,
-            "plan": plan_,
-            "sync_before_dp": inner_sync,
-            "update_before_local": step.update,
-        },
+        layout=layout, forward=forward, forward_backward=forward_backward, sync=sync, update=update
     )

@@ -26,36 +26,35 @@ over ``axis`` like whole tensors, and ``shard`` leaves the data-parallel reducti
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colfunc import core, tree
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import (
-    BUCKET_BYTES,
-    _GradBuckets,
-    _in_placement,
-    _local,
-    all_reduce_tree,
-)
+from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
 from colfunc.transforms.chunks import (
-    _as_chunk,
-    _by_rank,
-    _Chunked,
-    _cut,
-    _is_stacked,
-    _mesh_axes,
-    _padded,
-    _whole,
+    Chunked,
+    as_chunk,
+    by_rank,
+    cut_chunk,
     gather_flat,
+    is_stacked,
+    mesh_axes,
+    padded,
     reduce_scatter_flat,
+    whole,
 )
-from colfunc.transforms.layer_gather import _Gather
-from colfunc.transforms.shard import _ReducedAbove, _sharded_axes, axes_reduction
+from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.layer_gather import LayerGather
+from colfunc.transforms.local import axes_reduction, in_placement, local_piece, sharded_axes
 
-__all__ = ["zero"]
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["ZeroConfig", "ZeroLayout", "zero"]
 
 PyTree = Any
 
@@ -66,8 +65,8 @@ class ZeroLayout:
     def __init__(self, metas: PyTree, axis: str, mesh: Mesh, stage: int) -> None:
         self.metas, self.axis, self.mesh, self.stage = metas, axis, mesh, stage
 
-    def gather(self, chunk: torch.Tensor, meta: _Chunked) -> torch.Tensor:
-        return _whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
+    def gather(self, chunk: torch.Tensor, meta: Chunked) -> torch.Tensor:
+        return whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
 
     def gather_params(self, params: PyTree) -> PyTree:
         """Whole parameters from stage-3 chunks (a collective; identity for stages 0-2)."""
@@ -89,7 +88,7 @@ class ZeroLayout:
         for f, c, m in zip(gathered, cs, metas):
             if m.stacked:  # rank-major [n, L, c] to layer-major [L, n * c]
                 f = f.view(n, *c.shape).transpose(0, 1).reshape(c.shape[0], -1)
-            out.append(_whole(f, m))
+            out.append(whole(f, m))
         return tree.unflatten(treedef, out)
 
     def gather_opt(self, states: PyTree) -> PyTree:
@@ -108,17 +107,17 @@ class ZeroLayout:
         if self.stage not in (1, 2):
             return states
         n, i = self.mesh.axis_size(self.axis), self.mesh.axis_index(self.axis)
-        return tree.map(lambda x, m: _cut(x, n, i, m.stacked)[0], states, self.metas)
+        return tree.map(lambda x, m: cut_chunk(x, n, i, m.stacked)[0], states, self.metas)
 
     def __repr__(self) -> str:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
 
 
-class _ScatterBuckets(_GradBuckets):
+class ScatterBuckets(GradBuckets):
     """ZeRO 1-2's gradient reduce-scatter, started during the backward pass.
 
-    Like data parallelism's buckets (:class:`~colfunc.transforms.shard._GradBuckets`), but each
-    gradient is laid out by rank (:func:`_by_rank`; a scanned layer's row is cut as that layer's
+    Like data parallelism's buckets (:class:`~colfunc.transforms.shard.GradBuckets`), but each
+    gradient is laid out by rank (:func:`by_rank`; a scanned layer's row is cut as that layer's
     chunk is) and a bucket is reduce-scattered, so each rank receives only its averaged chunks.
     """
 
@@ -138,9 +137,9 @@ class _ScatterBuckets(_GradBuckets):
         for path, g in grads.items():
             if g is None:
                 continue
-            row = _local(_in_placement(g, params[path]))
-            if _is_stacked(path):
-                self._add((path, i), _padded(row, self.n))
+            row = local_piece(in_placement(g, params[path]))
+            if is_stacked(path):
+                self._add((path, i), padded(row, self.n))
             else:  # scanned, but cut whole: kept until the whole gradient is known
                 self.kept.setdefault(path, {}).setdefault(i, []).append(row)
 
@@ -150,9 +149,9 @@ class _ScatterBuckets(_GradBuckets):
         flat, treedef = tree.flatten_with_paths(grads)
         placed = dict(tree.flatten_with_paths(params)[0])
         for path, g in flat:
-            g = _local(_in_placement(g, placed[path]))
-            whole = path not in handed or not _is_stacked(path)
-            if path in handed and not _is_stacked(path):  # the rows taken, and what else came
+            g = local_piece(in_placement(g, placed[path]))
+            cut_whole = path not in handed or not is_stacked(path)
+            if path in handed and not is_stacked(path):  # the rows taken, and what else came
                 rows = self.kept.get(path, {})
                 total = torch.stack(
                     [
@@ -160,20 +159,20 @@ class _ScatterBuckets(_GradBuckets):
                         for i in range(len(g))
                     ]
                 )
-                g = total if g is _local(handed[path]) else total + g
-            if whole:
-                self._add(("rest", path), _by_rank(g, _is_stacked(path), self.n))
-            elif g is not _local(handed[path]):  # something outside the scan added to it
+                g = total if g is local_piece(handed[path]) else total + g
+            if cut_whole:
+                self._add(("rest", path), by_rank(g, is_stacked(path), self.n))
+            elif g is not local_piece(handed[path]):  # something outside the scan added to it
                 for i in range(g.shape[0]):
-                    self._add((path, i), _padded(g[i], self.n))
+                    self._add((path, i), padded(g[i], self.n))
         got = self._wait()
         out = []
         for path, g in flat:
-            if path not in handed or not _is_stacked(path):
+            if path not in handed or not is_stacked(path):
                 (piece,) = got[("rest", path)]
-                out.append(_as_chunk(piece, _local(g), _is_stacked(path)))
+                out.append(as_chunk(piece, local_piece(g), is_stacked(path)))
                 continue
-            local = _local(handed[path])
+            local = local_piece(handed[path])
             c = -(-local[0].numel() // self.n)
             chunk = torch.zeros((local.shape[0], c), dtype=self._dtype(local), device=local.device)
             for i in range(local.shape[0]):
@@ -181,6 +180,29 @@ class _ScatterBuckets(_GradBuckets):
                     chunk[i] += part
             out.append(chunk)
         return tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The arguments of :func:`zero`, checked."""
+
+    stage: int = 1
+    axis: str = "dp"
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        p = self.prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(
+                f"zero: prefetch must be an int >= 0 (layers gathered ahead of use), got {p!r}"
+            )
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ValueError(f"zero: axis must be a mesh axis name, got {self.axis!r}")
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        return _build(step, self, comp)
 
 
 def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Step:
@@ -195,33 +217,31 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
     Example:
         >>> s = cf.zero(cf.shard(cf.train_step(loss_fn, optim.adamw(3e-4)), mesh, plan), stage=2)
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"zero: expected a Step (from cf.train_step), got {type(step).__name__}")
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
-    if "zero" in step.options:
-        raise ValueError("zero: the step already has zero applied; apply it once")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    return apply_transform(step, "zero", ZeroConfig(stage=stage, axis=axis, prefetch=prefetch))
+
+
+def _check_blocks(params: PyTree) -> None:
+    if not isinstance(params, dict) or "blocks" not in params:
+        keys = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(
-            f"zero: prefetch must be an int >= 0 (layers gathered ahead of use), got {prefetch!r}"
+            f"zero: stage 3 gathers the stacked layers one at a time from params['blocks'], but "
+            f"the parameters have no 'blocks' entry (their keys are {keys}); put the stacked "
+            "layers under 'blocks' (as cf.layered and the models do), or use stage 1 or 2"
         )
-    bound: Mesh | None = step.options.get("mesh")
-    if bound is not None and axis not in bound.axis_names:
-        raise ValueError(
-            f"zero: axis {axis!r} is not an axis of the mesh {bound.shape}; pass axis= one of "
-            f"{bound.axis_names}"
-        )
-    # beneath a data-parallel shard, its gradient reduction is replaced, not repeated
-    inner_sync = step.options.get("sync_before_dp", step.sync)
-    # likewise shard's local-update wrapper: zero hands the optimizer chunks, and says itself how
-    # their norms add up
-    inner_update = step.options.get("update_before_local", step.update)
-    whole_update = step.update  # stage 0 updates whole (tensor-parallel) parameters
-    inner_layout, inner_fb = step.layout, step.forward_backward
+
+
+def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
+    stage, axis, prefetch = cfg.stage, cfg.axis, cfg.prefetch
+    bound = comp.mesh
+    # shard beneath (if any) leaves the data-parallel reduction to this transform, and leaves its
+    # update unwrapped for stages 1-3, whose chunks are local tensors already
+    inner_sync, inner_update = step.sync, step.update
+    inner_layout, inner_fb, inner_fwd = step.layout, step.forward_backward, step.forward
     # stages 0-2 reduce each layer's gradients as they come, as shard does (stage 0 all-reduces,
     # stages 1-2 reduce-scatter), unless a pipeline beneath differentiates microbatch by
     # microbatch; stage 3's gathers reduce-scatter by themselves
-    in_backward = stage < 3 and "pipeline" not in step.options and step.options.get("overlap", True)
+    in_backward = stage < 3 and comp.reduce_in_backward
+    bucket_bytes = comp.bucket_bytes
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
     def mesh_() -> Mesh:
@@ -239,14 +259,17 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         flat, treedef = tree.flatten_with_paths(params)
         # stacked layers are cut layer by layer, so that each layer's gradients can be
         # reduce-scattered (stages 1-2) or its parameters gathered (stage 3) on their own
-        pairs = [_cut(x, n, i, stage >= 1 and _is_stacked(p)) for p, x in flat]
+        pairs = [cut_chunk(x, n, i, stage >= 1 and is_stacked(p)) for p, x in flat]
         chunks = tree.unflatten(treedef, [c for c, _ in pairs])
         metas = tree.unflatten(treedef, [mt for _, mt in pairs])
         return chunks, ZeroLayout(metas, axis, m, stage)
 
     def layout(params: PyTree) -> PyTree:
         params = inner_layout(params)
-        return cut(params)[0] if stage == 3 else params
+        if stage < 3:
+            return params
+        _check_blocks(params)
+        return cut(params)[0]
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         return {**inner_init_extra(params), "zero": cut(inner_layout(params))[1]}
@@ -256,34 +279,40 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         # are chunks already)
         return inner_init_opt(placed if stage in (0, 3) else cut(placed)[0])
 
-    def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
-        # a shard beneath leaves its data-parallel reduction to this transform's sync
-        with core.context(_ReducedAbove()):
-            return _forward_backward(params, batch, extra)
+    def whole_rest(params: PyTree, z: ZeroLayout) -> PyTree:
+        """The non-stacked parameters gathered whole (their grads are scattered below), the
+        stacked layers left as chunks for the per-layer gathers."""
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        rest_metas = {k: z.metas[k] for k in rest}
+        with torch.no_grad():
+            return {**z.gather_chunks(rest, rest_metas), "blocks": params["blocks"]}
 
-    def _forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        if stage < 3:
+            return inner_fwd(params, batch, extra)
+        z: ZeroLayout = extra["zero"]
+        with core.context(LayerGather(z, prefetch)):
+            return inner_fwd(whole_rest(params, z), batch, extra)
+
+    def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
         if stage < 3:
             m = mesh_()
             # (one rank's all_reduce is the identity; its reduce-scatter still cuts the chunks)
             if not in_backward or (stage == 0 and m.axis_size(axis) == 1):
                 return inner_fb(params, batch, extra)
-            reduction = _GradBuckets if stage == 0 else _ScatterBuckets
-            buckets = reduction(m, axis, step.options.get("bucket_bytes", BUCKET_BYTES))
+            reduction = GradBuckets if stage == 0 else ScatterBuckets
+            buckets = reduction(m, axis, bucket_bytes)
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             return loss, buckets.finish(grads, params)
         z: ZeroLayout = extra["zero"]
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        rest_metas = {k: z.metas[k] for k in rest}
-        with torch.no_grad():  # the whole non-stacked parameters; their grads are scattered below
-            full = {**z.gather_chunks(rest, rest_metas), "blocks": params["blocks"]}
-        with core.context(_Gather(z, prefetch)):
-            loss, grads = inner_fb(full, batch, extra)
+        with core.context(LayerGather(z, prefetch)):
+            loss, grads = inner_fb(whole_rest(params, z), batch, extra)
         n = z.mesh.axis_size(axis)
         # the stacked layers' gradients are chunks already (the gathers' backward scattered them)
         rest_grads = {k: v for k, v in grads.items() if k != "blocks"}
         flat, treedef = tree.flatten_with_paths(rest_grads)
-        chunks = reduce_scatter_flat([_padded(g, n) for _, g in flat], axis, z.mesh, "sum")
+        chunks = reduce_scatter_flat([padded(g, n) for _, g in flat], axis, z.mesh, "sum")
         return loss, {**tree.unflatten(treedef, chunks), "blocks": grads["blocks"]}
 
     def sync(grads: PyTree) -> PyTree:
@@ -297,22 +326,22 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
             return tree.map(lambda g: g / n, grads)
         flat, treedef = tree.flatten_with_paths(grads)
-        stacked = [_is_stacked(p) for p, _ in flat]
+        stacked = [is_stacked(p) for p, _ in flat]
         pieces = reduce_scatter_flat(
-            [_by_rank(g, st, n) for (_, g), st in zip(flat, stacked)], axis, m, "avg"
+            [by_rank(g, st, n) for (_, g), st in zip(flat, stacked)], axis, m, "avg"
         )
-        chunks = [_as_chunk(p, g, st) for p, (_, g), st in zip(pieces, flat, stacked)]
+        chunks = [as_chunk(p, g, st) for p, (_, g), st in zip(pieces, flat, stacked)]
         return tree.unflatten(treedef, chunks)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         if stage == 0:
-            return whole_update(grads, state)
+            return inner_update(grads, state)
         z: ZeroLayout = state.extra["zero"]
         m = z.mesh
         chunks = state.params if stage == 3 else cut(state.params)[0]
         # each chunk partitions its local parameter over `axis`, and tensor-parallel shards
         # partition it further over their own axes
-        axes = [_mesh_axes(m, {axis, *_sharded_axes(mt.template)}) for mt in tree.leaves(z.metas)]
+        axes = [mesh_axes(m, {axis, *sharded_axes(mt.template)}) for mt in tree.leaves(z.metas)]
         with core.context(axes_reduction(axes, m)):
             new, info = inner_update(grads, state._replace(params=chunks))
         if stage == 3:
@@ -325,12 +354,8 @@ def zero(step: Step, stage: int = 1, axis: str = "dp", prefetch: int = 1) -> Ste
         layout=layout,
         init_opt=init_opt,
         init_extra=init_extra,
+        forward=forward,
         forward_backward=forward_backward,
         sync=sync,
         update=update,
-        options={
-            **step.options,
-            **step.recorded(zero, stage=stage, axis=axis, prefetch=prefetch),
-            "zero": {"stage": stage, "axis": axis, "prefetch": prefetch},
-        },
     )

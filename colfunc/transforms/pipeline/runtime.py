@@ -90,10 +90,12 @@ class Runner:
             ]
             self.link = Link(mesh, axis, expected)
         self.rest_params = tree.unflatten(self.rest_def, self.rest)
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.received: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        # a stage's input and output are carries (pytrees); the gradients that travel back are
+        # lists, one per carry leaf that needs a gradient, in leaf order
+        self.inputs: dict[tuple[int, int], PyTree] = {}
+        self.outputs: dict[tuple[int, int], PyTree] = {}
+        self.received: dict[tuple[str, int, int], Any] = {}
+        self.input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.deferred: dict[tuple[int, int], Any] = {}
         self.losses: list[torch.Tensor] = []
         self.rest_grads = [_Sum() for _ in self.rest]
@@ -107,7 +109,8 @@ class Runner:
         self.one_layer: dict[int, PyTree] = {}
         # with no frame intercepting scan_layers (remat, ZeRO-3) it is the plain loop: call the
         # block on each layer's leaves directly, sparing the copy that unbind's gradient makes
-        self.direct = not any(hasattr(f, "scan_layers") for f in core.frames())
+        self.direct = not any(isinstance(f, core.ScanInterceptor) for f in core.frames())
+        self.grad = any(a.op in ("B", "I", "W") for acts in schedule.actions for a in acts)
         self.layer_trees = [tree.unflatten(self.blocks_def, layer) for layer in self.layers]
 
     # --- the step ------------------------------------------------------------------------------
@@ -192,15 +195,17 @@ class Runner:
 
     def forward(self, s: int, j: int) -> None:
         batch = self.microbatches[j]
-        with torch.enable_grad():
+        with torch.enable_grad() if self.grad else torch.no_grad():
             if s == 0:
                 h = self.loss.pre(self.rest_params, batch)
             else:
                 if self.schedule.rank_of(s - 1) == self.rank:
-                    x = _input_leaf(self.outputs[s - 1, j])
+                    prev = self.outputs[s - 1, j] if self.grad else self.outputs.pop((s - 1, j))
+                    x = tree.map(_input_leaf, prev)
                 else:
                     x = self.received.pop(("F", s, j))
-                self.inputs[s, j] = x
+                if self.grad:
+                    self.inputs[s, j] = x
                 h = x
             start, stop = self.stage_layers[s]
             for i in range(start, stop):
@@ -213,45 +218,57 @@ class Runner:
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise ValueError(f"the loss function must return a scalar tensor, got {loss!r}")
                 self.losses.append(loss.detach())
+                if not self.grad:
+                    return
                 out = loss * self.scale if self.scale != 1.0 else loss
             else:
                 out = h
         self.outputs[s, j] = out
 
-    def _output_grad(self, s: int, j: int) -> torch.Tensor | None:
+    def _seeds(self, s: int, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Stage ``s``'s outputs on microbatch ``j`` that need gradients, and those gradients
+        (None for the last stage, whose output is the loss)."""
+        out = self.outputs.pop((s, j))
         if s == self.last:
-            return None
+            return [out], None
+        outs = _needing_grad(out)
         if self.schedule.rank_of(s + 1) == self.rank:
-            return self.input_grads.pop((s + 1, j))
-        return self.received.pop(("B", s, j))
+            gs = self.input_grads.pop((s + 1, j))
+        else:
+            gs = list(self.received.pop(("B", s, j)))
+        return outs, gs
+
+    def _inputs(self, s: int, j: int) -> list[torch.Tensor] | None:
+        x = self.inputs.pop((s, j), None)
+        return None if x is None else _needing_grad(x)
 
     def backward(self, s: int, j: int) -> None:
-        out, g = self.outputs.pop((s, j)), self._output_grad(s, j)
-        x = self.inputs.pop((s, j), None)
+        outs, gs = self._seeds(s, j)
+        xs = self._inputs(s, j)
         weights = self._weights(s)
-        targets = weights if x is None else [x, *weights]
-        grads = torch.autograd.grad(out, targets, g, allow_unused=True)
-        if x is not None:
-            self.input_grads[s, j] = _grad_or_zeros(grads[0], x)
-            grads = grads[1:]
+        targets = weights if xs is None else [*xs, *weights]
+        grads = torch.autograd.grad(outs, targets, gs, allow_unused=True)
+        if xs is not None:
+            self.input_grads[s, j] = [_grad_or_zeros(g, x) for g, x in zip(grads, xs)]
+            grads = grads[len(xs) :]
         self._accumulate(s, grads)
 
     def backward_input(self, s: int, j: int) -> None:
-        out, g = self.outputs.pop((s, j)), self._output_grad(s, j)
-        x = self.inputs.pop((s, j), None)
-        if x is None:  # the first stage: nothing waits for its input gradient
-            self.deferred[s, j] = (out, g)
+        outs, gs = self._seeds(s, j)
+        xs = self._inputs(s, j)
+        if xs is None:  # the first stage: nothing waits for its input gradient
+            self.deferred[s, j] = (outs, gs)
             return
-        gx, groups = input_pass(out, g, x, self._weights(s))
-        self.input_grads[s, j] = _grad_or_zeros(gx, x)
+        gxs, groups = input_pass(outs, gs, xs, self._weights(s))
+        self.input_grads[s, j] = [_grad_or_zeros(g, x) for g, x in zip(gxs, xs)]
         self.deferred[s, j] = groups
 
     def backward_weight(self, s: int, j: int) -> None:
         deferred = self.deferred.pop((s, j))
         weights = self._weights(s)
         if isinstance(deferred, tuple):
-            out, g = deferred
-            self._accumulate(s, torch.autograd.grad(out, weights, g, allow_unused=True))
+            outs, gs = deferred
+            self._accumulate(s, torch.autograd.grad(outs, weights, gs, allow_unused=True))
         else:
             self._accumulate(s, weight_pass(deferred, weights))
 
@@ -265,12 +282,13 @@ class Runner:
 
     def send_forward(self, s: int, j: int) -> None:
         assert self.link is not None
-        self.link.send(self.outputs[s, j], self._peer(s + 1), "F", self._tag("F", s, j))
+        out = self.outputs[s, j] if self.grad else self.outputs.pop((s, j))
+        self.link.send(out, self._peer(s + 1), "F", self._tag("F", s, j))
 
     def recv_forward(self, s: int, j: int) -> None:
         assert self.link is not None
         x = self.link.recv(self._peer(s - 1), "F", self._tag("F", s - 1, j))
-        self.received["F", s, j] = x.requires_grad_(x.is_floating_point())
+        self.received["F", s, j] = x
 
     def send_backward(self, s: int, j: int) -> None:
         assert self.link is not None
@@ -308,7 +326,13 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 
 
 def _input_leaf(out: torch.Tensor) -> torch.Tensor:
-    return out.detach().requires_grad_(out.is_floating_point())
+    # the next stage's input: a fresh leaf, needing a gradient where the output did
+    return out.detach().requires_grad_(out.requires_grad)
+
+
+def _needing_grad(carry: PyTree) -> list[torch.Tensor]:
+    """The carry's leaves that need a gradient, in leaf order (what crosses back)."""
+    return [x for x in tree.leaves(carry) if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
 def _grad_or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,14 @@ class Schedule:
         """``rank``'s computations in order, without the transfers."""
         return tuple(a for a in self.actions[rank] if a.op in COMPUTE)
 
+    def forward_only(self) -> Schedule:
+        """This schedule's forward actions and their transfers, in the same order (the forward
+        pass of an evaluation). Only receives wait, so dropping actions never adds a wait."""
+        kept = tuple(
+            tuple(a for a in acts if a.op in ("F", "SEND_F", "RECV_F")) for acts in self.actions
+        )
+        return dataclasses.replace(self, name=f"{self.name}/forward", actions=kept)
+
 
 def check(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> None:
     """Raise ``ValueError`` naming the value and the fix if the schedule cannot take these sizes."""

@@ -28,12 +28,12 @@ class _Group:
 
 
 def _meeting_groups(
-    out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]
+    outs: list[torch.Tensor], xs: list[torch.Tensor], weights: list[torch.Tensor]
 ) -> list[_Group]:
-    """Group ``weights`` by the nodes where their gradient paths meet the one from ``x``."""
-    root = get_gradient_edge(out).node
+    """Group ``weights`` by the nodes where their gradient paths meet the ones from ``xs``."""
+    roots = {get_gradient_edge(out).node for out in outs}
     users: dict[Node, list[Node]] = defaultdict(list)
-    seen, stack = {root}, [root]
+    seen, stack = set(roots), list(roots)
     while stack:
         n = stack.pop()
         for nxt, _ in n.next_functions:
@@ -42,8 +42,8 @@ def _meeting_groups(
                 if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
-    x_node = get_gradient_edge(x).node
-    on_path, stack = {x_node}, [x_node]  # the nodes whose output depends on x
+    x_nodes = {get_gradient_edge(x).node for x in xs}
+    on_path, stack = set(x_nodes), list(x_nodes)  # the nodes whose output depends on an x
     while stack:
         for u in users[stack.pop()]:
             if u not in on_path:
@@ -76,10 +76,13 @@ def _meeting_groups(
 
 
 def input_pass(
-    out: torch.Tensor, g: torch.Tensor | None, x: torch.Tensor, weights: list[torch.Tensor]
-) -> tuple[torch.Tensor | None, list[_Group]]:
-    """The gradient of ``x`` (seeding ``out`` with ``g``), and what the weight pass needs."""
-    groups = _meeting_groups(out, x, weights)
+    outs: list[torch.Tensor],
+    gs: list[torch.Tensor] | None,
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+) -> tuple[tuple[torch.Tensor | None, ...], list[_Group]]:
+    """The gradients of ``xs`` (seeding ``outs`` with ``gs``), and what the weight pass needs."""
+    groups = _meeting_groups(outs, xs, weights)
     handles = []
     for group in groups:
         for node in group.meets:
@@ -89,11 +92,11 @@ def input_pass(
 
             handles.append(node.register_prehook(keep))
     try:
-        (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True, allow_unused=True)
+        gxs = torch.autograd.grad(outs, xs, gs, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    return gx, groups
+    return tuple(gxs), groups
 
 
 def weight_pass(

@@ -13,7 +13,7 @@ The batch is cut into ``microbatches`` along dim 0 and run by the schedule (see
 :mod:`.schedules`); the loss is the mean over microbatches, on every rank; the gradients are those
 of the mean loss, as on one device. Gradient clipping sees the norm of every stage's gradients.
 
-Apply it first, to the plain step, then the other transforms around it, e.g.
+It composes with the other transforms in any order (it always runs innermost), e.g.
 ``cf.zero(cf.shard(cf.pipeline(step, 2, 4), mesh, plan=tp_plan), stage=1)``; the mesh is the
 current one (inside ``cf.launch``) and must have ``axis`` of size ``stages``.
 """
@@ -21,17 +21,22 @@ current one (inside ``cf.launch``) and must have ``axis`` of size ``stages``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import _local, _rewrap, all_reduce_buckets
+from colfunc.transforms.buckets import all_reduce_buckets
+from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.local import local_piece, rewrap
 from colfunc.transforms.pipeline import schedules
 from colfunc.transforms.pipeline.link import DTYPES
 from colfunc.transforms.pipeline.runtime import Runner
+
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
 
 __all__ = ["PipelineConfig", "PipelineLayout", "pipeline", "pipeline_from_config"]
 
@@ -53,6 +58,9 @@ class PipelineConfig:
         schedules.check(self.schedule, self.stages, self.microbatches, self.virtual_stages)
         if not isinstance(self.axis, str) or not self.axis:
             raise ValueError(f"pipeline: axis must be a mesh axis name, got {self.axis!r}")
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        return _build(step, self)
 
 
 class PipelineLayout:
@@ -111,7 +119,7 @@ class PipelineLayout:
         rows = torch.tensor([where[g] for g in range(self.layers)])
 
         def gather(x: torch.Tensor) -> torch.Tensor:
-            local = _local(x)
+            local = local_piece(x)
             pad = local.new_zeros((most - local.shape[0], *local.shape[1:]))
             full = comm.all_gather(torch.cat([local, pad]), self.axis, 0, mesh).index_select(
                 0, rows
@@ -122,6 +130,14 @@ class PipelineLayout:
 
         with torch.no_grad():
             return {**params, "blocks": tree.map(gather, params["blocks"])}
+
+    def gather_opt(self, states: PyTree) -> PyTree:
+        """Optimizer states shaped like the parameters, gathered as they are (a collective)."""
+        return self.gather_params(states)
+
+    def place_opt(self, states: PyTree) -> PyTree:
+        """The inverse of :meth:`gather_opt` is the step's own layout, which placed them."""
+        return states
 
     def describe(self) -> str:
         """One line per stage: its layers and rank; says when the split is uneven."""
@@ -194,21 +210,23 @@ def pipeline(
         virtual_stages=virtual_stages,
         axis=axis,
     )
-    loss_fn = step.loss_fn
-    if not isinstance(loss_fn, core.Layered):
+    if not isinstance(step.loss_fn, core.Layered):
         raise ValueError(
             f"pipeline: the loss must be a cf.layered(pre, block, post), which says where the "
-            f"model may be cut into stages; got {loss_fn!r}. The models' loss(cfg) is one."
+            f"model may be cut into stages; got {step.loss_fn!r}. The models' loss(cfg) is one."
         )
-    applied = [k for k in ("pipeline", "mesh", "zero", "amp", "remat") if k in step.options]
-    if applied:
-        raise ValueError(
-            f"pipeline: apply cf.pipeline to the plain step first, then the other transforms "
-            f"around it (e.g. cf.zero(cf.shard(cf.pipeline(step, ...), mesh), stage=1)); this "
-            f"step already has {applied[0]!r} applied"
-        )
+    return apply_transform(step, "pipeline", cfg)
+
+
+def _build(step: Step, cfg: PipelineConfig) -> Step:
+    loss_fn = step.loss_fn
+    assert isinstance(loss_fn, core.Layered)  # checked by pipeline()
+    axis = cfg.axis
     p = cfg.stages
-    plan = schedules.build(cfg.schedule, p, cfg.microbatches, cfg.virtual_stages)
+    actions = schedules.build(cfg.schedule, p, cfg.microbatches, cfg.virtual_stages)
+    # the forward pass alone: the same schedule without its backward actions (dropping actions
+    # that wait cannot make another rank wait forever, since sends never block)
+    forward_only = actions.forward_only()
     inner_layout, inner_init_extra = step.layout, step.init_extra
     inner_sync, inner_update = step.sync, step.update
 
@@ -247,7 +265,7 @@ def pipeline(
         lay: PipelineLayout = extra["pipeline"]
         mbs = _microbatches(batch, cfg.microbatches)
         runner = Runner(
-            plan, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
+            actions, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
         )
         if cfg.schedule == "zero_bubble":  # input and weight gradients in separate passes
             with core.context(core.SplitBackward()):
@@ -256,6 +274,15 @@ def pipeline(
             total, grads = runner.run()
         return _mean_loss(total, cfg.microbatches, lay), grads
 
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        lay: PipelineLayout = extra["pipeline"]
+        mbs = _microbatches(batch, cfg.microbatches)
+        runner = Runner(
+            forward_only, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
+        )
+        total, _ = runner.run()
+        return _mean_loss(total, cfg.microbatches, lay)
+
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
         mesh = mesh_()
@@ -263,10 +290,10 @@ def pipeline(
             return grads
         flat, treedef = tree.flatten_with_paths(grads)
         shared = [i for i, (path, _) in enumerate(flat) if not _is_block(path)]
-        summed = all_reduce_buckets([_local(flat[i][1]) for i in shared], axis, mesh, op="sum")
+        summed = all_reduce_buckets([local_piece(flat[i][1]) for i in shared], axis, mesh, op="sum")
         leaves = [g for _, g in flat]
         for i, s in zip(shared, summed):
-            leaves[i] = _rewrap(leaves[i], s)
+            leaves[i] = rewrap(leaves[i], s)
         return tree.unflatten(treedef, leaves)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
@@ -290,21 +317,10 @@ def pipeline(
     return step.replace(
         layout=layout,
         init_extra=init_extra,
+        forward=forward,
         forward_backward=forward_backward,
         sync=sync,
         update=update,
-        options={
-            **step.options,
-            **step.recorded(
-                pipeline,
-                stages=stages,
-                microbatches=microbatches,
-                schedule=schedule,
-                virtual_stages=virtual_stages,
-                axis=axis,
-            ),
-            "pipeline": dataclasses.asdict(cfg),
-        },
     )
 
 
