@@ -227,9 +227,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``colfunc`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     from colfunc.sharding import RankFailedError
 
-    """Run the ``colfunc`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already reported in one line

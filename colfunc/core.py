@@ -5,9 +5,36 @@ current mesh, the active transforms. Model code never reads it; it only calls th
 and a transform that wants to change how they run pushes a frame for the duration of a call.
 
 ``scan_layers`` is the hook point for pipeline (run only this stage's layers), remat (checkpoint
-each layer) and ZeRO-3 (gather each layer's parameters on use): a frame that defines
-``scan_layers(block, h, blocks, inner)`` sees the call first and may delegate to ``inner``, the
-next frame's version (finally the plain loop).
+each layer), ZeRO-3 (gather each layer's parameters on use) and sequence parallelism (split the
+carry's sequence dim between layers): a :class:`ScanInterceptor` frame defines
+``scan_layers(block, carry, blocks, xs, inner)``, sees the call first and may delegate to
+``inner``, the next frame's version (finally the plain loop).
+
+Every frame, who pushes it, who reads it, and when it is read (*call*: while a step runs; no
+frame is read when a step is built, since transforms learn of each other through
+:class:`~colfunc.transforms.composition.Composition`, not the stack):
+
+===================== ============================================ ============================================ =====
+frame                 pushed by                                    read by                                      when
+===================== ============================================ ============================================ =====
+``Mesh``              ``launch`` (each rank's thread or process)   ``current_mesh``, amp's overflow check,      call
+                                                                   zero and pipeline without ``shard``
+``LossScale``         ``amp``'s forward-backward                   :func:`loss_scale`: the step's               call
+                                                                   forward-backward, the pipeline runner
+``WidenGrads``        ``amp``'s forward-backward                   gradient buckets (reduce in the masters'     call
+                                                                   dtype)
+``LayerGrads``        ``shard`` and ``zero`` 0-2 forward-backward  the step's forward-backward (``track``),     call
+                      (their gradient buckets)                     :func:`scan_layers` (take each layer's
+                                                                   gradients during the backward pass)
+``NormReduction``     ``shard`` (local update), ``zero`` 1-3       ``optim.clip_by_global_norm``, the step's    call
+                      update, ``pipeline`` update                  gradient norm; ``pipeline`` nests it
+``SplitBackward``     ``pipeline`` with ``"zero_bubble"``          remat (full checkpoints), ZeRO-3 gathers     call
+``_KnownNorm``        the step's update                            ``clip_by_global_norm`` (reuse the norm)     call
+``_Remat``            ``remat``'s forward-backward                 :func:`scan_layers` (an interceptor)         call
+``LayerGather``       ``zero`` stage 3 forward(-backward)          :func:`scan_layers` (an interceptor)         call
+``_SequenceParallel`` ``shard(sequence_parallel=True)``            :func:`scan_layers` (an interceptor)         call
+``Trace``             the user, around a step                      the pipeline runner (records its actions)    call
+===================== ============================================ ============================================ =====
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from colfunc import torch_private
+
 __all__ = [
     "FLOAT_DTYPES",
     "adamw",
@@ -38,7 +40,7 @@ def interpreting() -> bool:
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return bool(torch_private.is_functorch_wrapped_tensor(t))
 
 
 def device(op: str, *tensors: torch.Tensor, interpreted: bool | None = None) -> None:

@@ -17,8 +17,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from colfunc import torch_private
+from colfunc.torch_private import pytree_module
+
+TorchDispatchMode: Any = torch_private.get("TorchDispatchMode")
+tree_leaves = pytree_module.tree_leaves
 
 __all__ = ["Tracker", "track"]
 

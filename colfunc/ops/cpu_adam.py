@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from colfunc import torch_private
 from colfunc.kernels import checks
 
 __all__ = ["cpu_adamw_"]
@@ -59,7 +60,7 @@ def _torch_fused(
     weight_decay: float,
 ) -> None:
     """The same update by ``torch._fused_adamw_``, for machines without a C++ compiler."""
-    torch._fused_adamw_(
+    torch_private.fused_adamw_(
         list(params),
         [g.float() for g in grads],
         list(exp_avgs),

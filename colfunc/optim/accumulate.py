@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from colfunc import tree
+from colfunc import torch_private, tree
 from colfunc.optim.base import GradientTransformation, state_zeros, wide_leaves
 
 __all__ = ["AccumulateState", "accumulate"]
@@ -51,7 +51,7 @@ def accumulate(opt: GradientTransformation, k: int) -> GradientTransformation:
         grads: PyTree, state: AccumulateState, params: PyTree
     ) -> tuple[PyTree, AccumulateState]:
         treedef = tree.structure(params)
-        total = torch._foreach_add(
+        total = torch_private.foreach_add(
             wide_leaves(treedef, state.grad_sum), wide_leaves(treedef, grads)
         )
         if state.micro_step + 1 < k:
@@ -59,7 +59,7 @@ def accumulate(opt: GradientTransformation, k: int) -> GradientTransformation:
             return zeros, state._replace(
                 micro_step=state.micro_step + 1, grad_sum=tree.unflatten(treedef, total)
             )
-        mean = tree.unflatten(treedef, torch._foreach_div(total, float(k)))
+        mean = tree.unflatten(treedef, torch_private.foreach_div(total, float(k)))
         updates, inner = opt.update(mean, state.inner, params)
         return updates, AccumulateState(0, state_zeros(params), inner)
 

@@ -9,7 +9,7 @@ With ``t`` the update number from 1, ``g`` the gradient and ``p`` the parameter:
              - lr * weight_decay * p                     (AdamW: decoupled decay)
 
 Adam instead adds ``weight_decay * p`` to ``g`` first (L2 regularisation). The moments are fp32
-whatever the parameters' dtype (fp64 for fp64 parameters). Each line is one ``torch._foreach_*``
+whatever the parameters' dtype (fp64 for fp64 parameters). Each line is one foreach op (``torch_private.foreach_*``)
 pass over all tensors (the order of operations follows torch's ``foreach`` implementation, so
 results agree to rounding); new tensors come out and nothing passed in is written.
 """
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from colfunc import tree
+from colfunc import torch_private, tree
 from colfunc.optim.base import (
     GradientTransformation,
     Schedule,
@@ -77,23 +77,23 @@ def _scale_by_adam(
         lr_t = learning_rate(lr, state.step)
         t = state.step + 1
         if weight_decay and not decoupled:
-            gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-        m = torch._foreach_lerp(treedef.flatten_up_to(state.exp_avg), gs, 1 - beta1)
-        v = torch._foreach_mul(treedef.flatten_up_to(state.exp_avg_sq), beta2)
-        torch._foreach_addcmul_(v, gs, gs, 1 - beta2)
+            gs = torch_private.foreach_add(gs, ps, alpha=weight_decay)
+        m = torch_private.foreach_lerp(treedef.flatten_up_to(state.exp_avg), gs, 1 - beta1)
+        v = torch_private.foreach_mul(treedef.flatten_up_to(state.exp_avg_sq), beta2)
+        torch_private.foreach_addcmul_(v, gs, gs, 1 - beta2)
         v_max: Tensors | None = None
         if amsgrad:
-            v_max = torch._foreach_maximum(treedef.flatten_up_to(state.max_exp_avg_sq), v)
-        denom = torch._foreach_sqrt(v_max if v_max is not None else v)
-        torch._foreach_div_(denom, (1 - beta2**t) ** 0.5)
-        torch._foreach_add_(denom, eps)
+            v_max = torch_private.foreach_maximum(treedef.flatten_up_to(state.max_exp_avg_sq), v)
+        denom = torch_private.foreach_sqrt(v_max if v_max is not None else v)
+        torch_private.foreach_div_(denom, (1 - beta2**t) ** 0.5)
+        torch_private.foreach_add_(denom, eps)
         step_size = (lr_t / (1 - beta1**t)) * -1
         if weight_decay and decoupled:
-            updates = torch._foreach_mul(ps, -lr_t * weight_decay)
-            torch._foreach_addcdiv_(updates, m, denom, step_size)
+            updates = torch_private.foreach_mul(ps, -lr_t * weight_decay)
+            torch_private.foreach_addcdiv_(updates, m, denom, step_size)
         else:
-            updates = torch._foreach_div(m, denom)
-            torch._foreach_mul_(updates, step_size)
+            updates = torch_private.foreach_div(m, denom)
+            torch_private.foreach_mul_(updates, step_size)
         new_state = AdamState(
             t,
             tree.unflatten(treedef, m),
@@ -126,11 +126,11 @@ def _scale_by_adam(
             return None
         t = state.step + 1
         new_p, new_m, new_v = (
-            list(xs) if donate else list(torch._foreach_mul(xs, 1.0))  # copies
+            list(xs) if donate else list(torch_private.foreach_mul(xs, 1.0))  # copies
             for xs in (ps, ms, vs)
         )
         steps = [torch.tensor(float(t), device=p.device) for p in ps]
-        torch._fused_adamw_(
+        torch_private.fused_adamw_(
             new_p,
             list(gs),
             new_m,

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from colfunc import tree
+from colfunc import torch_private, tree
 
 __all__ = ["GradientTransformation", "Schedule", "apply_updates", "chain", "learning_rate"]
 
@@ -89,7 +89,9 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     treedef = tree.structure(params)
     ps, ups = tree.leaves(params), treedef.flatten_up_to(updates)
     floats = [i for i, p in enumerate(ps) if isinstance(p, torch.Tensor) and p.is_floating_point()]
-    new = torch._foreach_add([ps[i] for i in floats], [ups[i].to(ps[i].dtype) for i in floats])
+    new = torch_private.foreach_add(
+        [ps[i] for i in floats], [ups[i].to(ps[i].dtype) for i in floats]
+    )
     out = list(ps)
     for i, p in zip(floats, new):
         out[i] = p

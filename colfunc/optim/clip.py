@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from colfunc import core, tree
+from colfunc import core, torch_private, tree
 from colfunc.optim.base import GradientTransformation, check_number
 
 __all__ = ["clip_by_global_norm", "global_norm", "known_norm"]
@@ -54,7 +54,7 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-    norms = torch._foreach_norm(ts, 2.0, dtype=dtype)
+    norms = torch_private.foreach_norm(ts, 2.0, dtype=dtype)
     device = ts[0].device
     if frame is not None:  # the leaves are local pieces of distributed tensors
         return frame.reduce([n.to(device).square() for n in norms]).sqrt()
@@ -85,7 +85,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not floats:
             return grads, state
         coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
-        scaled = torch._foreach_mul([gs[i] for i in floats], coef.to(gs[floats[0]].device))
+        scaled = torch_private.foreach_mul([gs[i] for i in floats], coef.to(gs[floats[0]].device))
         out = list(gs)  # other leaves (integer "gradients" of integer leaves) pass unchanged
         for i, g in zip(floats, scaled):
             out[i] = g

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import torch
-
-from colfunc import tree
+from colfunc import torch_private, tree
 from colfunc.optim.base import (
     GradientTransformation,
     Schedule,
@@ -73,7 +71,7 @@ def sgd(
         treedef = tree.structure(params)
         gs: Tensors = wide_leaves(treedef, grads)
         if weight_decay:
-            gs = torch._foreach_add(gs, wide_leaves(treedef, params), alpha=weight_decay)
+            gs = torch_private.foreach_add(gs, wide_leaves(treedef, params), alpha=weight_decay)
         buf: Tensors | None = None
         d: Tensors = gs
         if momentum:
@@ -81,10 +79,12 @@ def sgd(
                 # A copy even when `gs` are the caller's tensors: the state must not alias them.
                 buf = [g.clone() for g in gs]
             else:
-                buf = torch._foreach_mul(treedef.flatten_up_to(state.momentum_buffer), momentum)
-                torch._foreach_add_(buf, gs, alpha=1 - dampening)
-            d = torch._foreach_add(gs, buf, alpha=momentum) if nesterov else buf
-        updates = torch._foreach_mul(d, -learning_rate(lr, state.step))
+                buf = torch_private.foreach_mul(
+                    treedef.flatten_up_to(state.momentum_buffer), momentum
+                )
+                torch_private.foreach_add_(buf, gs, alpha=1 - dampening)
+            d = torch_private.foreach_add(gs, buf, alpha=momentum) if nesterov else buf
+        updates = torch_private.foreach_mul(d, -learning_rate(lr, state.step))
         new_buf = None if buf is None else tree.unflatten(treedef, buf)
         return tree.unflatten(treedef, updates), SgdState(state.step + 1, new_buf)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from colfunc import torch_private
 from colfunc.sharding.ledger import ring_bytes
 from colfunc.sharding.mesh import Axes, Mesh, current_mesh
 from colfunc.sharding.world import Call, combine
@@ -128,7 +129,7 @@ class _Collective(torch.autograd.Function):
         # arguments through inspect.signature on every call (tens of microseconds); every
         # argument is passed here, so outside torch.func transforms go to the C entry point that
         # Function.apply ends in, and with nothing to differentiate skip the autograd node.
-        if torch._C._are_functorch_transforms_active():
+        if torch_private.are_functorch_transforms_active():
             return super().apply(*args)
         if args[0].requires_grad and torch.is_grad_enabled():
             return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]

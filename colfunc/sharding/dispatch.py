@@ -39,13 +39,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from colfunc.sharding.mesh import Mesh, current_mesh
 from colfunc.sharding.placement import Partial, Placements, Replicate, grad_placements
 from colfunc.sharding.redistribute import redistribute_local
 from colfunc.sharding.rules import Plan, Spec, lookup
 from colfunc.sharding.tensor import ShardedTensor
+from colfunc.torch_private import pytree_module as pytree
 
 __all__ = ["dispatch", "fallback_counts", "is_param", "reset_fallback_counts", "strict"]
 

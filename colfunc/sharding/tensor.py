@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from colfunc import torch_private
 from colfunc.sharding import comm
 from colfunc.sharding.mesh import Mesh, current_mesh
 from colfunc.sharding.placement import (
@@ -73,7 +74,7 @@ class ShardedTensor(torch.Tensor):
     _placements: Placements
     _param = False  # a view or cast of a parameter (the propagation rules keep those in place)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = torch_private.get("disabled_torch_function_impl")
 
     @staticmethod
     def __new__(
@@ -86,7 +87,7 @@ class ShardedTensor(torch.Tensor):
         requires_grad: bool = False,
     ) -> ShardedTensor:
         shape = tuple(shape)
-        r = torch.Tensor._make_wrapper_subclass(
+        r = torch_private.make_wrapper_subclass(
             cls,
             shape,
             strides=_contiguous_strides(shape) if stride is None else stride,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colfunc import core, tree
+from colfunc import core, torch_private, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm
 from colfunc.step import Step, TrainState
 from colfunc.transforms.composition import apply_transform
@@ -78,7 +78,7 @@ def _overflow(grads: PyTree) -> bool:
     axes), since a sharded, pipelined or ZeRO step gives each rank only its own gradients.
     """
     local = [(x._local if isinstance(x, ShardedTensor) else x).float() for x in tree.tensors(grads)]
-    norms = torch._foreach_norm(local) if local else []
+    norms = torch_private.foreach_norm(local) if local else []
     bad = torch.stack([~torch.isfinite(n) for n in norms]).any() if norms else torch.tensor(False)
     mesh = core.innermost(Mesh)
     if mesh is not None and mesh.size > 1:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from colfunc import core, tree
+from colfunc import core, torch_private, tree
 from colfunc.sharding import ShardedTensor
 from colfunc.sharding.dispatch import is_param
 from colfunc.transforms.chunks import Gathered, StartedGather, gather_flat, whole
@@ -23,14 +23,12 @@ PyTree = Any
 
 def _saving_hooks_active() -> bool:
     """Whether saved-tensor hooks are already in force (inside a checkpoint, say)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return True if top is None else top(False) is not None
+    return torch_private.top_saved_tensors_default_hooks(False) is not None
 
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward node (remat recomputing a layer, say)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
+    return torch_private.current_autograd_node() is not None
 
 
 class _Regathered:
@@ -76,7 +74,7 @@ class _LayerGathers:
         # inside a checkpoint, whose recomputation must replay the same ops: which layers are
         # started ahead differs between the forward pass and the recomputation, so starting one
         # stays out of sight of the checkpoint's dispatch modes
-        with torch.utils._python_dispatch._disable_current_modes():
+        with torch_private.disable_current_modes():
             return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
 
     def take(self, i: int, backward: bool) -> StartedGather:

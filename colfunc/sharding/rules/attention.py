@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from colfunc.sharding.placement import Placement, Shard, dim_chunks
 from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.torch_private import pytree_module as pytree
 
 aten = torch.ops.aten
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from colfunc.sharding.placement import Partial, Placement, Shard
 from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.torch_private import pytree_module as pytree
 
 __all__ = ["options", "pointwise"]
 

@@ -163,7 +163,7 @@ def _preference(
 
 def pick(
     specs: Sequence[Spec],
-    options: Sequence[Option],
+    candidates: Sequence[Option],
     *,
     out_numel: int | Sequence[int] | None = None,
     partial_cost: float = 2.0,
@@ -192,7 +192,7 @@ def pick(
       operand has is Megatron's reduce_scatter under sequence parallelism.
     """
     mesh = specs[0].mesh
-    n_out = len(options[0][0]) if isinstance(options[0][0], tuple) else 1
+    n_out = len(candidates[0][0]) if isinstance(candidates[0][0], tuple) else 1
     if out_numel is None:
         out_numel = max(s.numel for s in specs)
     sizes = [out_numel] * n_out if isinstance(out_numel, int) else list(out_numel)
@@ -208,13 +208,13 @@ def pick(
     outs: list[OptionOut] = []
     for a, axis in enumerate(mesh.axis_names):
         if mesh.axis_size(axis) == 1:  # every option is free; keep the inputs as they are
-            best: Option = options[0]
-            for opt in options:
+            best: Option = candidates[0]
+            for opt in candidates:
                 if all(w is None or w == s.placements[a] for s, w in zip(specs, opt[1])):
                     best = opt
                     break
         else:
-            best = min(options, key=lambda opt: (*_preference(specs, opt[1], a), cost(a, opt)))
+            best = min(candidates, key=lambda opt: (*_preference(specs, opt[1], a), cost(a, opt)))
         for i, (s, w) in enumerate(zip(specs, best[1])):
             ins[i].append(s.placements[a] if w is None else w)
         outs.append(best[0])
