@@ -10,7 +10,6 @@ a step. ``tests/test_torch_private.py`` checks every entry on the installed torc
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,12 +125,6 @@ def __getattr__(name: str) -> Any:  # torch_private.foreach_add(...), torch_priv
     if name in ENTRIES:
         return get(name)
     raise AttributeError(f"module 'colfunc.torch_private' has no attribute {name!r}")
-
-
-def call(name: str) -> Callable[..., Any]:
-    """Entry ``name`` as a function (for hot paths that keep it in a local)."""
-    fn: Callable[..., Any] = get(name)
-    return fn
 
 
 # resolved at import: every ShardedTensor op flattens its arguments with it

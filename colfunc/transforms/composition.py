@@ -21,6 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from colfunc.step import Step
+from colfunc.transforms.buckets import BUCKET_BYTES
 
 if TYPE_CHECKING:
     from colfunc.sharding import Mesh
@@ -35,8 +36,6 @@ __all__ = ["ORDER", "Composition", "apply_transform"]
 # the canonical nesting, innermost first: pipeline replaces the whole backward pass, shard places
 # what zero then cuts, amp casts what zero gathers, remat checkpoints whatever runs per layer
 ORDER = ("pipeline", "shard", "zero", "amp", "remat")
-
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
