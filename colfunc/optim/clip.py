@@ -50,6 +50,9 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         return known.norm
     # integer "gradients" (zeros, of integer leaves) count as floats
     ts = [t if t.is_floating_point() else t.float() for t in tree.tensors(grads)]
+    # a reduction's order follows the memory layout: a strided gradient (a view into data
+    # parallelism's flat buffer) is normed as the contiguous tensor it equals, bit for bit
+    ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
     if not ts:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64

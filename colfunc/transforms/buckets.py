@@ -1,12 +1,17 @@
 """Gradient buckets: many tensors reduced in a few large collectives, started as they fill.
 
-Data parallelism (``shard``, ZeRO stage 0) all-reduces its gradients this way, and ZeRO stages
-1-2 reduce-scatter them the same way; both take each scanned layer's gradients from the backward
-pass through :class:`~colfunc.core.LayerGrads`, as DDP's reducer takes them from autograd hooks.
+Data parallelism (``shard``, ZeRO stage 0) all-reduces its gradients in :class:`GradBuckets`:
+views into one flat gradient buffer per dtype, as DDP's ``gradient_as_bucket_view``, so each
+gradient is written once (where the backward pass hands it over) and reduced where it lies.
+ZeRO stages 1-2 reduce-scatter theirs in :class:`PackedBuckets`, whose buckets are packed when
+they start. Both take each scanned layer's gradients from the backward pass through
+:class:`~colfunc.core.LayerGrads`, as DDP's reducer takes them from autograd hooks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -14,6 +19,15 @@ import torch
 from colfunc import core, tree
 from colfunc.sharding import Mesh, comm
 from colfunc.transforms.local import in_placement, local_piece, rewrap
+
+__all__ = [
+    "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "GradBuckets",
+    "PackedBuckets",
+    "all_reduce_buckets",
+    "all_reduce_tree",
+]
 
 PyTree = Any
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -23,11 +37,11 @@ FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket is small, so that communication
 def all_reduce_buckets(
     xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
 ) -> list[torch.Tensor]:
-    """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`GradBuckets`."""
-    buckets = GradBuckets(mesh, axis, BUCKET_BYTES, op=op)
+    """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`PackedBuckets`."""
+    buckets = PackedBuckets(mesh, axis, BUCKET_BYTES, op=op)
     for k, x in enumerate(xs):
-        buckets._add(k, x)
-    got = buckets._wait()
+        buckets.add(k, x)
+    got = buckets.wait()
     return [got[k][0] for k in range(len(xs))]
 
 
@@ -40,108 +54,249 @@ def all_reduce_tree(grads: PyTree, axis: str, mesh: Mesh) -> PyTree:
     return tree.unflatten(treedef, [rewrap(g, r) for g, r in zip(gs, reduced)])
 
 
-class GradBuckets:
-    """Data-parallel gradient reduction that starts during the backward pass (DDP's buckets).
+def _wide_dtype() -> torch.dtype | None:
+    """The dtype the gradients are widened to afterwards (``amp``'s masters), if any."""
+    wide = core.innermost(core.WidenGrads)
+    return wide.dtype if wide is not None else None
 
-    Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
-    when they are computed; they are packed by dtype into flat buckets, and a bucket's
-    ``all_reduce`` starts as soon as it holds ``bucket_bytes`` (the first one sooner, so that
-    communication starts early). :meth:`finish` adds the other gradients, waits, and builds the
-    reduced tree. A layer scanned twice contributes twice, and a stacked parameter also used
-    outside the scan has that part reduced at the end: the sum is the same either way. Gradients
-    are reduced in the dtype that :class:`~colfunc.core.WidenGrads` names (``amp``'s masters),
-    as they would be if widened first and reduced after the backward pass.
+
+class PackedBuckets:
+    """Keyed tensors packed by dtype into flat buckets, each reduced as soon as it is full.
+
+    :meth:`add` takes a tensor under a key; a bucket's collective (:meth:`launch`, an
+    ``all_reduce`` here) starts as soon as it holds ``bucket_bytes`` (the first one sooner, so
+    that communication starts early); :meth:`wait` starts the rest, waits, and returns each key's
+    reduced pieces (a key added twice has two). Floating tensors are reduced in the dtype that
+    :class:`~colfunc.core.WidenGrads` names, as they would be if widened first.
     """
 
     def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int, op: str = "avg") -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
         self.limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
-        wide = core.innermost(core.WidenGrads)
-        self.wide = wide.dtype if wide is not None else None
-        self.frame = core.LayerGrads(self.on_layer)
+        self.wide = _wide_dtype()
         self.open: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
         self.open_bytes: dict[torch.dtype, int] = {}
         self.started: list[tuple[comm.Pending, list[tuple[Any, torch.Tensor]]]] = []
 
-    def _dtype(self, g: torch.Tensor) -> torch.dtype:
+    def dtype_of(self, g: torch.Tensor) -> torch.dtype:
+        """The dtype ``g`` is reduced in."""
         return self.wide if self.wide is not None and g.is_floating_point() else g.dtype
 
-    def _widen(self, g: torch.Tensor) -> torch.Tensor:
-        return g.to(self._dtype(g))
-
-    def _add(self, key: Any, g: torch.Tensor) -> None:
-        g = self._widen(g)
+    def add(self, key: Any, g: torch.Tensor) -> None:
+        g = g.to(self.dtype_of(g))
         self.open.setdefault(g.dtype, []).append((key, g))
         size = self.open_bytes.get(g.dtype, 0) + g.numel() * g.element_size()
         self.open_bytes[g.dtype] = size
         if size >= self.limit:
-            self._start(g.dtype)
+            self.start(g.dtype)
             self.limit = self.bucket_bytes
 
-    def _start(self, dtype: torch.dtype) -> None:
+    def start(self, dtype: torch.dtype) -> None:
         entries = self.open.pop(dtype)
         del self.open_bytes[dtype]
-        self.started.append((self._launch([g for _, g in entries]), entries))
+        self.started.append((self.launch([g for _, g in entries]), entries))
 
-    def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
+    def launch(self, gs: list[torch.Tensor]) -> comm.Pending:
         """Start the reduction of one bucket."""
         flat = torch.cat([g.reshape(-1) for g in gs])
         return comm.all_reduce_async(flat, self.axis, self.op, self.mesh)
 
-    def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One bucket's result, cut back into its entries."""
         return [p.view_as(g) for p, g in zip(result.split([g.numel() for g in gs]), gs)]
 
-    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
-        for path, g in grads.items():
-            if g is not None:
-                self._add((path, i), local_piece(in_placement(g, params[path])))
-
-    def _wait(self) -> dict[Any, list[torch.Tensor]]:
+    def wait(self) -> dict[Any, list[torch.Tensor]]:
         for dtype in list(self.open):
-            self._start(dtype)
+            self.start(dtype)
         out: dict[Any, list[torch.Tensor]] = {}
         for pending, entries in self.started:
-            pieces = self._pieces(pending.wait(), [g for _, g in entries])
+            pieces = self.pieces(pending.wait(), [g for _, g in entries])
             for (key, _), piece in zip(entries, pieces):
                 out.setdefault(key, []).append(piece)
         self.started = []
         return out
 
-    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
-        """The reduced gradients, from the backward pass's ``grads`` for ``params``."""
-        handed = self.frame.handed
-        flat, treedef = tree.flatten_with_paths(grads)
-        placed = dict(tree.flatten_with_paths(params)[0])
-        for path, g in flat:
-            # a scanned leaf's own gradient is the zeros handed back, unless something outside
-            # the scan added to it: that part is reduced too
-            if path not in handed or g is not handed[path]:
-                self._add(("rest", path), local_piece(in_placement(g, placed[path])))
-        got = self._wait()
 
-        def total(key: Any) -> torch.Tensor | None:
-            parts = got.get(key)
-            if not parts:
-                return None
-            return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+@dataclasses.dataclass
+class _Bucket:
+    """A contiguous range of one dtype's buffer, reduced in place once it is complete: once
+    every layer whose rows it holds has reported, or at the end for the unscanned leaves."""
 
-        out = []
-        for path, _ in flat:
-            rest = total(("rest", path))
-            if path not in handed:
-                assert rest is not None
-                out.append(rewrap(placed[path], rest))
+    view: torch.Tensor
+    layers: range  # the scanned layers whose rows it holds (empty for unscanned leaves)
+    waiting: int
+    pending: comm.Pending | None = None
+
+
+@dataclasses.dataclass
+class _Region:
+    """One dtype's flat buffer: the scanned leaves' rows layer by layer, then the other leaves."""
+
+    buffer: torch.Tensor
+    row: int  # the elements of one layer's rows
+    offsets: dict[str, int]  # a scanned leaf's offset in a layer's rows; another's in the buffer
+    buckets: list[_Bucket] = dataclasses.field(default_factory=list)
+    of_layer: dict[int, _Bucket] = dataclasses.field(default_factory=dict)
+
+
+class GradBuckets:
+    """Data-parallel gradient ``all_reduce`` started during the backward pass (DDP's buckets),
+    over views into one flat gradient buffer per dtype.
+
+    Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
+    when they are computed. The first layer to report fixes the layout: per dtype, one buffer
+    holding the scanned leaves' rows layer by layer (layer ``i``'s rows of every scanned leaf side
+    by side), then every other leaf. Each gradient is written once, into its place (widened there
+    to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters). A bucket is a
+    contiguous range of whole layers, cut from the last layer down (the first one small, as
+    DDP's), and is reduced in place as soon as its last layer has reported. :meth:`finish`
+    writes the other leaves, reduces them in buckets of whole leaves, waits, and returns
+    gradients that are views into the buffers (a stacked leaf's is strided, its rows
+    contiguous): no pass packs buckets and none copies results back.
+
+    A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
+    has that part reduced at the end: what arrives after its bucket has started is reduced apart
+    (in :class:`PackedBuckets`) and added at the end. The sum is the same either way.
+    """
+
+    def __init__(
+        self, mesh: Mesh, axis: str, bucket_bytes: int, params: PyTree, op: str = "avg"
+    ) -> None:
+        self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
+        self.wide = _wide_dtype()
+        self.frame = core.LayerGrads(self.on_layer)
+        self.flat, self.treedef = tree.flatten_with_paths(params)
+        self.placed = dict(self.flat)
+        self.local = {path: local_piece(p) for path, p in self.flat}
+        self.scanned: set[str] = set()
+        self.regions: dict[torch.dtype, _Region] | None = None
+        self.filled: set[tuple[str, int]] = set()
+        self.reported: set[int] = set()
+        self.late = PackedBuckets(mesh, axis, bucket_bytes, op)
+        self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
+
+    def dtype_of(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype ``x``'s gradient is reduced in."""
+        return self.wide if self.wide is not None and x.is_floating_point() else x.dtype
+
+    def _plan(self, scanned: list[str]) -> dict[torch.dtype, _Region]:
+        """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
+        self.scanned = set(scanned)
+        n = self.local[scanned[0]].shape[0] if scanned else 0
+        by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
+        for path in [*scanned, *(p for p in self.local if p not in self.scanned)]:
+            rows, others = by_dtype.setdefault(self.dtype_of(self.local[path]), ([], []))
+            (rows if path in self.scanned else others).append(path)
+        regions = {}
+        for d, (rows, others) in by_dtype.items():
+            offsets, row = {}, 0
+            for path in rows:
+                offsets[path], row = row, row + self.local[path][0].numel()
+            end = n * row
+            for path in others:
+                offsets[path], end = end, end + self.local[path].numel()
+            device = self.local[(rows or others)[0]].device
+            region = _Region(torch.empty(end, dtype=d, device=device), row, offsets)
+            size, limit = region.buffer.element_size(), min(FIRST_BUCKET_BYTES, self.bucket_bytes)
+            hi = n  # the bucket being cut holds layers [lo, hi), from the last layer down
+            for lo in range(n - 1, -1, -1):
+                if (hi - lo) * row * size >= limit or lo == 0:
+                    bucket = _Bucket(region.buffer[lo * row : hi * row], range(lo, hi), hi - lo)
+                    region.buckets.append(bucket)
+                    region.of_layer.update((i, bucket) for i in bucket.layers)
+                    hi, limit = lo, self.bucket_bytes
+            lo = n * row  # the unscanned leaves, in buckets of whole leaves
+            for k, path in enumerate(others):
+                hi = offsets[path] + self.local[path].numel()
+                if (hi - lo) * size >= self.bucket_bytes or k == len(others) - 1:
+                    region.buckets.append(_Bucket(region.buffer[lo:hi], range(0), 0))
+                    lo = hi
+            regions[d] = region
+        self.regions = regions
+        return regions
+
+    def _region(self, path: str) -> _Region:
+        assert self.regions is not None
+        return self.regions[self.dtype_of(self.local[path])]
+
+    def _row(self, path: str, i: int) -> torch.Tensor:
+        """Layer ``i``'s row of the scanned leaf ``path``, in its buffer."""
+        region, x = self._region(path), self.local[path]
+        start = i * region.row + region.offsets[path]
+        return region.buffer[start : start + x[0].numel()].view(x.shape[1:])
+
+    def _whole(self, path: str) -> torch.Tensor:
+        """The gradient of ``path`` in its buffer: strided rows for a scanned leaf."""
+        region, x = self._region(path), self.local[path]
+        start = region.offsets[path]
+        if path not in self.scanned:
+            return region.buffer[start : start + x.numel()].view(x.shape)
+        inner = tuple(x.shape[1:])
+        strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
+        return region.buffer.as_strided(tuple(x.shape), (region.row, *strides), start)
+
+    def _start(self, bucket: _Bucket) -> None:
+        for i in bucket.layers:  # rows no gradient came for are zero
+            for path in self.scanned:
+                if (path, i) not in self.filled and self._region(path).of_layer[i] is bucket:
+                    self._row(path, i).zero_()
+        bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.op, self.mesh)
+
+    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+        regions = self.regions if self.regions is not None else self._plan(list(grads))
+        for path, g in grads.items():
+            if g is None:
                 continue
-            zeros = local_piece(handed[path])
-            buf = torch.empty(zeros.shape, dtype=self._dtype(zeros), device=zeros.device)
-            for i in range(zeros.shape[0]):
-                row = total((path, i))
-                if row is None:  # a layer that gave this leaf no gradient
-                    buf[i].zero_()
-                else:
-                    buf[i].copy_(row)
-            if rest is not None:
-                buf += rest
-            out.append(rewrap(placed[path], buf))
-        return tree.unflatten(treedef, out)
+            row = local_piece(in_placement(g, params[path]))
+            if path not in self.scanned:
+                self.elsewhere.setdefault(path, []).append((i, row))
+            elif self._region(path).of_layer[i].pending is not None:
+                self.late.add(("row", path, i), row)
+            elif (path, i) in self.filled:
+                self._row(path, i).add_(row)
+            else:
+                self._row(path, i).copy_(row)
+                self.filled.add((path, i))
+        if i in self.reported or not any(p in self.scanned for p in grads):
+            return
+        self.reported.add(i)
+        for region in regions.values():
+            bucket = region.of_layer.get(i)
+            if bucket is not None and bucket.pending is None:
+                bucket.waiting -= 1
+                if bucket.waiting == 0:
+                    self._start(bucket)
+
+    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+        """The reduced gradients, from the backward pass's ``grads`` for ``params``: views into
+        the flat buffers, distributed like ``params``."""
+        regions = self.regions if self.regions is not None else self._plan([])
+        handed = self.frame.handed
+        for path, g in tree.flatten_with_paths(grads)[0]:
+            local = local_piece(in_placement(g, self.placed[path]))
+            if path in self.scanned:
+                # a scanned leaf's own gradient is the zeros handed back, unless something
+                # outside the scan added to it: that part is reduced too
+                if path not in handed or g is not handed[path]:
+                    self.late.add(("whole", path), local)
+                continue
+            whole = self._whole(path)
+            whole.copy_(local)
+            for i, row in self.elsewhere.get(path, ()):
+                whole[i] += row
+        for region in regions.values():  # what is still open: the unscanned leaves, and layers
+            for bucket in region.buckets:  # that never reported
+                if bucket.pending is None:
+                    self._start(bucket)
+        for region in regions.values():
+            for bucket in region.buckets:
+                assert bucket.pending is not None
+                got = bucket.pending.wait()
+                if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
+                    bucket.view.copy_(got)
+        for key, parts in self.late.wait().items():
+            target = self._whole(key[1]) if key[0] == "whole" else self._row(key[1], key[2])
+            for part in parts:
+                target += part
+        out = [rewrap(p, self._whole(path)) for path, p in self.flat]
+        return tree.unflatten(self.treedef, out)

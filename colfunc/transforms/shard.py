@@ -301,7 +301,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch = _split_batch(batch, dp, mesh) if dp else batch
-        buckets = GradBuckets(mesh, dp, cfg.bucket_bytes) if in_backward and dp else None
+        buckets = GradBuckets(mesh, dp, cfg.bucket_bytes, params) if in_backward and dp else None
         with contextlib.ExitStack() as stack:
             frames(stack)
             if buckets is not None:

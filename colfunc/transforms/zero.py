@@ -34,7 +34,7 @@ import torch
 from colfunc import core, tree
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
+from colfunc.transforms.buckets import GradBuckets, PackedBuckets, all_reduce_tree
 from colfunc.transforms.chunks import (
     Chunked,
     as_chunk,
@@ -113,24 +113,25 @@ class ZeroLayout:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
 
 
-class ScatterBuckets(GradBuckets):
+class ScatterBuckets(PackedBuckets):
     """ZeRO 1-2's gradient reduce-scatter, started during the backward pass.
 
-    Like data parallelism's buckets (:class:`~colfunc.transforms.shard.GradBuckets`), but each
-    gradient is laid out by rank (:func:`by_rank`; a scanned layer's row is cut as that layer's
+    Packed buckets (:class:`~colfunc.transforms.buckets.PackedBuckets`) in which each gradient
+    is laid out by rank (:func:`by_rank`; a scanned layer's row is cut as that layer's
     chunk is) and a bucket is reduce-scattered, so each rank receives only its averaged chunks.
     """
 
     def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
         super().__init__(mesh, axis, bucket_bytes)
+        self.frame = core.LayerGrads(self.on_layer)
         self.n = mesh.axis_size(axis)
         self.kept: dict[str, dict[int, list[torch.Tensor]]] = {}
 
-    def _launch(self, gs: list[torch.Tensor]) -> comm.Pending:
+    def launch(self, gs: list[torch.Tensor]) -> comm.Pending:
         packed = torch.cat([g.view(self.n, -1) for g in gs], dim=1).reshape(-1)
         return comm.reduce_scatter_async(packed, self.axis, "avg", self.mesh)
 
-    def _pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(result.split([g.numel() // self.n for g in gs]))
 
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
@@ -139,7 +140,7 @@ class ScatterBuckets(GradBuckets):
                 continue
             row = local_piece(in_placement(g, params[path]))
             if is_stacked(path):
-                self._add((path, i), padded(row, self.n))
+                self.add((path, i), padded(row, self.n))
             else:  # scanned, but cut whole: kept until the whole gradient is known
                 self.kept.setdefault(path, {}).setdefault(i, []).append(row)
 
@@ -161,11 +162,11 @@ class ScatterBuckets(GradBuckets):
                 )
                 g = total if g is local_piece(handed[path]) else total + g
             if cut_whole:
-                self._add(("rest", path), by_rank(g, is_stacked(path), self.n))
+                self.add(("rest", path), by_rank(g, is_stacked(path), self.n))
             elif g is not local_piece(handed[path]):  # something outside the scan added to it
                 for i in range(g.shape[0]):
-                    self._add((path, i), padded(g[i], self.n))
-        got = self._wait()
+                    self.add((path, i), padded(g[i], self.n))
+        got = self.wait()
         out = []
         for path, g in flat:
             if path not in handed or not is_stacked(path):
@@ -174,7 +175,9 @@ class ScatterBuckets(GradBuckets):
                 continue
             local = local_piece(handed[path])
             c = -(-local[0].numel() // self.n)
-            chunk = torch.zeros((local.shape[0], c), dtype=self._dtype(local), device=local.device)
+            chunk = torch.zeros(
+                (local.shape[0], c), dtype=self.dtype_of(local), device=local.device
+            )
             for i in range(local.shape[0]):
                 for part in got.get((path, i), ()):
                     chunk[i] += part
@@ -300,8 +303,11 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             # (one rank's all_reduce is the identity; its reduce-scatter still cuts the chunks)
             if not in_backward or (stage == 0 and m.axis_size(axis) == 1):
                 return inner_fb(params, batch, extra)
-            reduction = GradBuckets if stage == 0 else ScatterBuckets
-            buckets = reduction(m, axis, bucket_bytes)
+            buckets: GradBuckets | ScatterBuckets = (
+                GradBuckets(m, axis, bucket_bytes, params)
+                if stage == 0
+                else ScatterBuckets(m, axis, bucket_bytes)
+            )
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             return loss, buckets.finish(grads, params)
