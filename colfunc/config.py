@@ -68,7 +68,7 @@ def _check_finite(owner: str, name: str, value: Any, *, low: float = 0.0) -> Non
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """The optimizer: AdamW under a linear-warmup, cosine-decay schedule.
+    """The optimizer: AdamW, its learning rate warmed up linearly, then decayed on a cosine.
 
     The learning rate rises linearly from 0 to ``lr`` over ``warmup_steps`` (cut to the run's
     length when the run is shorter), then follows a cosine down to ``final_lr`` at the last step.
@@ -94,7 +94,7 @@ class OptimConfig:
         _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
         if self.final_lr > self.lr:
             raise ValueError(
-                f"optim.final_lr={self.final_lr!r} is above optim.lr={self.lr!r}; the schedule "
+                f"optim.final_lr={self.final_lr!r} is above optim.lr={self.lr!r}; the learning rate "
                 f"decays from lr to final_lr"
             )
 

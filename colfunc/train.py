@@ -46,10 +46,8 @@ PLOT = "loss.png"
 
 def build_optimizer(cfg: OptimConfig, steps: int) -> optim.GradientTransformation:
     """AdamW under warmup + cosine decay over ``steps`` updates, after global-norm clipping."""
-    schedule = optim.warmup_cosine(
-        cfg.lr, min(cfg.warmup_steps, steps), steps, final_lr=cfg.final_lr
-    )
-    adamw = optim.adamw(schedule, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    lr = optim.warmup_cosine(cfg.lr, min(cfg.warmup_steps, steps), steps, final_lr=cfg.final_lr)
+    adamw = optim.adamw(lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.clip_norm == 0:
         return adamw
     return optim.chain(optim.clip_by_global_norm(cfg.clip_norm), adamw)

@@ -372,7 +372,7 @@ def test_accumulate_equals_one_step_on_the_whole_batch(k, micro, dims, inner, se
 
 
 # ---------------------------------------------------------------------------------------------
-# schedules
+# learning rates that change with the update count
 
 
 @given(
@@ -416,13 +416,13 @@ def test_linear_warmup_and_constant():
     assert [sched(t) for t in range(6)] == pytest.approx([0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
     assert optim.linear_warmup(0.3, 0)(0) == 0.3
     assert [optim.constant(0.5)(t) for t in (0, 7)] == [0.5, 0.5]
-    # schedules are values: equal, printable and picklable (configs and checkpoints keep them)
+    # learning rates are values: equal, printable and picklable (configs and checkpoints keep them)
     cos = optim.warmup_cosine(1e-3, 10, 100)
     assert pickle.loads(pickle.dumps(cos)) == cos == optim.warmup_cosine(1e-3, 10, 100)
     assert "warmup_steps=10" in repr(cos)
 
 
-def test_schedule_drives_sgd_lr():
+def test_learning_rate_drives_sgd_lr():
     sched = optim.linear_warmup(0.4, warmup_steps=2)
     opt = optim.sgd(sched)
     params = {"w": torch.ones(2)}

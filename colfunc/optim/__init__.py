@@ -12,25 +12,25 @@ Example:
     >>> params = apply_updates(params, updates)
 """
 
-from colfunc.optim import schedules
+from colfunc.optim import learning_rates
 from colfunc.optim.accumulate import AccumulateState, accumulate
 from colfunc.optim.adam import AdamState, adam, adamw
 from colfunc.optim.base import (
     GradientTransformation,
-    Schedule,
+    LearningRate,
     apply_updates,
     chain,
     learning_rate,
 )
 from colfunc.optim.clip import clip_by_global_norm, global_norm
-from colfunc.optim.schedules import constant, linear_warmup, warmup_cosine
+from colfunc.optim.learning_rates import constant, linear_warmup, warmup_cosine
 from colfunc.optim.sgd import SgdState, sgd
 
 __all__ = [
     "AccumulateState",
     "AdamState",
     "GradientTransformation",
-    "Schedule",
+    "LearningRate",
     "SgdState",
     "accumulate",
     "adam",
@@ -41,8 +41,8 @@ __all__ = [
     "constant",
     "global_norm",
     "learning_rate",
+    "learning_rates",
     "linear_warmup",
-    "schedules",
     "sgd",
     "warmup_cosine",
 ]

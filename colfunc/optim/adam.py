@@ -23,7 +23,7 @@ import torch
 from colfunc import torch_private, tree
 from colfunc.optim.base import (
     GradientTransformation,
-    Schedule,
+    LearningRate,
     Tensors,
     check_lr,
     check_number,
@@ -51,7 +51,7 @@ class AdamState(NamedTuple):
 
 def _scale_by_adam(
     owner: str,
-    lr: float | Schedule,
+    lr: float | LearningRate,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -159,7 +159,7 @@ def _scale_by_adam(
 
 
 def adamw(
-    lr: float | Schedule = 1e-3,
+    lr: float | LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
@@ -167,7 +167,8 @@ def adamw(
 ) -> GradientTransformation:
     """AdamW (Loshchilov & Hutter, 2019) as ``torch.optim.AdamW``: decay ``p *= 1 - lr * wd``.
 
-    ``lr`` is a number or a schedule ``Callable[[int], float]`` of the update count.
+    ``lr`` is a number or a :data:`~colfunc.optim.LearningRate` (``Callable[[int], float]`` of
+    the update count).
 
     Example:
         >>> opt = adamw(warmup_cosine(3e-4, warmup_steps=100, total_steps=10_000))
@@ -179,7 +180,7 @@ def adamw(
 
 
 def adam(
-    lr: float | Schedule = 1e-3,
+    lr: float | LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,

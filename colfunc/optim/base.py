@@ -15,10 +15,10 @@ import torch
 
 from colfunc import torch_private, tree
 
-__all__ = ["GradientTransformation", "Schedule", "apply_updates", "chain", "learning_rate"]
+__all__ = ["GradientTransformation", "LearningRate", "apply_updates", "chain", "learning_rate"]
 
 PyTree = Any
-Schedule = Callable[[int], float]
+LearningRate = Callable[[int], float]
 # what the torch._foreach_* ops take and return
 Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
@@ -40,13 +40,13 @@ class GradientTransformation(NamedTuple):
     apply: Callable[..., tuple[PyTree, PyTree] | None] | None = None
 
 
-def learning_rate(lr: float | Schedule, count: int) -> float:
-    """The value of a constant or scheduled learning rate at update number ``count`` (from 0)."""
+def learning_rate(lr: float | LearningRate, count: int) -> float:
+    """The value of a constant learning rate or a LearningRate at update number ``count`` (from 0)."""
     return float(lr(count)) if callable(lr) else float(lr)
 
 
-def check_lr(owner: str, lr: float | Schedule) -> float | Schedule:
-    """``lr`` if it is a schedule or a finite number >= 0, else a TypeError/ValueError."""
+def check_lr(owner: str, lr: float | LearningRate) -> float | LearningRate:
+    """``lr`` if it is a LearningRate or a finite number >= 0, else a TypeError/ValueError."""
     if callable(lr):
         return lr
     return check_number(owner, "lr", lr, low=0.0)

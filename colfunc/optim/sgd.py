@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from colfunc import torch_private, tree
 from colfunc.optim.base import (
     GradientTransformation,
-    Schedule,
+    LearningRate,
     Tensors,
     check_lr,
     check_number,
@@ -41,7 +41,7 @@ class SgdState(NamedTuple):
 
 
 def sgd(
-    lr: float | Schedule = 1e-3,
+    lr: float | LearningRate = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
@@ -49,7 +49,8 @@ def sgd(
 ) -> GradientTransformation:
     """SGD as ``torch.optim.SGD`` (momentum, dampening, L2 weight decay, Nesterov).
 
-    ``lr`` is a number or a schedule ``Callable[[int], float]`` of the update count.
+    ``lr`` is a number or a :data:`~colfunc.optim.LearningRate` (``Callable[[int], float]`` of
+    the update count).
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True)

@@ -1,8 +1,8 @@
 """Running one ATen op on ShardedTensors: rule, redistribution, local op, wrapping.
 
 For each op :func:`dispatch` looks up the op's rule (:mod:`colfunc.sharding.rules`), which sees
-the arguments with tensors replaced by :class:`Spec` values and returns a :class:`Plan`. The
-inputs are redistributed as the plan asks, the op (or the plan's ``compute``) runs on the local
+the arguments with tensors replaced by :class:`Spec` values and returns an :class:`OpSharding`. The
+inputs are redistributed as the rule asks, the op (or the rule's ``compute``) runs on the local
 shards, and each output is wrapped with its placements and its global shape and strides, found by
 running the op on meta tensors. Plain tensors among the arguments count as replicated.
 
@@ -17,7 +17,7 @@ Three things make a model run the way Megatron-LM's tensor parallelism does (the
 placements op by op; these let the choices add up):
 
 - A Spec says whether its tensor is a parameter (a leaf that requires grad, or a view or cast of
-  one), and :func:`~colfunc.sharding.rules.pick` keeps parameters where the plan put them.
+  one), and :func:`~colfunc.sharding.rules.pick` keeps parameters where the tensor-parallel plan put them.
 - A redistribution that communicates is remembered on the tensor, so the ops that read one
   tensor alike share one collective, and a Partial reduced once is read replicated from then on
   (see "reading a tensor in another layout" below).
@@ -43,7 +43,7 @@ import torch
 from colfunc.sharding.mesh import Mesh, current_mesh
 from colfunc.sharding.placement import Partial, Placements, Replicate, grad_placements
 from colfunc.sharding.redistribute import redistribute_local
-from colfunc.sharding.rules import Plan, Spec, lookup
+from colfunc.sharding.rules import OpSharding, Spec, lookup
 from colfunc.sharding.tensor import ShardedTensor
 from colfunc.torch_private import pytree_module as pytree
 
@@ -189,16 +189,16 @@ _INPLACE: dict[Any, bool] = {}
 class _Memo:
     """What a dispatch works out from its arguments' metadata alone, kept for the next call with
     the same metadata (by op, argument structure, shapes, strides, dtypes, placements as read and
-    the other arguments): the rule's Plan, the ids of the Specs it was made from (a Plan's
+    the other arguments): the rule's OpSharding, the ids of the Specs it was made from (an OpSharding's
     ``args`` name tensors by their Specs), and the outputs as meta tensors of the global shapes.
     Picking among a rule's options and running meta kernels (often Python decompositions) cost
     more than the rest of a dispatch but the local op; a rule is a pure function of its Specs
     and the other arguments."""
 
-    __slots__ = ("ids", "mesh", "meta", "plan")
+    __slots__ = ("ids", "mesh", "meta", "sharding")
 
-    def __init__(self, plan: Plan, ids: list[int], mesh: Mesh) -> None:
-        self.plan, self.ids, self.mesh, self.meta = plan, ids, mesh, None
+    def __init__(self, sharding: OpSharding, ids: list[int], mesh: Mesh) -> None:
+        self.sharding, self.ids, self.mesh, self.meta = sharding, ids, mesh, None
 
 
 _MEMO: dict[Any, _Memo] = {}
@@ -273,7 +273,7 @@ def _memo(func: Any, flat: list[Any], tree: Any, specs: dict[int, Spec], mesh: M
         return _Memo(_fallback(func, list(specs.values())), ids, mesh)
     spec_args, spec_kwargs = _unflatten([specs.get(i, x) for i, x in enumerate(flat)], tree)
     got = rule(*spec_args, **spec_kwargs)
-    memo = _Memo(got if isinstance(got, Plan) else Plan(outputs=got), ids, mesh)
+    memo = _Memo(got if isinstance(got, OpSharding) else OpSharding(outputs=got), ids, mesh)
     if key is not None:
         if len(_MEMO) >= _MEMO_SIZE:
             _MEMO.clear()
@@ -292,10 +292,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     hand = {i: _at_hand(flat[i]) for i in tensors if isinstance(flat[i], ShardedTensor)}
     specs = {i: _spec(flat[i], mesh, hand[i][0] if i in hand else None) for i in tensors}
     memo = _memo(func, flat, tree, specs, mesh)
-    plan, ids = memo.plan, memo.ids
+    how, ids = memo.sharding, memo.ids
 
     local_at: dict[int, Any] = {}  # by argument position
-    wants = plan.inputs if plan.inputs is not None else [None] * len(tensors)
+    wants = how.inputs if how.inputs is not None else [None] * len(tensors)
     for i, want in zip(tensors, wants):
         x, s = flat[i], specs[i]
         if not isinstance(x, ShardedTensor):
@@ -308,17 +308,17 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 local = _redistributed(x, s.placements, local, tuple(want))
         local_at[i] = local
 
-    if plan.args is not None or plan.kwargs is not None:
-        call_args = plan.args if plan.args is not None else args
-        call_kwargs = plan.kwargs if plan.kwargs is not None else kwargs
+    if how.args is not None or how.kwargs is not None:
+        call_args = how.args if how.args is not None else args
+        call_kwargs = how.kwargs if how.kwargs is not None else kwargs
         lflat, ltree = _flatten(call_args, call_kwargs)
-        local_of = {sid: local_at[i] for sid, i in zip(ids, tensors)}  # the plan names Specs
+        local_of = {sid: local_at[i] for sid, i in zip(ids, tensors)}  # the rule names Specs
         lflat = [local_of.get(id(x), x) if isinstance(x, Spec) else x for x in lflat]
     else:
         lflat, ltree = [local_at.get(i, x) for i, x in enumerate(flat)], tree
     largs, lkwargs = _unflatten(lflat, ltree)
-    if plan.compute is not None:
-        out = plan.compute(*largs, **lkwargs)
+    if how.compute is not None:
+        out = how.compute(*largs, **lkwargs)
     elif any(isinstance(x, torch.Tensor) and x.numel() == 0 for x in lflat):
         out = _empty_safe(func)(*largs, **lkwargs)
     else:
@@ -327,7 +327,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if memo.meta is None:  # the global shapes and strides of the outputs
         memo.meta = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
     param = bool(tensors) and specs[tensors[0]].param and _keeps_param(func)
-    return _wrap(out, memo.meta, plan.outputs, mesh, param)
+    return _wrap(out, memo.meta, how.outputs, mesh, param)
 
 
 def _reduce_partial_grad(x: ShardedTensor) -> None:
@@ -471,7 +471,7 @@ def _wrap(out: Any, meta: Any, outputs: Any, mesh: Mesh, param: bool = False) ->
     return one(out, meta, outputs if single else outputs[0])
 
 
-def _fallback(func: Any, specs: list[Spec]) -> Plan:
+def _fallback(func: Any, specs: list[Spec]) -> OpSharding:
     placed = ", ".join(f"{tuple(s.shape)} {s.placements}" for s in specs)
     if _is_strict():
         raise RuntimeError(
@@ -482,7 +482,7 @@ def _fallback(func: Any, specs: list[Spec]) -> Plan:
     with _DIAG.lock:
         _DIAG.counts[(specs[0].mesh.rank, str(func))] += 1
     replicated = (Replicate(),) * len(specs[0].mesh.axis_names)
-    return Plan(outputs=replicated, inputs=[replicated] * len(specs))
+    return OpSharding(outputs=replicated, inputs=[replicated] * len(specs))
 
 
 def _functional(func: Any) -> Any:

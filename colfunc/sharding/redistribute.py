@@ -14,7 +14,7 @@ Replicate -> Partial(sum)    the value on group index 0, zeros elsewhere (avg, m
 
 Nesting decides the order. When several axes split one dim, an inner axis's chunk lies inside the
 outer axis's, so an outer axis cannot change while an inner one still splits the same dim. The
-plan therefore marks such inner axes as changing too, undoes shards from the innermost axis
+redistribution therefore marks such inner axes as changing too, undoes shards from the innermost axis
 outwards (phase 1), then builds the target from the outermost axis inwards (phase 2).
 
 These functions work on plain local tensors and are not differentiable themselves; the autograd

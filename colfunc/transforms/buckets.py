@@ -125,18 +125,8 @@ class _Bucket:
     view: torch.Tensor
     layers: range  # the scanned layers whose rows it holds (empty for unscanned leaves)
     waiting: int
+    paths: list[str] = dataclasses.field(default_factory=list)  # the scanned leaves in it
     pending: comm.Pending | None = None
-
-
-@dataclasses.dataclass
-class _Region:
-    """One dtype's flat buffer: the scanned leaves' rows layer by layer, then the other leaves."""
-
-    buffer: torch.Tensor
-    row: int  # the elements of one layer's rows
-    offsets: dict[str, int]  # a scanned leaf's offset in a layer's rows; another's in the buffer
-    buckets: list[_Bucket] = dataclasses.field(default_factory=list)
-    of_layer: dict[int, _Bucket] = dataclasses.field(default_factory=dict)
 
 
 class GradBuckets:
@@ -168,9 +158,12 @@ class GradBuckets:
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
         self.local = {path: local_piece(p) for path, p in self.flat}
-        self.scanned: set[str] = set()
-        self.regions: dict[torch.dtype, _Region] | None = None
-        self.filled: set[tuple[str, int]] = set()
+        self.buckets: list[_Bucket] | None = None  # None until the layout is fixed
+        self.whole: dict[str, torch.Tensor] = {}  # every leaf's gradient, in its buffer
+        self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # a scanned leaf's rows, per layer
+        self.of_layer: dict[int, list[_Bucket]] = {}  # the buckets holding a layer's rows
+        self.bucket_of: dict[str, dict[int, _Bucket]] = {}  # a scanned leaf's, per layer
+        self.filled: dict[int, set[str]] = {}  # per layer, the scanned leaves written
         self.reported: set[int] = set()
         self.late = PackedBuckets(mesh, axis, bucket_bytes, op)
         self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
@@ -179,124 +172,113 @@ class GradBuckets:
         """The dtype ``x``'s gradient is reduced in."""
         return self.wide if self.wide is not None and x.is_floating_point() else x.dtype
 
-    def _plan(self, scanned: list[str]) -> dict[torch.dtype, _Region]:
+    def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
-        self.scanned = set(scanned)
-        n = self.local[scanned[0]].shape[0] if scanned else 0
+        local = self.local
+        n = local[scanned[0]].shape[0] if scanned else 0
         by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
-        for path in [*scanned, *(p for p in self.local if p not in self.scanned)]:
-            rows, others = by_dtype.setdefault(self.dtype_of(self.local[path]), ([], []))
-            (rows if path in self.scanned else others).append(path)
-        regions = {}
+        for path in [*scanned, *(p for p in local if p not in scanned)]:
+            rows, others = by_dtype.setdefault(self.dtype_of(local[path]), ([], []))
+            (rows if path in scanned else others).append(path)
+        buckets: list[_Bucket] = []
         for d, (rows, others) in by_dtype.items():
             offsets, row = {}, 0
             for path in rows:
-                offsets[path], row = row, row + self.local[path][0].numel()
+                offsets[path], row = row, row + local[path][0].numel()
             end = n * row
             for path in others:
-                offsets[path], end = end, end + self.local[path].numel()
-            device = self.local[(rows or others)[0]].device
-            region = _Region(torch.empty(end, dtype=d, device=device), row, offsets)
-            size, limit = region.buffer.element_size(), min(FIRST_BUCKET_BYTES, self.bucket_bytes)
-            hi = n  # the bucket being cut holds layers [lo, hi), from the last layer down
+                offsets[path], end = end, end + local[path].numel()
+            buffer = torch.empty(end, dtype=d, device=local[(rows or others)[0]].device)
+            for path in rows:
+                inner = tuple(local[path].shape[1:])
+                strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
+                whole = buffer.as_strided((n, *inner), (row, *strides), offsets[path])
+                self.whole[path], self.rows[path] = whole, whole.unbind(0)
+            for path in others:
+                x = local[path]
+                self.whole[path] = buffer[offsets[path] : offsets[path] + x.numel()].view(x.shape)
+            size, limit = buffer.element_size(), min(FIRST_BUCKET_BYTES, self.bucket_bytes)
+            hi, of_layer = n, {}  # the bucket being cut holds layers [lo, hi), from the last down
             for lo in range(n - 1, -1, -1):
                 if (hi - lo) * row * size >= limit or lo == 0:
-                    bucket = _Bucket(region.buffer[lo * row : hi * row], range(lo, hi), hi - lo)
-                    region.buckets.append(bucket)
-                    region.of_layer.update((i, bucket) for i in bucket.layers)
+                    bucket = _Bucket(buffer[lo * row : hi * row], range(lo, hi), hi - lo, rows)
+                    buckets.append(bucket)
+                    for i in bucket.layers:
+                        of_layer[i] = bucket
+                        self.of_layer.setdefault(i, []).append(bucket)
                     hi, limit = lo, self.bucket_bytes
+            self.bucket_of.update((path, of_layer) for path in rows)
             lo = n * row  # the unscanned leaves, in buckets of whole leaves
             for k, path in enumerate(others):
-                hi = offsets[path] + self.local[path].numel()
+                hi = offsets[path] + local[path].numel()
                 if (hi - lo) * size >= self.bucket_bytes or k == len(others) - 1:
-                    region.buckets.append(_Bucket(region.buffer[lo:hi], range(0), 0))
+                    buckets.append(_Bucket(buffer[lo:hi], range(0), 0))
                     lo = hi
-            regions[d] = region
-        self.regions = regions
-        return regions
-
-    def _region(self, path: str) -> _Region:
-        assert self.regions is not None
-        return self.regions[self.dtype_of(self.local[path])]
-
-    def _row(self, path: str, i: int) -> torch.Tensor:
-        """Layer ``i``'s row of the scanned leaf ``path``, in its buffer."""
-        region, x = self._region(path), self.local[path]
-        start = i * region.row + region.offsets[path]
-        return region.buffer[start : start + x[0].numel()].view(x.shape[1:])
-
-    def _whole(self, path: str) -> torch.Tensor:
-        """The gradient of ``path`` in its buffer: strided rows for a scanned leaf."""
-        region, x = self._region(path), self.local[path]
-        start = region.offsets[path]
-        if path not in self.scanned:
-            return region.buffer[start : start + x.numel()].view(x.shape)
-        inner = tuple(x.shape[1:])
-        strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
-        return region.buffer.as_strided(tuple(x.shape), (region.row, *strides), start)
+        self.buckets = buckets
+        return buckets
 
     def _start(self, bucket: _Bucket) -> None:
         for i in bucket.layers:  # rows no gradient came for are zero
-            for path in self.scanned:
-                if (path, i) not in self.filled and self._region(path).of_layer[i] is bucket:
-                    self._row(path, i).zero_()
+            filled = self.filled.get(i, ())
+            for path in bucket.paths:
+                if path not in filled:
+                    self.rows[path][i].zero_()
         bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.op, self.mesh)
 
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
-        regions = self.regions if self.regions is not None else self._plan(list(grads))
+        if self.buckets is None:
+            self._plan(list(grads))
+        filled = self.filled.setdefault(i, set())
         for path, g in grads.items():
             if g is None:
                 continue
             row = local_piece(in_placement(g, params[path]))
-            if path not in self.scanned:
+            rows = self.rows.get(path)
+            if rows is None:  # not a leaf of the scan that fixed the layout
                 self.elsewhere.setdefault(path, []).append((i, row))
-            elif self._region(path).of_layer[i].pending is not None:
-                self.late.add(("row", path, i), row)
-            elif (path, i) in self.filled:
-                self._row(path, i).add_(row)
+            elif self.bucket_of[path][i].pending is not None:
+                self.late.add(("row", path, i), row)  # its bucket has started
+            elif path in filled:
+                rows[i].add_(row)
             else:
-                self._row(path, i).copy_(row)
-                self.filled.add((path, i))
-        if i in self.reported or not any(p in self.scanned for p in grads):
+                rows[i].copy_(row)
+                filled.add(path)
+        if i in self.reported or not any(p in self.rows for p in grads):
             return
         self.reported.add(i)
-        for region in regions.values():
-            bucket = region.of_layer.get(i)
-            if bucket is not None and bucket.pending is None:
-                bucket.waiting -= 1
-                if bucket.waiting == 0:
-                    self._start(bucket)
+        for bucket in self.of_layer.get(i, ()):
+            bucket.waiting -= 1
+            if bucket.waiting == 0:
+                self._start(bucket)
 
     def finish(self, grads: PyTree, params: PyTree) -> PyTree:
         """The reduced gradients, from the backward pass's ``grads`` for ``params``: views into
         the flat buffers, distributed like ``params``."""
-        regions = self.regions if self.regions is not None else self._plan([])
+        buckets = self.buckets if self.buckets is not None else self._plan([])
         handed = self.frame.handed
         for path, g in tree.flatten_with_paths(grads)[0]:
             local = local_piece(in_placement(g, self.placed[path]))
-            if path in self.scanned:
+            if path in self.rows:
                 # a scanned leaf's own gradient is the zeros handed back, unless something
                 # outside the scan added to it: that part is reduced too
                 if path not in handed or g is not handed[path]:
                     self.late.add(("whole", path), local)
                 continue
-            whole = self._whole(path)
+            whole = self.whole[path]
             whole.copy_(local)
             for i, row in self.elsewhere.get(path, ()):
                 whole[i] += row
-        for region in regions.values():  # what is still open: the unscanned leaves, and layers
-            for bucket in region.buckets:  # that never reported
-                if bucket.pending is None:
-                    self._start(bucket)
-        for region in regions.values():
-            for bucket in region.buckets:
-                assert bucket.pending is not None
-                got = bucket.pending.wait()
-                if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
-                    bucket.view.copy_(got)
+        for bucket in buckets:  # what is still open: the unscanned leaves, and layers that
+            if bucket.pending is None:  # never reported
+                self._start(bucket)
+        for bucket in buckets:
+            assert bucket.pending is not None
+            got = bucket.pending.wait()
+            if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
+                bucket.view.copy_(got)
         for key, parts in self.late.wait().items():
-            target = self._whole(key[1]) if key[0] == "whole" else self._row(key[1], key[2])
+            target = self.whole[key[1]] if key[0] == "whole" else self.rows[key[1]][key[2]]
             for part in parts:
                 target += part
-        out = [rewrap(p, self._whole(path)) for path, p in self.flat]
+        out = [rewrap(p, self.whole[path]) for path, p in self.flat]
         return tree.unflatten(self.treedef, out)

@@ -4,7 +4,7 @@ Importing this package registers every rule; :mod:`.registry` explains what a ru
 one, write a function in the family's file (or a new file imported below)::
 
     @rule(aten.my_op)
-    def my_op(x: Spec, dim: int) -> Plan: ...
+    def my_op(x: Spec, dim: int) -> OpSharding: ...
 """
 
 from colfunc.sharding.rules import (  # noqa: F401  (importing registers the rules)
@@ -20,6 +20,6 @@ from colfunc.sharding.rules import (  # noqa: F401  (importing registers the rul
     softmax,
     views,
 )
-from colfunc.sharding.rules.registry import RULES, Option, Plan, Spec, lookup, pick, rule
+from colfunc.sharding.rules.registry import RULES, OpSharding, Option, Spec, lookup, pick, rule
 
-__all__ = ["RULES", "Option", "Plan", "Spec", "lookup", "pick", "rule"]
+__all__ = ["RULES", "OpSharding", "Option", "Spec", "lookup", "pick", "rule"]

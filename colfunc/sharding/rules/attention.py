@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Placement, Shard, dim_chunks
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 from colfunc.torch_private import pytree_module as pytree
 
 aten = torch.ops.aten
@@ -39,7 +39,7 @@ def _attention_rule(
     returns the gradient of a bias (positional argument ``grad_bias_at``), it runs replicated: a
     broadcast bias's gradient would need a sum over the split."""
 
-    def attention(*args: Any, **kwargs: Any) -> Plan:
+    def attention(*args: Any, **kwargs: Any) -> OpSharding:
         specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
         q, k = specs[q_at], specs[q_at + 1]
         mesh = q.mesh

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 from colfunc.torch_private import pytree_module as pytree
 
 __all__ = ["options", "pointwise"]
@@ -54,7 +54,7 @@ def pointwise(
     # a copy passes a Partial on at no cost: the reduction it owes is the same before and after
     partial_cost = 0.0 if ops is IDENTITY else 2.0
 
-    def elementwise(*args: Any, **kwargs: Any) -> Plan:
+    def elementwise(*args: Any, **kwargs: Any) -> OpSharding:
         specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
         numel = math.prod(torch.broadcast_shapes(*(s.shape for s in specs)))
         return pick(specs, options(specs, partial, ops), out_numel=numel, partial_cost=partial_cost)

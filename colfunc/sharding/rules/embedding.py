@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placements, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 __all__ = ["masked_lookup"]
 
@@ -46,7 +46,7 @@ def embedding(
     padding_idx: int = -1,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
-) -> Plan:
+) -> OpSharding:
     opts: list[Option] = [
         (R, (R, R)),
         (Shard(indices.ndim), (Shard(1), R)),
@@ -54,24 +54,24 @@ def embedding(
         (Partial("sum"), (Shard(0), R)),
         *[(Partial(op), (Partial(op), R)) for op in ("sum", "avg")],
     ]
-    plan = pick([weight, indices], opts, out_numel=indices.numel * weight.shape[1])
-    assert plan.inputs is not None
-    table = plan.inputs[0]
+    choice = pick([weight, indices], opts, out_numel=indices.numel * weight.shape[1])
+    assert choice.inputs is not None
+    table = choice.inputs[0]
     assert table is not None
     if not _vocab_axes(table):
-        return plan
+        return choice
     offset = weight.shard_range(0, table)[0]
 
     def compute(w: torch.Tensor, ids: torch.Tensor, *args: Any) -> torch.Tensor:
         return masked_lookup(w, ids, 0, offset, lambda t, i: torch.embedding(t, i))
 
-    return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+    return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
 
 
 @rule(aten.embedding_dense_backward)
 def embedding_dense_backward(
     grad: Spec, indices: Spec, num_weights: int, padding_idx: int, scale_grad_by_freq: bool
-) -> Plan:
+) -> OpSharding:
     # the gradient of the table: summed over ids, so split ids leave a Partial sum (unless each
     # row's gradient is scaled by its frequency, which a chunk of ids cannot know)
     opts: list[Option] = [(R, (R, R)), (Shard(1), (Shard(grad.ndim - 1), R))]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placements
-from colfunc.sharding.rules.registry import Plan, R, Spec, rule
+from colfunc.sharding.rules.registry import OpSharding, R, Spec, rule
 
 aten = torch.ops.aten
 
@@ -26,26 +26,28 @@ def like(x: Spec, *args: Any, **kwargs: Any) -> Placements:
 
 
 @rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
-def new(x: Spec, size: Sequence[int], *args: Any, **kwargs: Any) -> Plan:
+def new(x: Spec, size: Sequence[int], *args: Any, **kwargs: Any) -> OpSharding:
     if tuple(size) != x.shape:
-        return Plan(outputs=(R,) * len(x.placements))
+        return OpSharding(outputs=(R,) * len(x.placements))
     pl = like(x)
-    return Plan(outputs=pl, args=(x, x.local_shape(pl), *args), kwargs=kwargs)
+    return OpSharding(outputs=pl, args=(x, x.local_shape(pl), *args), kwargs=kwargs)
 
 
 @rule(aten.new_empty_strided)
-def new_empty_strided(x: Spec, size: Sequence[int], stride: Sequence[int], **kwargs: Any) -> Plan:
+def new_empty_strided(
+    x: Spec, size: Sequence[int], stride: Sequence[int], **kwargs: Any
+) -> OpSharding:
     if tuple(size) != x.shape:
-        return Plan(outputs=(R,) * len(x.placements))
+        return OpSharding(outputs=(R,) * len(x.placements))
     # the global strides describe the wrapper; a shard is laid out contiguously
     pl = like(x)
     shape = x.local_shape(pl)
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    return Plan(outputs=pl, args=(x, shape, strides), kwargs=kwargs)
+    return OpSharding(outputs=pl, args=(x, shape, strides), kwargs=kwargs)
 
 
 @rule(aten.copy)
-def copy(self: Spec, src: Spec, non_blocking: bool = False) -> Plan:
+def copy(self: Spec, src: Spec, non_blocking: bool = False) -> OpSharding:
     # the copy takes self's placements, unless src broadcasts (then each piece would be src)
     pl = self.placements if src.shape == self.shape else (R,) * len(self.placements)
-    return Plan(outputs=pl, inputs=[pl, pl])
+    return OpSharding(outputs=pl, inputs=[pl, pl])

@@ -14,7 +14,7 @@ import torch
 
 from colfunc.sharding.placement import Partial, Shard
 from colfunc.sharding.rules.embedding import masked_lookup
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 LINEAR = ("sum", "avg")
@@ -26,28 +26,28 @@ def _other_dims(x: Spec, dim: int, *same: Spec) -> list[int]:
 
 
 @rule(aten.index_select)
-def index_select(x: Spec, dim: int, index: Spec) -> Plan:
+def index_select(x: Spec, dim: int, index: Spec) -> OpSharding:
     dim = dim % max(x.ndim, 1)
     opts: list[Option] = [(R, (R, R)), (Shard(dim), (R, Shard(0)))]
     opts += [(Shard(d), (Shard(d), R)) for d in range(x.ndim) if d != dim]
     opts += [(Partial("sum"), (Shard(dim), R))]
     opts += [(Partial(op), (Partial(op), R)) for op in LINEAR]
-    plan = pick([x, index], opts, out_numel=x.numel // max(x.shape[dim], 1) * index.numel)
-    assert plan.inputs is not None and plan.inputs[0] is not None
-    source = plan.inputs[0]
+    choice = pick([x, index], opts, out_numel=x.numel // max(x.shape[dim], 1) * index.numel)
+    assert choice.inputs is not None and choice.inputs[0] is not None
+    source = choice.inputs[0]
     if Shard(dim) not in source:
-        return plan
+        return choice
     offset = x.shard_range(dim, source)[0]
 
     def compute(t: torch.Tensor, d: int, i: torch.Tensor) -> torch.Tensor:
         out = masked_lookup(t.movedim(d, 0), i, 0, offset, lambda s, j: s.index_select(0, j))
         return out.movedim(0, d)
 
-    return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+    return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
 
 
 @rule(aten.index_add)
-def index_add(x: Spec, dim: int, index: Spec, source: Spec, *, alpha: Any = 1) -> Plan:
+def index_add(x: Spec, dim: int, index: Spec, source: Spec, *, alpha: Any = 1) -> OpSharding:
     dim = dim % max(x.ndim, 1)
     opts: list[Option] = [(R, (R, R, R))]
     opts += [(Shard(d), (Shard(d), R, Shard(d))) for d in _other_dims(x, dim, source)]
@@ -56,7 +56,7 @@ def index_add(x: Spec, dim: int, index: Spec, source: Spec, *, alpha: Any = 1) -
 
 
 @rule(aten.gather)
-def gather(x: Spec, dim: int, index: Spec, *, sparse_grad: bool = False) -> Plan:
+def gather(x: Spec, dim: int, index: Spec, *, sparse_grad: bool = False) -> OpSharding:
     dim = dim % max(x.ndim, 1)
     opts: list[Option] = [(R, (R, R))]
     opts += [(Shard(d), (Shard(d), Shard(d))) for d in _other_dims(x, dim, index)]
@@ -65,7 +65,9 @@ def gather(x: Spec, dim: int, index: Spec, *, sparse_grad: bool = False) -> Plan
 
 
 @rule(aten.scatter)
-def scatter(x: Spec, dim: int, index: Spec, src: Any = None, *rest: Any, **kwargs: Any) -> Plan:
+def scatter(
+    x: Spec, dim: int, index: Spec, src: Any = None, *rest: Any, **kwargs: Any
+) -> OpSharding:
     dim = dim % max(x.ndim, 1)
     specs = [x, index] + ([src] if isinstance(src, Spec) else [])
     opts: list[Option] = [(R, [R] * len(specs))]

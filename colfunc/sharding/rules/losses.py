@@ -21,7 +21,7 @@ import torch
 
 from colfunc.sharding import comm
 from colfunc.sharding.placement import Partial, Placement, Placements, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -33,7 +33,9 @@ def _masked_target(t: torch.Tensor, offset: int, size: int, ignore_index: int) -
 
 
 @rule(aten.nll_loss_forward)
-def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_index: int) -> Plan:
+def nll_loss_forward(
+    x: Spec, target: Spec, weight: Any, reduction: int, ignore_index: int
+) -> OpSharding:
     C = x.ndim - 1
     reduced = Partial("sum") if reduction != NONE else Shard(0)
     opts: list[Option] = [((R, R), [R, R])]
@@ -44,13 +46,13 @@ def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_
         opts += [((Partial(op), R), [Partial(op), R]) for op in ("sum", "avg")]
     specs = [x, target] + ([weight] if isinstance(weight, Spec) else [])
     n = target.numel if reduction == NONE else 1
-    plan = pick(specs, [(o, [*i, R][: len(specs)]) for o, i in opts], out_numel=(n, 1))
-    assert plan.inputs is not None
-    xp, tp = plan.inputs[0], plan.inputs[1]
+    choice = pick(specs, [(o, [*i, R][: len(specs)]) for o, i in opts], out_numel=(n, 1))
+    assert choice.inputs is not None
+    xp, tp = choice.inputs[0], choice.inputs[1]
     assert xp is not None and tp is not None
     class_axes, row_axes = x.axes_on(C, xp), target.axes_on(0, tp) if target.ndim else ()
     if not class_axes and not (row_axes and reduction != NONE):
-        return plan
+        return choice
     offset, size = x.shard_range(C, xp)
     mesh = x.mesh
 
@@ -66,7 +68,7 @@ def nll_loss_forward(x: Spec, target: Spec, weight: Any, reduction: int, ignore_
             total = comm.all_reduce(total, row_axes, "sum", mesh)
         return (out / total if red == MEAN else out), total
 
-    return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+    return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
 
 
 @rule(aten.nll_loss_backward)
@@ -78,7 +80,7 @@ def nll_loss_backward(
     reduction: int,
     ignore_index: int,
     total_weight: Spec,
-) -> Plan:
+) -> OpSharding:
     C = x.ndim - 1
     g_rows: Placement = Shard(0) if reduction == NONE else R
     opts: list[Option] = [(R, [R, R, R, R])]
@@ -88,15 +90,15 @@ def nll_loss_backward(
             opts.append((Shard(0), [g_rows, Shard(0), Shard(0), R]))
         opts += [(Partial(op), [Partial(op), R, R, R]) for op in ("sum", "avg")]
     specs = [grad, x, target] + ([weight] if isinstance(weight, Spec) else []) + [total_weight]
-    plan = pick(
+    choice = pick(
         specs,
         [(o, [*i[:3], R, i[3]] if len(specs) == 5 else i) for o, i in opts],
         out_numel=x.numel,
     )
-    assert plan.inputs is not None and plan.inputs[1] is not None
-    xp: Placements = plan.inputs[1]
+    assert choice.inputs is not None and choice.inputs[1] is not None
+    xp: Placements = choice.inputs[1]
     if not x.axes_on(C, xp):
-        return plan
+        return choice
     offset, size = x.shard_range(C, xp)
 
     def compute(
@@ -111,4 +113,4 @@ def nll_loss_backward(
         local_t = _masked_target(t, offset, size, ignore)
         return aten.nll_loss_backward(g, logp, local_t, w, red, ignore, tw)
 
-    return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+    return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)

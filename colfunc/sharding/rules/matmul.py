@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 S = Shard
@@ -45,24 +45,24 @@ def _bias_options(bias: Spec, opts: list[Option], out_ndim: int) -> list[Option]
 
 
 @rule(aten.mm)
-def mm(a: Spec, b: Spec) -> Plan:
+def mm(a: Spec, b: Spec) -> OpSharding:
     return pick([a, b], _product_options(0), out_numel=a.shape[0] * b.shape[1])
 
 
 @rule(aten.bmm)
-def bmm(a: Spec, b: Spec) -> Plan:
+def bmm(a: Spec, b: Spec) -> OpSharding:
     return pick([a, b], _product_options(1), out_numel=a.shape[0] * a.shape[1] * b.shape[2])
 
 
 @rule(aten.addmm)
-def addmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> Plan:
+def addmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> OpSharding:
     return pick(
         [bias, a, b], _bias_options(bias, _product_options(0), 2), out_numel=a.shape[0] * b.shape[1]
     )
 
 
 @rule(aten.baddbmm)
-def baddbmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> Plan:
+def baddbmm(bias: Spec, a: Spec, b: Spec, *, beta: float = 1, alpha: float = 1) -> OpSharding:
     return pick(
         [bias, a, b],
         _bias_options(bias, _product_options(1), 3),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -29,7 +29,7 @@ def _spec_list(*xs: Any) -> list[Spec]:
 @rule(aten.native_layer_norm)
 def native_layer_norm(
     x: Spec, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float
-) -> Plan:
+) -> OpSharding:
     batch = x.ndim - len(normalized_shape)
     params = _spec_list(weight, bias)
     opts: list[Option] = [((R, R, R), [R] * (1 + len(params)))]
@@ -47,7 +47,7 @@ def native_layer_norm_backward(
     weight: Any,
     bias: Any,
     output_mask: Sequence[bool],
-) -> Plan:
+) -> OpSharding:
     batch = x.ndim - len(normalized_shape)
     params = _spec_list(weight, bias)
     opts: list[Option] = [((R, R, R), [R] * (4 + len(params)))]

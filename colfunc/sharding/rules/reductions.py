@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Placements, Shard
-from colfunc.sharding.rules.registry import Plan, R, Spec, rule
+from colfunc.sharding.rules.registry import OpSharding, R, Spec, rule
 
 aten = torch.ops.aten
 
@@ -61,17 +61,17 @@ def _split_reduced(x: Spec, dims: list[int], pl: Placements) -> bool:
 
 
 @rule(aten.sum)
-def sum_(x: Spec, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Plan:
+def sum_(x: Spec, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> OpSharding:
     ins, outs = _place(x, _dims(x, dim), keepdim, "sum")
-    return Plan(outputs=outs, inputs=[ins])
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 @rule(aten.mean)
-def mean(x: Spec, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Plan:
+def mean(x: Spec, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> OpSharding:
     dims = _dims(x, dim)
     ins, outs = _place(x, dims, keepdim, "sum")
     if not _split_reduced(x, dims, ins):
-        return Plan(outputs=outs, inputs=[ins])
+        return OpSharding(outputs=outs, inputs=[ins])
     # uneven chunks would weigh their means unequally: sum locally, divide by the global count
     count = 1
     for d in dims:
@@ -80,7 +80,7 @@ def mean(x: Spec, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) 
     def compute(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.sum(t, dims, keepdim, dtype=dtype) / count
 
-    return Plan(outputs=outs, inputs=[ins], compute=compute)
+    return OpSharding(outputs=outs, inputs=[ins], compute=compute)
 
 
 def _amax_local(dims: list[int], keepdim: bool) -> Any:
@@ -96,19 +96,19 @@ def _amax_local(dims: list[int], keepdim: bool) -> Any:
 
 
 @rule(aten.amax)
-def amax(x: Spec, dim: Any = (), keepdim: bool = False) -> Plan:
+def amax(x: Spec, dim: Any = (), keepdim: bool = False) -> OpSharding:
     dims = _dims(x, dim)
     ins, outs = _place(x, dims, keepdim, "max")
-    return Plan(outputs=outs, inputs=[ins], compute=_amax_local(dims, keepdim))
+    return OpSharding(outputs=outs, inputs=[ins], compute=_amax_local(dims, keepdim))
 
 
 @rule(aten.max.default)
-def max_all(x: Spec) -> Plan:
+def max_all(x: Spec) -> OpSharding:
     ins, outs = _place(x, list(range(x.ndim)), False, "max")
-    return Plan(outputs=outs, inputs=[ins], compute=_amax_local(list(range(x.ndim)), False))
+    return OpSharding(outputs=outs, inputs=[ins], compute=_amax_local(list(range(x.ndim)), False))
 
 
 @rule(aten.max.dim, aten.min.dim)
-def max_dim(x: Spec, dim: int, keepdim: bool = False) -> Plan:
+def max_dim(x: Spec, dim: int, keepdim: bool = False) -> OpSharding:
     ins, outs = _place(x, _dims(x, dim), keepdim, None)
-    return Plan(outputs=(outs, outs), inputs=[ins])
+    return OpSharding(outputs=(outs, outs), inputs=[ins])

@@ -1,14 +1,14 @@
-"""The rule table: what a propagation rule sees (``Spec``), what it returns (``Plan``), and ``pick``.
+"""The rule table: what a propagation rule sees (``Spec``), what it returns (``OpSharding``), and ``pick``.
 
 A rule is one function registered for one or more ATen ops with :func:`rule`. It is called with
 the op's arguments, each tensor replaced by a :class:`Spec` (global shape, placements, dtype, mesh,
 whether it is a parameter), and returns either the output placements (the inputs are used as they
-are) or a :class:`Plan`: the placements each tensor input must be redistributed to first, the
+are) or an :class:`OpSharding`: the placements each tensor input must be redistributed to first, the
 output placements, and, where the local computation differs from the op itself, the local
 arguments or a ``compute`` function. Example, the whole rule for ``aten.mm``::
 
     @rule(aten.mm)
-    def mm(a: Spec, b: Spec) -> Plan:
+    def mm(a: Spec, b: Spec) -> OpSharding:
         return pick([a, b], [(R, (R, R)), (Shard(0), (Shard(0), R)), (Shard(1), (R, Shard(1))),
                              (Partial(), (Shard(1), Shard(0)))])
 
@@ -38,7 +38,7 @@ from colfunc.sharding.placement import (
     shard_range,
 )
 
-__all__ = ["RULES", "Option", "Plan", "R", "Spec", "lookup", "pick", "rule"]
+__all__ = ["RULES", "OpSharding", "Option", "R", "Spec", "lookup", "pick", "rule"]
 
 R = Replicate()
 
@@ -81,7 +81,7 @@ Outputs: TypeAlias = Placements | tuple[Placements, ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Plan:
+class OpSharding:
     """How to run one op on local shards.
 
     ``outputs``: the output placements, or one placements tuple per output of a tuple-returning
@@ -99,7 +99,7 @@ class Plan:
     compute: Callable[..., Any] | None = None
 
 
-Rule: TypeAlias = Callable[..., "Plan | Outputs"]
+Rule: TypeAlias = Callable[..., "OpSharding | Outputs"]
 RULES: dict[Any, Rule] = {}
 
 
@@ -167,8 +167,8 @@ def pick(
     *,
     out_numel: int | Sequence[int] | None = None,
     partial_cost: float = 2.0,
-) -> Plan:
-    """The cheapest option on each mesh axis, combined into a Plan (ties: the earlier option).
+) -> OpSharding:
+    """The cheapest option on each mesh axis, combined into an OpSharding (ties: the earlier option).
 
     An option's cost is the communication that brings the inputs to it, plus, for each Partial
     output, the all_reduce that will reduce it later (``partial_cost`` times its size
@@ -179,7 +179,7 @@ def pick(
     Two preferences come before the cost, in this order; an option that breaks one is taken only
     when every option does:
 
-    - *Parameters stay where the plan put them* (Megatron-LM's layout). Gathering a weight looks
+    - *Parameters stay where the tensor-parallel plan put them* (Megatron-LM's layout). Gathering a weight looks
       cheap by bytes whenever the activations outweigh it (a small model, a long batch), but it is
       paid again every step, and the weight's gradient is then computed whole on every rank: the
       backward ``grad_out[Shard(1)] @ w.T[Shard(0)]`` of a column-parallel layer leaves a Partial
@@ -219,4 +219,4 @@ def pick(
             ins[i].append(s.placements[a] if w is None else w)
         outs.append(best[0])
     by_output = tuple(zip(*outs)) if isinstance(outs[0], tuple) else tuple(outs)
-    return Plan(outputs=cast(Outputs, by_output), inputs=[tuple(p) for p in ins])
+    return OpSharding(outputs=cast(Outputs, by_output), inputs=[tuple(p) for p in ins])

@@ -17,7 +17,7 @@ import torch
 from colfunc.sharding import comm
 from colfunc.sharding.mesh import Mesh
 from colfunc.sharding.placement import Partial, Shard
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -47,18 +47,18 @@ def _normalise(
 
 
 def _forward(log: bool) -> Any:
-    def softmax(x: Spec, dim: int, half_to_float: bool) -> Plan:
+    def softmax(x: Spec, dim: int, half_to_float: bool) -> OpSharding:
         dim = dim % max(x.ndim, 1)
-        plan = pick([x], _options(1, x.ndim, False))
-        assert plan.inputs is not None and plan.inputs[0] is not None
-        axes = x.axes_on(dim, plan.inputs[0])
+        choice = pick([x], _options(1, x.ndim, False))
+        assert choice.inputs is not None and choice.inputs[0] is not None
+        axes = x.axes_on(dim, choice.inputs[0])
         if not axes:
-            return plan
+            return choice
 
         def compute(t: torch.Tensor, *args: Any) -> torch.Tensor:
             return _normalise(t.float() if half_to_float else t, dim, axes, x.mesh, log)
 
-        return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+        return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
 
     return softmax
 
@@ -68,13 +68,15 @@ rule(aten._log_softmax)(_forward(log=True))
 
 
 def _backward(log: bool) -> Any:
-    def softmax_backward(grad: Spec, output: Spec, dim: int, input_dtype: torch.dtype) -> Plan:
+    def softmax_backward(
+        grad: Spec, output: Spec, dim: int, input_dtype: torch.dtype
+    ) -> OpSharding:
         dim = dim % max(grad.ndim, 1)
-        plan = pick([grad, output], _options(2, grad.ndim, True))
-        assert plan.inputs is not None and plan.inputs[1] is not None
-        axes = grad.axes_on(dim, plan.inputs[1])
+        choice = pick([grad, output], _options(2, grad.ndim, True))
+        assert choice.inputs is not None and choice.inputs[1] is not None
+        axes = grad.axes_on(dim, choice.inputs[1])
         if not axes:
-            return plan
+            return choice
 
         def compute(g: torch.Tensor, y: torch.Tensor, *args: Any) -> torch.Tensor:
             # softmax: y * (g - sum(g * y)); log-softmax: g - exp(y) * sum(g)
@@ -83,7 +85,7 @@ def _backward(log: bool) -> Any:
             out = g - y.exp() * s if log else gy - y * s
             return out.to(input_dtype)
 
-        return Plan(outputs=plan.outputs, inputs=plan.inputs, compute=compute)
+        return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
 
     return softmax_backward
 

@@ -29,7 +29,7 @@ from colfunc.sharding.placement import (
     local_shape,
     shard_range,
 )
-from colfunc.sharding.rules.registry import Option, Plan, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 
 aten = torch.ops.aten
 
@@ -55,14 +55,14 @@ def _remap(x: Spec, where: dict[int, int | None]) -> tuple[Placements, Placement
 
 def _local_size_call(
     x: Spec, out_shape: Sequence[int], ins: Placements, outs: Placements, fn: Any
-) -> Plan:
-    """A Plan whose local call is ``fn(local, local output shape)``."""
+) -> OpSharding:
+    """A OpSharding whose local call is ``fn(local, local output shape)``."""
     size = local_shape(out_shape, x.mesh, outs)
 
     def compute(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return fn(t, size)
 
-    return Plan(outputs=outs, inputs=[ins], compute=compute)
+    return OpSharding(outputs=outs, inputs=[ins], compute=compute)
 
 
 # --- reshape ----------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _reshape_target(x: Spec, out_shape: list[int], dim: int) -> int | None:
 
 
 @rule(aten.view, aten._unsafe_view, aten.reshape)
-def view(x: Spec, size: Sequence[int]) -> Plan:
+def view(x: Spec, size: Sequence[int]) -> OpSharding:
     out_shape = _infer(size, x.numel)
     split = {p.dim for p in x.placements if isinstance(p, Shard)}
     ins, outs = _remap(x, {d: _reshape_target(x, out_shape, d) for d in split})
@@ -161,7 +161,7 @@ def unsqueeze(x: Spec, dim: int) -> Placements:
 
 
 @rule(aten.squeeze)
-def squeeze(x: Spec, dim: Any = None) -> Plan:
+def squeeze(x: Spec, dim: Any = None) -> OpSharding:
     asked = range(x.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
     gone = sorted({_norm(d, x.ndim) for d in asked if x.shape[_norm(d, x.ndim)] == 1})
     ins, outs = _remap(
@@ -172,11 +172,11 @@ def squeeze(x: Spec, dim: Any = None) -> Plan:
         # by the global size-1 dims: a chunk of a longer split dim may also have size 1
         return t.squeeze(tuple(gone)) if gone else t.view_as(t)
 
-    return Plan(outputs=outs, inputs=[ins], compute=compute)
+    return OpSharding(outputs=outs, inputs=[ins], compute=compute)
 
 
 @rule(aten.expand)
-def expand(x: Spec, size: Sequence[int], *, implicit: bool = False) -> Plan:
+def expand(x: Spec, size: Sequence[int], *, implicit: bool = False) -> OpSharding:
     lead = len(size) - x.ndim
     out_shape = [x.shape[d - lead] if s == -1 else s for d, s in enumerate(size)]
     where = {d: None if x.shape[d] != out_shape[d + lead] else d + lead for d in range(x.ndim)}
@@ -212,28 +212,28 @@ def _local_cut(mesh: Any, n: int, pl: Placements, dim: int, lo: int, hi: int) ->
 
 
 @rule(aten.slice.Tensor)
-def slice_(x: Spec, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Plan:
+def slice_(x: Spec, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> OpSharding:
     dim = _norm(dim, x.ndim)
     lo, hi = _bounds(x.shape[dim], start, end)
     sizes = [x.mesh.axis_size(a) for a in x.axes_on(dim)]
     if step == 1 and sizes and _cut_keeps_chunks(x.shape[dim], lo, hi, sizes):
         a, b = _local_cut(x.mesh, x.shape[dim], x.placements, dim, lo, hi)
-        return Plan(outputs=x.placements, compute=lambda t, *args: t.narrow(dim, a, b - a))
+        return OpSharding(outputs=x.placements, compute=lambda t, *args: t.narrow(dim, a, b - a))
     ins, outs = _remap(x, {dim: None})
-    return Plan(outputs=outs, inputs=[ins])
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 @rule(aten.select.int)
-def select(x: Spec, dim: int, index: int) -> Plan:
+def select(x: Spec, dim: int, index: int) -> OpSharding:
     dim = _norm(dim, x.ndim)
     ins, outs = _remap(x, {d: None if d == dim else d - (d > dim) for d in range(x.ndim)})
-    return Plan(outputs=outs, inputs=[ins])
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 @rule(aten.slice_backward)
 def slice_backward(
     g: Spec, input_sizes: Sequence[int], dim: int, start: int, end: int, step: int
-) -> Plan:
+) -> OpSharding:
     dim = _norm(dim, g.ndim)
     n = input_sizes[dim]
     lo, hi = _bounds(n, start, end)
@@ -241,31 +241,31 @@ def slice_backward(
     if step == 1 and sizes and _cut_keeps_chunks(n, lo, hi, sizes):
         a, b = _local_cut(g.mesh, n, g.placements, dim, lo, hi)
         size = local_shape(input_sizes, g.mesh, g.placements)
-        return Plan(outputs=g.placements, args=(g, size, dim, a, b, 1))
+        return OpSharding(outputs=g.placements, args=(g, size, dim, a, b, 1))
     ins, outs = _remap(g, {dim: None})
     size = local_shape(input_sizes, g.mesh, outs)
-    return Plan(outputs=outs, inputs=[ins], args=(g, size, dim, start, end, step))
+    return OpSharding(outputs=outs, inputs=[ins], args=(g, size, dim, start, end, step))
 
 
 @rule(aten.select_backward)
-def select_backward(g: Spec, input_sizes: Sequence[int], dim: int, index: int) -> Plan:
+def select_backward(g: Spec, input_sizes: Sequence[int], dim: int, index: int) -> OpSharding:
     dim = _norm(dim, len(input_sizes))
     ins, outs = _remap(g, {d: d + (d >= dim) for d in range(g.ndim)})
     size = local_shape(input_sizes, g.mesh, outs)
-    return Plan(outputs=outs, inputs=[ins], args=(g, size, dim, index))
+    return OpSharding(outputs=outs, inputs=[ins], args=(g, size, dim, index))
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes)
-def split(x: Spec, sizes: Any, dim: int = 0) -> Plan:
+def split(x: Spec, sizes: Any, dim: int = 0) -> OpSharding:
     ins, outs = _remap(x, {_norm(dim, x.ndim): None})
-    return Plan(outputs=outs, inputs=[ins])
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 @rule(aten.unbind.int)
-def unbind(x: Spec, dim: int = 0) -> Plan:
+def unbind(x: Spec, dim: int = 0) -> OpSharding:
     dim = _norm(dim, x.ndim)
     ins, outs = _remap(x, {d: None if d == dim else d - (d > dim) for d in range(x.ndim)})
-    return Plan(outputs=outs, inputs=[ins])
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 # --- several tensors joined -------------------------------------------------------------------
@@ -284,20 +284,20 @@ def _join_options(specs: list[Spec], dim: int, new_dim: bool) -> list[Option]:
 
 
 @rule(aten.cat)
-def cat(tensors: Sequence[Spec], dim: int = 0) -> Plan:
+def cat(tensors: Sequence[Spec], dim: int = 0) -> OpSharding:
     # legacy: 1-D empty tensors are skipped by cat whatever the others' shapes
     specs = [s for s in tensors if s.shape != (0,)] or list(tensors)
     total = sum(s.numel for s in specs)
-    plan = pick(specs, _join_options(specs, _norm(dim, specs[0].ndim), False), out_numel=total)
-    assert plan.inputs is not None
-    want, kept = iter(plan.inputs), {id(s) for s in specs}
-    return Plan(
-        outputs=plan.outputs, inputs=[next(want) if id(s) in kept else None for s in tensors]
+    choice = pick(specs, _join_options(specs, _norm(dim, specs[0].ndim), False), out_numel=total)
+    assert choice.inputs is not None
+    want, kept = iter(choice.inputs), {id(s) for s in specs}
+    return OpSharding(
+        outputs=choice.outputs, inputs=[next(want) if id(s) in kept else None for s in tensors]
     )
 
 
 @rule(aten.stack)
-def stack(tensors: Sequence[Spec], dim: int = 0) -> Plan:
+def stack(tensors: Sequence[Spec], dim: int = 0) -> OpSharding:
     specs = list(tensors)
     total = sum(s.numel for s in specs)
     return pick(specs, _join_options(specs, _norm(dim, specs[0].ndim + 1), True), out_numel=total)

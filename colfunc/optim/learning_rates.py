@@ -1,8 +1,10 @@
-"""Learning-rate schedules: ``Callable[[int], float]`` of the update count (from 0).
+"""Learning rates that change with the update count: :data:`~colfunc.optim.LearningRate`, a
+``Callable[[int], float]`` of the update count (from 0).
 
-An optimizer evaluates its schedule at the number of updates it has done, so update ``t`` (from 0)
-uses ``schedule(t)``: the convention of optax and of ``torch.optim.lr_scheduler.LambdaLR`` stepped
-after each optimizer step. Schedules are frozen values: comparable, printable and picklable.
+("Schedule" in colfunc means a pipeline schedule; these are learning rates.) An optimizer
+evaluates its learning rate at the number of updates it has done, so update ``t`` (from 0)
+uses ``lr(t)``: the convention of optax and of ``torch.optim.lr_scheduler.LambdaLR`` stepped
+after each optimizer step. They are frozen values: comparable, printable and picklable.
 """
 
 from __future__ import annotations
