@@ -19,7 +19,7 @@ import torch
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 
-__all__ = ["Config", "apply", "init", "loss", "param_shapes", "tp_plan"]
+__all__ = ["Config", "apply", "init", "loss", "paged_forward", "param_shapes", "tp_plan"]
 
 Params = dict[str, Any]
 Carry = dict[str, Any]  # {"h": x_BTD, "rope": (cos_TR, sin_TR)}
@@ -170,12 +170,27 @@ def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
 
 
 def _block(layer: Params, carry: Carry, cfg: Config) -> Carry:
+    return _block_kv(layer, carry, cfg, None)[0]
+
+
+def _block_kv(
+    layer: Params, carry: Carry, cfg: Config, paged: nn.Paged | None
+) -> tuple[Carry, dict[str, torch.Tensor] | None]:
+    """One block; with ``paged`` its attention reads the KV cache, and it also returns this
+    layer's new keys and values."""
     x_BTD, rope = carry["h"], carry["rope"]
     E = cfg.d_model // cfg.n_head
     h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
-    x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E, rope=rope)
+    kv = None
+    if paged is None:
+        x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E, rope=rope)
+    else:
+        a_BTD, (k, v) = nn.paged_self_attention(
+            h_BTD, layer["attn"], head_dim=E, paged=paged, rope=rope
+        )
+        x_BTD, kv = x_BTD + a_BTD, {"k": k, "v": v}
     h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
-    return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}
+    return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}, kv
 
 
 def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -190,6 +205,29 @@ def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
     carry = _carry(_embed(params, input_ids, cfg), cfg)
     carry = scan_layers(lambda layer, c: _block(layer, c, cfg), carry, params["blocks"])
     return _logits(params, carry["h"], cfg)
+
+
+def paged_forward(
+    params: Params,
+    tokens_N: torch.Tensor,
+    batch: nn.PagedBatch,
+    cache: dict[str, torch.Tensor],
+    cfg: Config,
+    select_R: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
+    and values; see :func:`colfunc.models.gpt.paged_forward`. The rotary tables are taken at the
+    new tokens' positions."""
+    E = cfg.d_model // cfg.n_head
+    x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
+    cos_TR, sin_TR = nn.rope_tables(cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device)
+    carry: Carry = {"h": x_1ND, "rope": (cos_TR[batch.positions], sin_TR[batch.positions])}
+
+    def block(layer: Params, c: Carry, kv: dict[str, torch.Tensor]) -> Any:
+        return _block_kv(layer, c, cfg, nn.Paged(kv["k"], kv["v"], batch))
+
+    carry, ys = scan_layers(block, carry, params["blocks"], xs=cache)
+    return _logits(params, carry["h"][:, select_R], cfg)[0], ys
 
 
 def loss(cfg: Config) -> Layered:

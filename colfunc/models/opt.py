@@ -20,7 +20,16 @@ import torch.nn.functional as F
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 
-__all__ = ["POSITION_OFFSET", "Config", "apply", "init", "loss", "param_shapes", "tp_plan"]
+__all__ = [
+    "POSITION_OFFSET",
+    "Config",
+    "apply",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+]
 
 Params = dict[str, Any]
 
@@ -146,12 +155,25 @@ def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Ten
 
 
 def _block(layer: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
+    return _block_kv(layer, x_BTD, cfg, None)[0]
+
+
+def _block_kv(
+    layer: Params, x_BTD: torch.Tensor, cfg: Config, paged: nn.Paged | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """One block; with ``paged`` its attention reads the KV cache, and it also returns this
+    layer's new keys and values."""
     E = cfg.d_model // cfg.n_head
     ln1, ln2 = layer["ln1"], layer["ln2"]
     h_BTD = ops.layer_norm(x_BTD, ln1["weight"], ln1["bias"], cfg.norm_eps)
-    x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E)
+    kv = None
+    if paged is None:
+        x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E)
+    else:
+        a_BTD, (k, v) = nn.paged_self_attention(h_BTD, layer["attn"], head_dim=E, paged=paged)
+        x_BTD, kv = x_BTD + a_BTD, {"k": k, "v": v}
     h_BTD = ops.layer_norm(x_BTD, ln2["weight"], ln2["bias"], cfg.norm_eps)
-    return x_BTD + nn.mlp(h_BTD, layer["mlp"], F.relu)
+    return x_BTD + nn.mlp(h_BTD, layer["mlp"], F.relu), kv
 
 
 def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -165,6 +187,27 @@ def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
     x_BTD = _embed(params, input_ids, cfg)
     x_BTD = scan_layers(lambda layer, x: _block(layer, x, cfg), x_BTD, params["blocks"])
     return _logits(params, x_BTD, cfg)
+
+
+def paged_forward(
+    params: Params,
+    tokens_N: torch.Tensor,
+    batch: nn.PagedBatch,
+    cache: dict[str, torch.Tensor],
+    cfg: Config,
+    select_R: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
+    and values; see :func:`colfunc.models.gpt.paged_forward`."""
+    positions_N = batch.positions + POSITION_OFFSET
+    x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
+    x_1ND = x_1ND + nn.embedding(positions_N, params["embed"]["positions"])[None]
+
+    def block(layer: Params, x: torch.Tensor, kv: dict[str, torch.Tensor]) -> Any:
+        return _block_kv(layer, x, cfg, nn.Paged(kv["k"], kv["v"], batch))
+
+    x_1ND, ys = scan_layers(block, x_1ND, params["blocks"], xs=cache)
+    return _logits(params, x_1ND[:, select_R], cfg)[0], ys
 
 
 def loss(cfg: Config) -> Layered:

@@ -6,12 +6,22 @@ them knows about meshes: run on sharded tensors, or on local shards inside a man
 compute the same thing, because head counts are inferred from the weights' sizes and the head dim.
 """
 
-from colfunc.nn.attention import merge_heads, rope_tables, self_attention, split_heads
+from colfunc.nn.attention import (
+    Paged,
+    PagedBatch,
+    merge_heads,
+    paged_self_attention,
+    rope_tables,
+    self_attention,
+    split_heads,
+)
 from colfunc.nn.dense import embedding, linear, unembed
 from colfunc.nn.feedforward import gelu_tanh, mlp, swiglu
 from colfunc.nn.lm import check_input_ids, nest, next_token_loss
 
 __all__ = [
+    "Paged",
+    "PagedBatch",
     "check_input_ids",
     "embedding",
     "gelu_tanh",
@@ -20,6 +30,7 @@ __all__ = [
     "mlp",
     "nest",
     "next_token_loss",
+    "paged_self_attention",
     "rope_tables",
     "self_attention",
     "split_heads",

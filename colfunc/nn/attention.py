@@ -1,17 +1,52 @@
-"""Multi-head self-attention and rotary position tables.
+"""Multi-head self-attention (also over a paged KV cache) and rotary position tables.
 
 Legend: B batch, T sequence, D width, H query heads, K key/value heads, E head dim, R rotary
-frequencies (E/2).
+frequencies (E/2), N packed tokens of several sequences, C cache blocks, S sequences,
+M blocks per sequence.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from colfunc import ops
 from colfunc.nn.dense import linear
 
-__all__ = ["merge_heads", "rope_tables", "self_attention", "split_heads"]
+__all__ = [
+    "Paged",
+    "PagedBatch",
+    "merge_heads",
+    "paged_self_attention",
+    "rope_tables",
+    "self_attention",
+    "split_heads",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    """A packed batch of sequences for one inference step over a paged KV cache.
+
+    Sequence ``s`` brings ``query_lens[s]`` new tokens (packed in order, ``N`` in all) after
+    ``context_lens[s]`` tokens already cached in the blocks its row of ``block_tables`` lists;
+    ``positions[N]`` are the new tokens' positions in their sequences.
+    """
+
+    positions: torch.Tensor  # [N] long
+    block_tables: torch.Tensor  # [S, M] int32
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+
+
+class Paged(NamedTuple):
+    """One layer's paged KV cache (``[C, B slots, K, E]`` each) and the batch that reads it."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    batch: PagedBatch
 
 
 def split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -64,3 +99,39 @@ def self_attention(
         k_BKTE = ops.rope(k_BKTE, cos_TR, sin_TR)
     y_BHTE = ops.attention(q_BHTE, k_BKTE, v_BKTE, causal=True)
     return linear(merge_heads(y_BHTE), p["wo"], p.get("bo"))
+
+
+def paged_self_attention(
+    x_1ND: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    *,
+    head_dim: int,
+    paged: Paged,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`self_attention` of a packed batch whose earlier tokens are in a paged KV cache.
+
+    ``x`` holds the ``N`` new tokens of every sequence (``[1, N, D]``); ``rope`` is ``(cos, sin)``
+    at their positions (``[N, R]``). Returns the output and the new tokens' ``(k[N, K, E],
+    v[N, K, E])`` (rotated), which the caller writes into the cache after the layer.
+    """
+    N = x_1ND.shape[1]
+    q_NHE = linear(x_1ND, p["wq"], p.get("bq")).view(N, -1, head_dim)
+    k_NKE = linear(x_1ND, p["wk"], p.get("bk")).view(N, -1, head_dim)
+    v_NKE = linear(x_1ND, p["wv"], p.get("bv")).view(N, -1, head_dim)
+    if rope is not None:
+        cos_NR, sin_NR = rope
+        q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
+        k_NKE = ops.rope(k_NKE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
+    b = paged.batch
+    y_NHE = ops.paged_attention(
+        q_NHE,
+        k_NKE,
+        v_NKE,
+        paged.k_cache,
+        paged.v_cache,
+        b.block_tables,
+        b.context_lens,
+        b.query_lens,
+    )
+    return linear(y_NHE.reshape(1, N, -1), p["wo"], p.get("bo")), (k_NKE, v_NKE)

@@ -1,4 +1,5 @@
-"""The public op layer: attention, norms, cross-entropy, rotary embeddings and fused AdamW.
+"""The public op layer: attention (also over a paged KV cache), norms, cross-entropy, rotary
+embeddings and fused AdamW.
 
 Model and optimizer code call the names here. Each op runs its Triton kernel on CUDA tensors and
 its plain PyTorch reference (:mod:`colfunc.ops.reference`) elsewhere; ``COLFUNC_KERNELS=auto|
@@ -8,7 +9,15 @@ triton|torch`` overrides the choice at call time (see :mod:`colfunc.ops.dispatch
 
 from colfunc.ops import reference
 from colfunc.ops.cpu_adam import cpu_adamw_
-from colfunc.ops.dispatch import adamw_, attention, cross_entropy, layer_norm, rms_norm, rope
+from colfunc.ops.dispatch import (
+    adamw_,
+    attention,
+    cross_entropy,
+    layer_norm,
+    paged_attention,
+    rms_norm,
+    rope,
+)
 
 __all__ = [
     "adamw_",
@@ -16,6 +25,7 @@ __all__ = [
     "cpu_adamw_",
     "cross_entropy",
     "layer_norm",
+    "paged_attention",
     "reference",
     "rms_norm",
     "rope",

@@ -36,6 +36,7 @@ __all__ = [
     "cross_entropy",
     "kernels_choice",
     "layer_norm",
+    "paged_attention",
     "rms_norm",
     "rope",
 ]
@@ -177,3 +178,35 @@ def adamw_(
         _kernel("adamw").adamw_(*lists, **hparams)
         return
     reference.adamw_(*lists, **hparams)
+
+
+def paged_attention(
+    q_NHE: torch.Tensor,
+    k_NKE: torch.Tensor,
+    v_NKE: torch.Tensor,
+    k_cache_CBKE: torch.Tensor,
+    v_cache_CBKE: torch.Tensor,
+    block_tables_SM: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed sequences (``query_lens`` new tokens each) over a paged KV
+    cache holding their first ``context_lens`` tokens; decode and (chunked) prefill in one call.
+    See :func:`colfunc.ops.reference.paged_attention`. Only the PyTorch reference exists so far:
+    ``COLFUNC_KERNELS=triton`` raises ValueError."""
+    if kernels_choice() == "triton":
+        raise ValueError(
+            "paged_attention: there is no Triton kernel for it yet; use COLFUNC_KERNELS=auto"
+        )
+    return reference.paged_attention(
+        q_NHE,
+        k_NKE,
+        v_NKE,
+        k_cache_CBKE,
+        v_cache_CBKE,
+        block_tables_SM,
+        context_lens,
+        query_lens,
+        scale,
+    )

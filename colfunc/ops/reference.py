@@ -152,3 +152,89 @@ def adamw_(
         p_wide.addcdiv_(m, denom, value=-step_size)
         if p_wide is not p:
             p.copy_(p_wide)
+
+
+def paged_attention(
+    q_NHE: torch.Tensor,
+    k_NKE: torch.Tensor,
+    v_NKE: torch.Tensor,
+    k_cache_CBKE: torch.Tensor,
+    v_cache_CBKE: torch.Tensor,
+    block_tables_SM: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed batch of sequences over a paged KV cache.
+
+    Sequence ``s`` has ``query_lens[s]`` new tokens, packed in order in ``q, k, v`` (``[N, H, E]``
+    and ``[N, K, E]``), after ``context_lens[s]`` tokens whose keys and values are in the cache
+    (``[C blocks, B slots, K, E]``) at the blocks its row of ``block_tables`` lists. Each new token
+    sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
+    a (chunked) prefill has more. Returns ``[N, H, E]``.
+
+    Sequences with one new token are computed together: their contexts are gathered into one
+    padded batch, the padding masked out. Each longer one runs alone.
+    """
+    N, H, E = q_NHE.shape
+    B = k_cache_CBKE.shape[1]
+    if len(context_lens) != len(query_lens) or sum(query_lens) != N:
+        raise ValueError(
+            f"paged_attention: query_lens {list(query_lens)} must sum to the {N} packed tokens "
+            f"and match context_lens {list(context_lens)} in length"
+        )
+    out_NHE = torch.empty_like(q_NHE)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+
+    def context(s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` cached keys and values of sequence ``s``, ``[n, K, E]``."""
+        blocks = block_tables_SM[s, : -(-n // B)]
+        k = k_cache_CBKE[blocks].flatten(0, 1)[:n]
+        return k, v_cache_CBKE[blocks].flatten(0, 1)[:n]
+
+    decodes = [s for s, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        # [S, 1 + longest context, K, E]: the new token's key last, the padding masked out
+        longest = max(context_lens[s] for s in decodes)
+        K = k_NKE.shape[1]
+        k_SLKE = k_NKE.new_zeros(len(decodes), longest + 1, K, E)
+        v_SLKE = torch.zeros_like(k_SLKE)
+        mask_SL = torch.zeros(len(decodes), longest + 1, dtype=torch.bool, device=q_NHE.device)
+        for row, s in enumerate(decodes):
+            n = context_lens[s]
+            if n:
+                k_SLKE[row, :n], v_SLKE[row, :n] = context(s, n)
+            k_SLKE[row, longest] = k_NKE[starts[s]]
+            v_SLKE[row, longest] = v_NKE[starts[s]]
+            mask_SL[row, :n] = True
+            mask_SL[row, longest] = True
+        rows = torch.tensor([starts[s] for s in decodes], device=q_NHE.device)
+        q_SH1E = q_NHE[rows][:, :, None]
+        y = F.scaled_dot_product_attention(
+            q_SH1E,
+            k_SLKE.transpose(1, 2),
+            v_SLKE.transpose(1, 2),
+            attn_mask=mask_SL[:, None, None, :],
+            scale=scale,
+            enable_gqa=H != K,
+        )
+        out_NHE[rows] = y[:, :, 0]
+    for s, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        lo, hi = starts[s], starts[s] + n
+        k_TKE, v_TKE = k_NKE[lo:hi], v_NKE[lo:hi]
+        if context_lens[s]:
+            k_ctx, v_ctx = context(s, context_lens[s])
+            k_TKE, v_TKE = torch.cat([k_ctx, k_TKE]), torch.cat([v_ctx, v_TKE])
+        y = attention(
+            q_NHE[lo:hi].transpose(0, 1)[None],
+            k_TKE.transpose(0, 1)[None],
+            v_TKE.transpose(0, 1)[None],
+            causal=True,
+            scale=scale,
+        )
+        out_NHE[lo:hi] = y[0].transpose(0, 1)
+    return out_NHE
