@@ -1,0 +1,416 @@
+"""The inference engine: continuous batching over a paged KV cache, with the training model code.
+
+Each :meth:`Engine.step` runs one forward pass of the model's ``paged_forward`` over the tokens the
+scheduler chose (decodes and prefill chunks of many sequences packed together), writes their keys
+and values into the cache (``{"k", "v"}``, ``[L, C blocks, B slots, K, E]``, passed through
+``cf.scan_layers`` as per-layer ``xs``), and samples a token for every sequence whose tokens are
+all computed. :meth:`Engine.generate` loops over steps until every request is done.
+
+Legend: L layers, C cache blocks, B block size (slots), K key/value heads, E head dim, N packed
+tokens, S sequences in the step, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import types
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colfunc import models, nn
+from colfunc.inference.kv_cache import BlockAllocator
+from colfunc.inference.sampling import SamplingParams, next_token
+from colfunc.inference.scheduler import Scheduler, Sequence
+from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer, load_hf_tokenizer
+
+__all__ = ["CompletionOutput", "Engine", "RequestOutput"]
+
+DEFAULT_KV_BYTES = 2 * 2**30  # the most the default cache size takes
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
+_UNITS |= {"gib": 2**30}
+
+
+def _bytes(value: int | str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"Engine: kv_memory must be bytes > 0 or a size like '512MiB', got {value!r}")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion: its tokens, text, why it ended (``stop``, ``length``, ``abort`` or None
+    while running) and, when asked, per-token logprobs."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after a step: its prompt and its ``n`` completions so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    forks: list[Sequence]  # waiting for the first completion's prompt to be computed
+
+
+class Engine:
+    """Serve a colfunc model: ``Engine(models.gpt, cfg, params)``, or from a run or a folder.
+
+    ``block_size`` token slots per KV block; the cache has ``num_blocks`` blocks, or as many as
+    ``kv_memory`` (bytes, or a size like ``"1GiB"``) holds, or by default enough for
+    ``max_num_seqs`` sequences at full context (at most 2 GiB). A step computes at most
+    ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` sequences.
+
+    Example:
+        >>> engine = Engine.from_run("runs/gpt_tiny-20260101-120000")
+        >>> out = engine.generate(["def "], SamplingParams(temperature=0, max_tokens=32))
+        >>> print(out[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: types.ModuleType | str,
+        cfg: Any,
+        params: Any,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory: int | str | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        tokenizer: Tokenizer | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if isinstance(model, str):
+            if model not in models.__all__:
+                raise ValueError(f"Engine: model must be one of {models.__all__}, got {model!r}")
+            model = getattr(models, model)
+        if not isinstance(model, types.ModuleType) or not hasattr(model, "paged_forward"):
+            raise TypeError(f"Engine: {model!r} has no paged_forward; pass a colfunc.models module")
+        self.model, self.cfg, self.params = model, cfg, params
+        self.block_size = _positive("block_size", block_size)
+        _positive("max_num_seqs", max_num_seqs)
+        _positive("max_num_batched_tokens", max_num_batched_tokens)
+        self.tokenizer = tokenizer
+        self.eos_token_id = (
+            eos_token_id
+            if eos_token_id is not None
+            else (tokenizer.eos_token_id if tokenizer is not None else None)
+        )
+        # a byte tokenizer cannot write the ids a padded vocabulary adds
+        self.vocab = cfg.vocab_size
+        if isinstance(tokenizer, ByteTokenizer):
+            self.vocab = min(self.vocab, tokenizer.vocab_size)
+        table = params["embed"]["tokens"]
+        L, E = cfg.n_layer, cfg.d_model // cfg.n_head
+        K = getattr(cfg, "n_kv_heads", None) or cfg.n_head
+        per_block = 2 * L * self.block_size * K * E * table.element_size()
+        if num_blocks is not None and kv_memory is not None:
+            raise ValueError("Engine: give num_blocks or kv_memory, not both")
+        if num_blocks is None:
+            full = max_num_seqs * -(-cfg.max_seq_len // self.block_size)
+            budget = _bytes(kv_memory) if kv_memory is not None else DEFAULT_KV_BYTES
+            num_blocks = full if kv_memory is None else budget // per_block
+            num_blocks = min(num_blocks, budget // per_block)
+        _positive("num_blocks", num_blocks)
+        if num_blocks * self.block_size < cfg.max_seq_len:
+            raise ValueError(
+                f"Engine: {num_blocks} blocks of {self.block_size} slots cannot hold one sequence "
+                f"at the model's context of {cfg.max_seq_len} tokens; give at least "
+                f"{-(-cfg.max_seq_len // self.block_size)} blocks ({per_block} bytes each)"
+            )
+        shape = (L, num_blocks, self.block_size, K, E)
+        self.cache = {
+            "k": torch.zeros(shape, dtype=table.dtype, device=table.device),
+            "v": torch.zeros(shape, dtype=table.dtype, device=table.device),
+        }
+        self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._default_seed = itertools.count()
+
+    # --- construction from files --------------------------------------------------------------
+    @classmethod
+    def from_run(cls, run: str | Path, **kwargs: Any) -> Engine:
+        """The engine of a ``colfunc train`` run folder (or its checkpoint folder)."""
+        from colfunc import checkpoint, config, train
+        from colfunc.step import TrainState
+
+        path = Path(run)
+        if (path / train.CHECKPOINT).is_dir():
+            path = path / train.CHECKPOINT
+        state, run_cfg = checkpoint.load(path)
+        if not (isinstance(run_cfg, config.RunConfig) and isinstance(state, TrainState)):
+            raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+        model = config.model_module(run_cfg.model)
+        kwargs.setdefault("tokenizer", ByteTokenizer())
+        return cls(model, run_cfg.model, state.params, **kwargs)
+
+    @classmethod
+    def from_hf(
+        cls, folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> Engine:
+        """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
+        safetensors; GPT-2, LLaMA or OPT), with the folder's tokenizer when it has one. Local
+        files only."""
+        import transformers
+
+        from colfunc import hf
+
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"Engine.from_hf: {str(folder)!r} has no config.json")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype
+        )
+        cfg, params = hf.from_hf(hf_model)
+        model = getattr(models, type(cfg).__module__.rsplit(".", 1)[-1])
+        kwargs.setdefault("tokenizer", load_hf_tokenizer(folder))
+        if kwargs.get("eos_token_id") is None:
+            kwargs["eos_token_id"] = getattr(hf_model.config, "eos_token_id", None)
+        return cls(model, cfg, params, **kwargs)
+
+    # --- requests ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Engine: this engine has no tokenizer; give prompts as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab:
+                    raise ValueError(
+                        f"Engine: prompt token ids must be ints in [0, {self.vocab}), got {t!r}"
+                    )
+        if not ids:
+            raise ValueError("Engine: the prompt is empty")
+        if len(ids) >= self.cfg.max_seq_len:
+            raise ValueError(
+                f"Engine: the prompt has {len(ids)} tokens; the model's context is "
+                f"{self.cfg.max_seq_len}, which leaves no room for output: shorten it to at most "
+                f"{self.cfg.max_seq_len - 1}"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id (``request_id`` if given)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Engine: params must be SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"Engine: request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else next(self._default_seed)
+        arrival = next(self._arrivals)
+        seqs = []
+        for i in range(params.n):
+            g = torch.Generator(device=self.cache["k"].device)
+            g.manual_seed(seed * 1_000_003 + i)  # each completion its own stream
+            seqs.append(Sequence(rid, i, list(ids), params, g, arrival))
+        self.requests[rid] = _Request(rid, ids, params, seqs, seqs[1:])
+        self.scheduler.add(seqs[0])
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (unknown or finished ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                if seq not in req.forks:
+                    self.scheduler.finish(seq)
+        req.forks.clear()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        """Running and waiting sequences, KV blocks in use, prefix-cache hits, preemptions."""
+        a = self.allocator
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "blocks_total": a.num_blocks,
+            "blocks_used": a.used_count(),
+            "prefix_hits": a.hits,
+            "prefix_queries": a.queries,
+            "preemptions": self.scheduler.preemptions,
+        }
+
+    # --- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; the requests it advanced, as they stand (finished ones leave)."""
+        work = self.scheduler.schedule()
+        if not work.items:
+            if self.scheduler.waiting:
+                raise RuntimeError("Engine: nothing could be scheduled although requests wait")
+            return []
+        for src, dst in work.copies:  # copy on write, before anything writes
+            for c in self.cache.values():
+                c[:, dst] = c[:, src]
+        B = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        M = max(len(seq.blocks) for seq, _ in work.items)
+        tables = torch.zeros(len(work.items), M, dtype=torch.int32)
+        for s, (seq, n) in enumerate(work.items):
+            lo = seq.computed
+            tables[s, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            tokens += seq.tokens[lo : lo + n]
+            positions += range(lo, lo + n)
+            slots += [seq.blocks[p // B] * B + p % B for p in range(lo, lo + n)]
+            if lo + n == seq.num_tokens:
+                rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        device = self.cache["k"].device
+        batch = nn.PagedBatch(
+            positions=torch.tensor(positions, device=device),
+            block_tables=tables.to(device),
+            context_lens=tuple(seq.computed for seq, _ in work.items),
+            query_lens=tuple(n for _, n in work.items),
+        )
+        logits_SV, ys = self.model.paged_forward(
+            self.params,
+            torch.tensor(tokens, device=device),
+            batch,
+            self.cache,
+            self.cfg,
+            torch.tensor(rows, dtype=torch.long, device=device),
+        )
+        slot_N = torch.tensor(slots, device=device)
+        for key, c in self.cache.items():
+            c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = ys[key]
+        for seq, n in work.items:
+            seq.computed += n
+            self.scheduler.register_full(seq)
+        touched: dict[str, _Request] = {}
+        for row, seq in enumerate(sampled):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            group = [seq]
+            if seq.index == 0 and req.forks:  # the prompt is computed: the others share it
+                for fork in req.forks:
+                    fork.blocks = [self.allocator.share(b) for b in seq.blocks]
+                    fork.computed, fork.keys = seq.computed, list(seq.keys)
+                    self.scheduler.running.append(fork)
+                group += req.forks
+                req.forks = []
+            for one in group:
+                self._append(one, logits_SV[row, : self.vocab])
+        out = [self._output(req) for req in touched.values()]
+        for o in out:
+            if o.finished:
+                del self.requests[o.request_id]
+        return out
+
+    def _append(self, seq: Sequence, logits_V: torch.Tensor) -> None:
+        p = seq.params
+        token = next_token(logits_V, p, seq.prompt, seq.output, seq.generator)
+        if p.logprobs is not None:
+            lp_V = torch.log_softmax(logits_V.double(), dim=-1)
+            top = torch.topk(lp_V, min(p.logprobs, lp_V.numel()))
+            seq.logprobs.append(
+                {
+                    "token": token,
+                    "logprob": float(lp_V[token]),
+                    "top": dict(zip(top.indices.tolist(), top.values.tolist())),
+                }
+            )
+        seq.output.append(token)
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output)
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+            seq.finish_reason = "stop"
+        elif p.stop and any(s in seq.text for s in p.stop):
+            cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
+            seq.text, seq.finish_reason = seq.text[:cut], "stop"
+        elif len(seq.output) >= p.max_tokens or seq.num_tokens >= self.cfg.max_seq_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                seq.index,
+                list(seq.output),
+                seq.text,
+                seq.finish_reason,
+                list(seq.logprobs) if seq.params.logprobs is not None else None,
+            )
+            for seq in req.seqs
+        ]
+        finished = all(seq.finish_reason is not None for seq in req.seqs)
+        return RequestOutput(req.request_id, list(req.prompt), outs, finished)
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` (text, or token ids) to completion, batched; outputs in prompt order."""
+        plist: list[Any]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            plist = [prompts]
+        else:
+            plist = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params] * len(plist)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(plist):
+                raise ValueError(
+                    f"Engine.generate: {len(params_list)} SamplingParams for {len(plist)} prompts"
+                )
+        ids = [self.add_request(p, sp) for p, sp in zip(plist, params_list)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return [done[i] for i in ids]

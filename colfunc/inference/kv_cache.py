@@ -1,0 +1,111 @@
+"""The paged KV cache's bookkeeping: blocks of token slots, reference counts, a prefix cache.
+
+The cache tensors (``{"k", "v"}``, ``[L, C blocks, B slots, K, E]``) belong to the engine; this
+module decides which block holds what (Kwon et al. 2023, vLLM's PagedAttention). A sequence's
+block table lists its blocks in order; a block shared by several sequences (the ``n`` samples of
+one prompt, or a cached prefix) has a reference count, and a sequence about to write into a
+shared block first gets its own copy (copy on write).
+
+Prefix caching: a full block is keyed by a chained hash of its tokens and of every token before
+it (the hash of the previous block), so equal keys mean equal keys and values. A block whose last
+reference is dropped keeps its contents and its key, and is handed out again on a hit; blocks
+needed for new contents are taken from the never-cached ones first, then from the cached ones
+least recently released (LRU eviction).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Sequence
+
+__all__ = ["BlockAllocator", "block_hash"]
+
+ROOT = b"colfunc-kv"
+
+
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The key of a full block holding ``tokens`` after the block keyed ``parent`` (None first)."""
+    h = hashlib.sha256(parent if parent is not None else ROOT)
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
+class BlockAllocator:
+    """Blocks ``0 .. num_blocks - 1``: a free list, reference counts and the prefix cache.
+
+    Example:
+        >>> a = BlockAllocator(num_blocks=8, block_size=16)
+        >>> b = a.allocate(); a.free_count()
+        7
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.num_blocks, self.block_size, self.prefix_caching = (
+            num_blocks,
+            block_size,
+            prefix_caching,
+        )
+        self.refs = [0] * num_blocks
+        self.free: collections.deque[int] = collections.deque(range(num_blocks))
+        self.key_of: dict[int, bytes] = {}  # a cached block's key
+        self.cached: dict[bytes, int] = {}  # key -> block
+        # unreferenced cached blocks, least recently released first
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.hits = 0  # blocks served from the prefix cache
+        self.queries = 0  # full blocks looked up
+
+    def free_count(self) -> int:
+        """Blocks that :meth:`allocate` can hand out now (never-cached ones and evictable ones)."""
+        return len(self.free) + len(self.evictable)
+
+    def used_count(self) -> int:
+        """Blocks referenced by some sequence."""
+        return self.num_blocks - self.free_count()
+
+    def allocate(self) -> int:
+        """A block for new contents, with one reference."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.key_of.pop(block)]
+        else:
+            raise RuntimeError("BlockAllocator: no free block (the scheduler checks first)")
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> int:
+        """One more reference to ``block`` (a forked sequence's)."""
+        if self.refs[block] < 1:
+            raise RuntimeError(f"BlockAllocator: block {block} is not in use")
+        self.refs[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        """Drop one reference; the last one frees the block (a cached one stays, evictable)."""
+        if self.refs[block] < 1:
+            raise RuntimeError(f"BlockAllocator: block {block} released more often than taken")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.key_of:
+                self.evictable[block] = None  # the most recently released
+            else:
+                self.free.append(block)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached block keyed ``key``, with one more reference, or None."""
+        self.queries += 1
+        block = self.cached.get(key) if self.prefix_caching else None
+        if block is None:
+            return None
+        self.hits += 1
+        if self.refs[block] == 0:
+            del self.evictable[block]
+        self.refs[block] += 1
+        return block
+
+    def register(self, block: int, key: bytes) -> None:
+        """Record that the full ``block`` holds the tokens keyed ``key`` (first one wins)."""
+        if self.prefix_caching and key not in self.cached and block not in self.key_of:
+            self.cached[key], self.key_of[block] = block, key
