@@ -1,7 +1,9 @@
-"""Autoregressive sampling from any model's ``apply``: temperature, top-k, greedy at 0.
+"""Text from a trained run, and a cache-free reference sampler.
 
-Each new token recomputes the model over the last ``max_seq_len`` tokens (no KV cache), which is
-simple and exact; ``colfunc.inference`` is the fast path.
+:func:`complete` (``colfunc generate``, the sample after ``colfunc train``) runs on the inference
+engine (:class:`colfunc.inference.Engine`: paged KV cache, one forward pass per new token).
+:func:`sample` recomputes the model over the last ``max_seq_len`` tokens for every new token: no
+cache, slow, and simple enough to serve as a reference.
 
 Legend: T tokens so far, V vocabulary.
 """
@@ -13,7 +15,6 @@ from typing import Any
 
 import torch
 
-from colfunc import data
 from colfunc.config import RunConfig, model_module
 
 __all__ = ["complete", "sample"]
@@ -82,26 +83,21 @@ def complete(
     top_k: int = 40,
     seed: int = 0,
 ) -> str:
-    """``prompt`` and ``max_new_tokens`` bytes sampled after it by the byte-level model of a run.
+    """``prompt`` and up to ``max_new_tokens`` bytes sampled after it by a run's byte-level
+    model, on the inference engine; the output stops at the model's context.
 
     Example:
         >>> state, cfg = checkpoint.load("runs/demo/checkpoint")
         >>> print(complete(cfg, state.params, "def ", 200))
     """
-    model = model_module(cfg.model)
+    from colfunc.inference import ByteTokenizer, Engine, SamplingParams
 
-    def byte_logits(params: Any, ids: torch.Tensor, model_cfg: Any) -> torch.Tensor:
-        # a vocabulary padded past the 256 byte values never yields those extra ids
-        return model.apply(params, ids, model_cfg)[..., : data.VOCAB_SIZE]
-
-    ids = sample(
-        byte_logits,
-        params,
-        cfg.model,
-        data.encode(prompt),
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-    )
-    return data.decode(ids)
+    if not prompt:
+        raise ValueError("the prompt must not be empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tokenizer = ByteTokenizer()
+    engine = Engine(model_module(cfg.model), cfg.model, params, tokenizer=tokenizer, max_num_seqs=1)
+    p = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=max_new_tokens)
+    (out,) = engine.generate([prompt], p)
+    return tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids)

@@ -16,6 +16,7 @@ from colfunc import checkpoint, data, tree
 from colfunc import train as trainer
 from colfunc.cli import main
 from colfunc.generate import sample
+from colfunc.inference import Engine, SamplingParams
 from colfunc.models import gpt
 
 TIMINGS = ("elapsed", "tokens_per_s")
@@ -86,10 +87,13 @@ def test_generate_prints_the_seeded_sample(
     argv = ["generate", "--run", str(trained), "--prompt", "def ", "--max-new-tokens", "40"]
     assert main([*argv, "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    state, cfg = checkpoint.load(trained / trainer.CHECKPOINT)
-    ids = sample(gpt.apply, state.params, cfg.model, data.encode("def "), 40, seed=3)
-    assert ids.numel() == 4 + 40
-    assert out == data.decode(ids) + "\n" and out.startswith("def ")
+    # the engine's sample: 40 new bytes, or fewer where the model's context ends
+    engine = Engine.from_run(trained)
+    p = SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=40)
+    (want,) = engine.generate(["def "], p)
+    room = engine.cfg.max_seq_len - 4
+    assert len(want.outputs[0].token_ids) == min(40, room)
+    assert out == "def " + want.outputs[0].text + "\n"
     assert main([*argv, "--seed", "3"]) == 0
     assert capsys.readouterr().out == out  # seeded
     assert main([*argv, "--seed", "4"]) == 0
