@@ -1,4 +1,4 @@
-"""The ``colfunc`` command: ``train``, ``generate`` and ``bench``.
+"""The ``colfunc`` command: ``train``, ``generate``, ``serve`` and ``bench``.
 
 Bad input (a config mistake, a missing or corrupt checkpoint, an empty corpus, a run folder that
 exists already) ends with one line on stderr, ``colfunc: error: ...``, and exit status 2.
@@ -8,6 +8,7 @@ Examples:
     colfunc train examples/configs/llama_tiny.py --set train.steps=200 --set optim.lr=1e-3
     colfunc train --resume runs/gpt_tiny-20250101-120000 --set train.steps=2000
     colfunc generate --run runs/gpt_tiny-20250101-120000 --prompt "def " --max-new-tokens 200
+    colfunc serve --run runs/gpt_tiny-20250101-120000 --port 8000   # OpenAI API on 127.0.0.1
     colfunc bench single_device
 """
 
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import os
 import runpy
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -121,6 +123,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from colfunc.inference import Engine
+    from colfunc.inference.server import EngineLoop, build_app
+
+    if (args.run is None) == (args.hf is None):
+        raise ValueError("give one of --run DIR or --hf DIR")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    kw = {"max_num_seqs": args.max_num_seqs}
+    if args.kv_memory is not None:
+        kw["kv_memory"] = args.kv_memory
+    if args.run is not None:
+        engine, name = Engine.from_run(args.run, **kw), Path(args.run).resolve().name
+    else:
+        engine, name = Engine.from_hf(args.hf, **kw), Path(args.hf).resolve().name
+    loop = EngineLoop(engine, max_waiting=args.max_waiting)
+    app = build_app(loop, args.model_name or name)
+    print(
+        f"colfunc: serving {args.model_name or name!r} on http://{args.host}:{args.port}",
+        flush=True,
+    )
+    # On SIGTERM uvicorn stops accepting, waits for the requests in flight, shuts the app down,
+    # and raises the signal again with the handler found before it: this one, so that the
+    # command then ends with status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _benchmark_dirs() -> list[Path]:
     here = Path.cwd() / "benchmarks"
     repo = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -203,6 +238,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a run or a Hugging Face folder over the OpenAI API")
+    p.add_argument("--run", help="a run folder (or its checkpoint folder)")
+    p.add_argument("--hf", help="a Hugging Face model folder (save_pretrained layout)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", help="the model's name in the API (default: the folder's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB")
+    p.add_argument("--max-waiting", type=int, default=256, help="queue length before 503")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
         "run",

@@ -236,6 +236,8 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs[keep] * n
     stat = ((counts[keep] - expected) ** 2 / expected).sum()
     dof = int(keep.sum()) - 1
+    if dof == 0:  # one token kept: it is always drawn, as asserted apart
+        return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
 
 

@@ -203,7 +203,9 @@ class Engine:
         return cls(model, cfg, params, **kwargs)
 
     # --- requests ------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """``prompt``'s token ids, checked: text needs a tokenizer, ids must lie in the
+        vocabulary, and the prompt must leave room for output in the model's context."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("Engine: this engine has no tokenizer; give prompts as token ids")
@@ -235,7 +237,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine: params must be SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"Engine: request id {rid!r} is already in use")

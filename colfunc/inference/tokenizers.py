@@ -24,6 +24,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0-255 (colfunc's training runs); no end-of-sequence token."""

@@ -173,10 +173,11 @@ def paged_attention(
     sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
     a (chunked) prefill has more. Returns ``[N, H, E]``.
 
-    Sequences with one new token are computed together: their contexts are gathered into one
-    padded batch, the padding masked out. Each longer one runs alone.
+    Sequences with one new token are computed together: their blocks are gathered into one
+    padded batch (a block past the context may be any block: it is masked out). Each longer
+    one runs alone.
     """
-    N, H, E = q_NHE.shape
+    N, H = q_NHE.shape[:2]
     B = k_cache_CBKE.shape[1]
     if len(context_lens) != len(query_lens) or sum(query_lens) != N:
         raise ValueError(
@@ -196,24 +197,23 @@ def paged_attention(
 
     decodes = [s for s, n in enumerate(query_lens) if n == 1]
     if decodes:
-        # [S, 1 + longest context, K, E]: the new token's key last, the padding masked out
-        longest = max(context_lens[s] for s in decodes)
-        K = k_NKE.shape[1]
-        k_SLKE = k_NKE.new_zeros(len(decodes), longest + 1, K, E)
-        v_SLKE = torch.zeros_like(k_SLKE)
-        mask_SL = torch.zeros(len(decodes), longest + 1, dtype=torch.bool, device=q_NHE.device)
-        for row, s in enumerate(decodes):
-            n = context_lens[s]
-            if n:
-                k_SLKE[row, :n], v_SLKE[row, :n] = context(s, n)
-            k_SLKE[row, longest] = k_NKE[starts[s]]
-            v_SLKE[row, longest] = v_NKE[starts[s]]
-            mask_SL[row, :n] = True
-            mask_SL[row, longest] = True
-        rows = torch.tensor([starts[s] for s in decodes], device=q_NHE.device)
-        q_SH1E = q_NHE[rows][:, :, None]
+        # every decoding sequence's blocks in one gather, [S, M * B, K, E], its new key and
+        # value written at its context length, everything after it masked out
+        device = q_NHE.device
+        S_, K = len(decodes), k_NKE.shape[1]
+        M = -(-(max(context_lens[s] for s in decodes) + 1) // B)
+        index = torch.tensor(decodes, device=device)
+        picked = block_tables_SM[index, :M].reshape(-1).long()
+        shape = (S_, M * B, K, k_cache_CBKE.shape[-1])
+        k_SLKE = k_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
+        v_SLKE = v_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
+        ctx = torch.tensor([context_lens[s] for s in decodes], device=device)
+        rows = torch.tensor([starts[s] for s in decodes], device=device)
+        seq = torch.arange(S_, device=device)
+        k_SLKE[seq, ctx], v_SLKE[seq, ctx] = k_NKE[rows], v_NKE[rows]
+        mask_SL = torch.arange(M * B, device=device)[None, :] <= ctx[:, None]
         y = F.scaled_dot_product_attention(
-            q_SH1E,
+            q_NHE[rows][:, :, None],
             k_SLKE.transpose(1, 2),
             v_SLKE.transpose(1, 2),
             attn_mask=mask_SL[:, None, None, :],

@@ -1,0 +1,442 @@
+"""An OpenAI-compatible HTTP server over the engine: FastAPI and uvicorn, metrics for Prometheus.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends server-sent
+events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``.
+The engine runs on a thread of its own (:class:`EngineLoop`): requests go in through a queue,
+outputs come back to each request's asyncio queue after every step. Bad requests get status 400
+with an OpenAI error body; a full waiting queue gets 503; a client that goes away has its request
+aborted, which frees its blocks. ``colfunc serve`` binds 127.0.0.1 unless told otherwise; on
+SIGTERM uvicorn stops accepting, lets the requests in flight finish, and the loop stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import fastapi
+import prometheus_client
+import pydantic
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from colfunc.inference.engine import Engine, RequestOutput
+from colfunc.inference.sampling import SamplingParams
+
+__all__ = ["EngineLoop", "QueueFull", "build_app"]
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_waiting`` requests already."""
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = prometheus_client.CollectorRegistry()
+        r = self.registry
+        self.running = prometheus_client.Gauge(
+            "colfunc_requests_running", "Sequences being generated", registry=r
+        )
+        self.waiting = prometheus_client.Gauge(
+            "colfunc_requests_waiting", "Requests waiting to start", registry=r
+        )
+        self.kv_usage = prometheus_client.Gauge(
+            "colfunc_kv_cache_usage", "Fraction of the KV cache blocks in use", registry=r
+        )
+        self.tokens = prometheus_client.Counter(
+            "colfunc_generation_tokens", "Tokens generated", registry=r
+        )
+        self.tokens_per_s = prometheus_client.Gauge(
+            "colfunc_generation_tokens_per_second", "Tokens/s over the last 5 s", registry=r
+        )
+        self.ttft = prometheus_client.Histogram(
+            "colfunc_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def generated(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens.inc(n)
+        self.recent.append((now, n))
+        while self.recent and self.recent[0][0] < now - 5:
+            self.recent.popleft()
+        self.tokens_per_s.set(sum(k for _, k in self.recent) / 5)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, arrival: float) -> None:
+        self.loop, self.arrival = loop, arrival
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.tokens = 0
+
+
+class EngineLoop:
+    """Runs ``engine`` on its own thread: :meth:`submit` and :meth:`abort` from any thread,
+    outputs pushed to each request's asyncio queue after every step."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+        self.engine, self.max_waiting = engine, max_waiting
+        self.metrics = _Metrics()
+        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.streams: dict[str, _Stream] = {}
+        self.lock = threading.Lock()
+        self.pending = 0  # submitted, not yet taken by the engine
+        self.wake = threading.Event()
+        self.stopping = False
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="colfunc-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue[Any]]:
+        """Queue a request (token ids); its id and the queue its outputs arrive on."""
+        with self.lock:
+            waiting = self.pending + len(self.engine.scheduler.waiting)
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting already")
+            self.pending += 1
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = _Stream(asyncio.get_running_loop(), time.monotonic())
+        self.streams[rid] = stream
+        self.inbox.put(("add", rid, ids, params))
+        self.wake.set()
+        return rid, stream.queue
+
+    def abort(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+        self.inbox.put(("abort", rid))
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                while True:
+                    try:
+                        msg = self.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if msg[0] == "add":
+                        with self.lock:
+                            self.pending -= 1
+                            self.engine.add_request(msg[2], msg[3], request_id=msg[1])
+                    else:
+                        self.engine.abort(msg[1])
+                if not self.engine.has_unfinished():
+                    self._gauges()
+                    self.wake.wait(timeout=0.5)
+                    self.wake.clear()
+                    continue
+                outs = self.engine.step()
+                self._gauges()
+                for out in outs:
+                    self._deliver(out)
+        except BaseException as e:  # the server reports it on every request from now on
+            self.failure = e
+            for rid, stream in list(self.streams.items()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                self.streams.pop(rid, None)
+
+    def _gauges(self) -> None:
+        s = self.engine.stats()
+        self.metrics.running.set(s["running"])
+        self.metrics.waiting.set(s["waiting"] + self.pending)
+        self.metrics.kv_usage.set(s["blocks_used"] / s["blocks_total"])
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if n > stream.tokens:
+            if stream.tokens == 0:
+                self.metrics.ttft.observe(time.monotonic() - stream.arrival)
+            self.metrics.generated(n - stream.tokens)
+            stream.tokens = n
+        if out.finished:
+            self.streams.pop(out.request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+
+# --- the OpenAI API ---------------------------------------------------------------------------
+
+
+class _Sampling(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+
+class _Message(pydantic.BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[_Message]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, code: Any = None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _params(req: _Sampling, logprobs: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except (TypeError, ValueError) as e:
+        raise _BadRequest(str(e).removeprefix("SamplingParams: ")) from e
+
+
+def _visible(text: str, finished: bool, params: SamplingParams) -> str:
+    """What of a completion's text may be sent yet: a possible start of a stop string, or a
+    character still being decoded, is held back until the completion ends."""
+    if finished:
+        return text
+    hold = max((len(s) - 1 for s in params.stop), default=0)
+    end = len(text) - hold
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return text[: max(end, 0)]
+
+
+def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
+    """The FastAPI app serving ``loop``'s engine as ``model_name``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
+        yield
+        loop.stop()  # uvicorn has let the requests in flight finish
+
+    app = fastapi.FastAPI(title="colfunc", lifespan=lifespan)
+    engine = loop.engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return _error(
+            400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error", where
+        )
+
+    @app.exception_handler(_BadRequest)
+    async def bad(request: fastapi.Request, exc: _BadRequest) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.param, exc.code)
+
+    @app.exception_handler(QueueFull)
+    async def full(request: fastapi.Request, exc: QueueFull) -> JSONResponse:
+        return _error(503, f"the server is busy: {exc}; retry later", "server_error")
+
+    def start(req: _Sampling, prompt: str | list[int], logprobs: int | None):
+        if req.model != model_name:
+            raise _BadRequest(
+                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        if loop.failure is not None:
+            raise RuntimeError(f"the engine stopped: {loop.failure!r}")
+        params = _params(req, logprobs)
+        try:
+            ids = engine.encode_prompt(prompt)
+        except ValueError as e:
+            raise _BadRequest(str(e).removeprefix("Engine: "), "prompt") from e
+        rid, q = loop.submit(ids, params)
+        return rid, q, ids, params
+
+    async def outputs(
+        request: fastapi.Request, rid: str, q: asyncio.Queue[Any]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(q.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"the engine stopped: {out!r}")
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                loop.abort(rid)  # the client went away, or the server is stopping
+
+    def usage(prompt: list[int], out: RequestOutput) -> dict[str, int]:
+        done = sum(len(o.token_ids) for o in out.outputs)
+        return {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": done,
+            "total_tokens": len(prompt) + done,
+        }
+
+    def logprob_block(o: Any) -> dict[str, Any] | None:
+        if o.logprobs is None:
+            return None
+        dec = engine.tokenizer.decode if engine.tokenizer is not None else str
+        return {
+            "tokens": [dec([e["token"]]) for e in o.logprobs],
+            "token_logprobs": [e["logprob"] for e in o.logprobs],
+            "top_logprobs": [{dec([t]): v for t, v in e["top"].items()} for e in o.logprobs],
+        }
+
+    async def respond(
+        request: fastapi.Request, req: _Sampling, prompt: Any, logprobs: int | None, chat: bool
+    ) -> Any:
+        rid, q, ids, params = start(req, prompt, logprobs)
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if not req.stream:
+            last = None
+            async for out in outputs(request, rid, q):
+                last = out
+            if last is None or not last.finished:
+                return Response(status_code=499)
+            choices = []
+            for o in last.outputs:
+                if chat:
+                    choice: dict[str, Any] = {
+                        "index": o.index,
+                        "message": {"role": "assistant", "content": o.text},
+                        "finish_reason": o.finish_reason,
+                    }
+                else:
+                    choice = {"index": o.index, "text": o.text, "logprobs": logprob_block(o)}
+                    choice["finish_reason"] = o.finish_reason
+                choices.append(choice)
+            body = {"id": rid, "object": kind, "created": created, "model": model_name}
+            return {**body, "choices": choices, "usage": usage(ids, last)}
+
+        async def events() -> AsyncIterator[str]:
+            sent = [""] * params.n
+            head = {"id": rid, "object": kind + ("" if not chat else ".chunk"), "created": created}
+            head["model"] = model_name
+            if chat:
+                for i in range(params.n):
+                    delta = {"role": "assistant", "content": ""}
+                    yield _sse(
+                        {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]}
+                    )
+            last = None
+            async for out in outputs(request, rid, q):
+                last = out
+                for o in out.outputs:
+                    text = _visible(o.text, o.finish_reason is not None, params)
+                    new, sent[o.index] = text[len(sent[o.index]) :], text
+                    if not new and o.finish_reason is None:
+                        continue
+                    if chat:
+                        c = {
+                            "index": o.index,
+                            "delta": {"content": new},
+                            "finish_reason": o.finish_reason,
+                        }
+                    else:
+                        c = {"index": o.index, "text": new, "logprobs": None}
+                        c["finish_reason"] = o.finish_reason
+                    yield _sse({**head, "choices": [c]})
+            if last is not None and (req.stream_options or {}).get("include_usage"):
+                yield _sse({**head, "choices": [], "usage": usage(ids, last)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request, req: CompletionRequest) -> Any:
+        return await respond(request, req, req.prompt, req.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: fastapi.Request, req: ChatRequest) -> Any:
+        if engine.tokenizer is None:
+            raise _BadRequest("this model has no tokenizer, so it cannot take chat messages")
+        text = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return await respond(request, req, text, top, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "colfunc"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.failure is not None or not loop.thread.is_alive():
+            return JSONResponse({"status": "error"}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = prometheus_client.generate_latest(loop.metrics.registry)
+        return Response(data, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,327 @@
+"""``colfunc serve`` against the official ``openai`` client, on 127.0.0.1, with bounded loads.
+
+The model is a tiny random GPT-2 saved with ``save_pretrained`` beside a byte-level BPE trained
+here on a few standard-library sources (with a chat template), so nothing is downloaded. Every
+server binds 127.0.0.1 on a free port and stops at the end of its test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+import uvicorn
+
+from colfunc.inference import Engine, SamplingParams
+from colfunc.inference.server import EngineLoop, build_app
+
+pytestmark = pytest.mark.timeout(300)
+
+NAME = "tiny-gpt"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    import email
+    import json as json_module
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = tmp_path_factory.mktemp("hf")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = [inspect.getsource(m) for m in (json_module, email)]
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=len(fast),
+        n_positions=128,
+        eos_token_id=fast.eos_token_id,
+        bos_token_id=fast.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    return path
+
+
+class Served:
+    """A server on a thread: its base URL, its loop, and a way to stop it."""
+
+    def __init__(self, folder: Path, max_waiting: int = 256, **engine_kw) -> None:
+        self.loop = EngineLoop(Engine.from_hf(folder, **engine_kw), max_waiting=max_waiting)
+        config = uvicorn.Config(
+            build_app(self.loop, NAME), host="127.0.0.1", port=0, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start within 30 s")
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def idle(self, within: float = 20.0) -> dict[str, int]:
+        """The engine's stats once it has nothing left to do."""
+        deadline = time.monotonic() + within
+        while self.loop.engine.has_unfinished() or self.loop.pending:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine is still busy: {self.loop.engine.stats()}")
+            time.sleep(0.05)
+        return self.loop.engine.stats()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    s = Served(folder)
+    yield s
+    s.stop()
+
+
+def _client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def test_completions_and_chat_through_the_openai_client(served, folder) -> None:
+    client = _client(served)
+    direct = Engine.from_hf(folder)  # the same model, outside the server
+    prompt = "def load(self, path):"
+    done = client.completions.create(model=NAME, prompt=prompt, **GREEDY)
+    (want,) = direct.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert done.choices[0].text == want.outputs[0].text
+    assert done.usage.prompt_tokens == len(direct.encode_prompt(prompt))
+    assert done.usage.completion_tokens == 12
+    assert done.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, **GREEDY)
+    templated = direct.tokenizer.apply_chat_template(messages)
+    assert templated.endswith("assistant:")
+    (want,) = direct.generate(
+        [templated], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=NAME, messages=messages, stream=True, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+
+    two = client.completions.create(
+        model=NAME, prompt=prompt, n=2, temperature=1.0, max_tokens=6, seed=3
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert served.idle()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "nope", "prompt": "x"}, "model"),
+        ({"model": NAME, "prompt": "x", "max_tokens": 0}, None),
+        ({"model": NAME, "prompt": "x " * 400}, "prompt"),
+        ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": NAME, "prompt": "x", "top_p": 3}, None),
+        ({"model": NAME}, "prompt"),
+    ],
+)
+def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> None:
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        _client(served).completions.create(model="nope", prompt="x")
+
+
+def test_health_and_metrics(served) -> None:
+    _client(served).completions.create(model=NAME, prompt="import os", max_tokens=3)
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(served.url + "/metrics").text
+    for name in (
+        "colfunc_requests_running",
+        "colfunc_requests_waiting",
+        "colfunc_kv_cache_usage",
+        "colfunc_generation_tokens_total",
+        "colfunc_generation_tokens_per_second",
+    ):
+        assert name in text
+    count = [
+        ln for ln in text.splitlines() if ln.startswith("colfunc_time_to_first_token_seconds_count")
+    ]
+    assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(served) -> None:
+    body = {
+        "model": NAME,
+        "prompt": "class A:",
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    stats = served.idle()
+    assert stats["blocks_used"] == 0 and stats["running"] == 0
+
+
+def test_bounded_load_ends_with_no_errors_and_every_block_free(served) -> None:
+    async def one(client: httpx.AsyncClient, k: int) -> int:
+        body = {"model": NAME, "prompt": f"def f{k}(x):", "max_tokens": 1 + k % 16, "seed": k}
+        if k % 2:
+            body["stream"] = True
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+                for ln in lines[:-1]:
+                    json.loads(ln.removeprefix("data: "))
+                return r.status_code
+        r = await client.post("/v1/completions", json=body)
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return r.status_code
+
+    async def run() -> list[int]:
+        limit = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+
+            async def bounded(k: int) -> int:
+                async with limit:
+                    return await one(client, k)
+
+            return await asyncio.wait_for(asyncio.gather(*(bounded(k) for k in range(200))), 240)
+
+    statuses = asyncio.run(run())
+    assert statuses == [200] * 200
+    stats = served.idle()
+    assert stats["blocks_used"] == 0
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_full_queue_answers_503(folder) -> None:
+    s = Served(folder, max_waiting=1, max_num_seqs=1)
+    try:
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                body = {"model": NAME, "prompt": "x", "max_tokens": 40, "ignore_eos": True}
+                rs = await asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(8))
+                )
+                for r in rs:
+                    if r.status_code == 503:
+                        assert r.json()["error"]["type"] == "server_error"
+                return [r.status_code for r in rs]
+
+        statuses = asyncio.run(run())
+        assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
+        assert s.idle()["blocks_used"] == 0
+    finally:
+        s.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits(folder) -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colfunc",
+            "serve",
+            "--hf",
+            str(folder),
+            "--port",
+            str(port),
+            "--model-name",
+            NAME,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"the server did not come up: {proc.communicate()}")
+            time.sleep(0.2)
+        body = {
+            "model": NAME,
+            "prompt": "def",
+            "max_tokens": 60,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not lines:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                if line.startswith("data: "):
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        finals = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in lines[:-1]]
+        assert finals[-1] == "length"  # all 60 tokens came
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
