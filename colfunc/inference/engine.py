@@ -27,6 +27,10 @@ from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import Scheduler, Sequence
 from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer, load_hf_tokenizer
+from colfunc.sharding import Mesh, ShardedTensor, from_local
+from colfunc.sharding.placement import Shard
+from colfunc.transforms.local import local_piece
+from colfunc.transforms.shard import place
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput"]
 
@@ -88,7 +92,9 @@ class Engine:
     ``block_size`` token slots per KV block; the cache has ``num_blocks`` blocks, or as many as
     ``kv_memory`` (bytes, or a size like ``"1GiB"``) holds, or by default enough for
     ``max_num_seqs`` sequences at full context (at most 2 GiB). A step computes at most
-    ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` sequences.
+    ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` sequences. With ``mesh`` (one
+    ``tp`` axis, inside :func:`colfunc.launch`), every rank runs the same schedule on its shards
+    of the model's tensor-parallel plan and its heads of the cache, and samples the same tokens.
 
     Example:
         >>> engine = Engine.from_run("runs/gpt_tiny-20260101-120000")
@@ -110,6 +116,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         tokenizer: Tokenizer | None = None,
         eos_token_id: int | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         if isinstance(model, str):
             if model not in models.__all__:
@@ -117,7 +124,10 @@ class Engine:
             model = getattr(models, model)
         if not isinstance(model, types.ModuleType) or not hasattr(model, "paged_forward"):
             raise TypeError(f"Engine: {model!r} has no paged_forward; pass a colfunc.models module")
-        self.model, self.cfg, self.params = model, cfg, params
+        self.model, self.cfg, self.mesh = model, cfg, mesh
+        if mesh is not None:
+            params = self._place(params, mesh)
+        self.params = params
         self.block_size = _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -131,9 +141,11 @@ class Engine:
         self.vocab = cfg.vocab_size
         if isinstance(tokenizer, ByteTokenizer):
             self.vocab = min(self.vocab, tokenizer.vocab_size)
-        table = params["embed"]["tokens"]
+        table = local_piece(params["embed"]["tokens"])
         L, E = cfg.n_layer, cfg.d_model // cfg.n_head
         K = getattr(cfg, "n_kv_heads", None) or cfg.n_head
+        self.tp = mesh.axis_size("tp") if mesh is not None else 1
+        K //= self.tp  # this rank's key/value heads
         per_block = 2 * L * self.block_size * K * E * table.element_size()
         if num_blocks is not None and kv_memory is not None:
             raise ValueError("Engine: give num_blocks or kv_memory, not both")
@@ -160,6 +172,31 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._default_seed = itertools.count()
+
+    def _place(self, params: Any, mesh: Mesh) -> Any:
+        """The parameters laid out by the model's tensor-parallel plan over the ``tp`` axis
+        (heads, MLP width and vocabulary split, as in training)."""
+        if tuple(mesh.axis_names) != ("tp",):
+            raise ValueError(
+                f"Engine: mesh must have the one axis 'tp' (tensor-parallel inference), got axes "
+                f"{tuple(mesh.axis_names)}"
+            )
+        n = mesh.axis_size("tp")
+        K = getattr(self.cfg, "n_kv_heads", None) or self.cfg.n_head
+        for field, value in (("n_head", self.cfg.n_head), ("key/value heads", K)):
+            if value % n:
+                raise ValueError(f"Engine: {field}={value} is not divisible by tp={n}")
+        return place(params, self.model.tp_plan, mesh)
+
+    def _sharded_cache(self) -> dict[str, torch.Tensor]:
+        """The cache as the model sees it: this rank's heads of a cache split on its head dim."""
+        if self.mesh is None:
+            return self.cache
+        out: dict[str, torch.Tensor] = {}
+        for key, c in self.cache.items():
+            shape = (*c.shape[:3], c.shape[3] * self.tp, c.shape[4])
+            out[key] = from_local(c, self.mesh, {"tp": Shard(3)}, shape)
+        return out
 
     # --- construction from files --------------------------------------------------------------
     @classmethod
@@ -281,7 +318,7 @@ class Engine:
         }
 
     # --- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one iteration; the requests it advanced, as they stand (finished ones leave)."""
         work = self.scheduler.schedule()
@@ -320,13 +357,15 @@ class Engine:
             self.params,
             torch.tensor(tokens, device=device),
             batch,
-            self.cache,
+            self._sharded_cache(),
             self.cfg,
             torch.tensor(rows, dtype=torch.long, device=device),
         )
+        if isinstance(logits_SV, ShardedTensor):  # split over the vocabulary: every rank samples
+            logits_SV = logits_SV.full_tensor()  # the same tokens from the whole logits
         slot_N = torch.tensor(slots, device=device)
         for key, c in self.cache.items():
-            c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = ys[key]
+            c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = local_piece(ys[key])
         for seq, n in work.items:
             seq.computed += n
             self.scheduler.register_full(seq)

@@ -180,6 +180,29 @@ def adamw_(
     reference.adamw_(*lists, **hparams)
 
 
+@torch.library.custom_op("colfunc::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+) -> torch.Tensor:
+    # an operator of its own, so that a ShardedTensor sees one op with one sharding rule (heads
+    # split alike in the queries, keys, values and the cache) rather than its insides
+    return reference.paged_attention(
+        q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens
+    )
+
+
+@_paged_attention_op.register_fake
+def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def paged_attention(
     q_NHE: torch.Tensor,
     k_NKE: torch.Tensor,
@@ -189,24 +212,25 @@ def paged_attention(
     block_tables_SM: torch.Tensor,
     context_lens: Sequence[int],
     query_lens: Sequence[int],
-    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences (``query_lens`` new tokens each) over a paged KV
-    cache holding their first ``context_lens`` tokens; decode and (chunked) prefill in one call.
-    See :func:`colfunc.ops.reference.paged_attention`. Only the PyTorch reference exists so far:
-    ``COLFUNC_KERNELS=triton`` raises ValueError."""
+    cache holding their first ``context_lens`` tokens; decode and (chunked) prefill in one call,
+    the default scale ``1/sqrt(E)``. See :func:`colfunc.ops.reference.paged_attention`; on
+    ShardedTensors, heads split over an axis stay split (``torch.ops.colfunc.paged_attention``
+    has its own rule). Only the PyTorch reference exists so far: ``COLFUNC_KERNELS=triton``
+    raises ValueError."""
     if kernels_choice() == "triton":
         raise ValueError(
             "paged_attention: there is no Triton kernel for it yet; use COLFUNC_KERNELS=auto"
         )
-    return reference.paged_attention(
+    out: torch.Tensor = torch.ops.colfunc.paged_attention(
         q_NHE,
         k_NKE,
         v_NKE,
         k_cache_CBKE,
         v_cache_CBKE,
         block_tables_SM,
-        context_lens,
-        query_lens,
-        scale,
+        list(context_lens),
+        list(query_lens),
     )
+    return out

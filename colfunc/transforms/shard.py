@@ -36,7 +36,7 @@ from colfunc.transforms.local import in_placement, local_update
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["ShardConfig", "shard"]
+__all__ = ["ShardConfig", "place", "shard"]
 
 PyTree = Any
 
@@ -60,7 +60,9 @@ def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
     return dict(plan)
 
 
-def _place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
+def place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
+    """``params`` as ShardedTensors laid out by ``plan`` (path patterns to specs; replicated
+    where no pattern matches), each rank keeping its shards; no communication."""
     if not plan:
         return params  # data parallel only: plain tensors, replicated
     flat = tree.flatten_with_paths(params)[0]
@@ -71,7 +73,7 @@ def _place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
             f"{[p for p, _ in flat[:4]]}"
         )
 
-    def place(path: str, x: Any) -> Any:
+    def one(path: str, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         # every parameter becomes a ShardedTensor (replicated unless named), so parameters,
@@ -87,7 +89,7 @@ def _place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
                 )
         return distribute(x, mesh, placements)
 
-    return tree.map_with_path(place, params)
+    return tree.map_with_path(one, params)
 
 
 def _split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
@@ -282,7 +284,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     update = local_update(step.update, mesh) if plan_ and not chunked else step.update
 
     def layout(params: PyTree) -> PyTree:
-        return _place(inner_layout(params), plan_, mesh)
+        return place(inner_layout(params), plan_, mesh)
 
     seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if cfg.sequence_parallel else None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+import colfunc.ops.dispatch  # noqa: F401  (registers torch.ops.colfunc.paged_attention)
 from colfunc.sharding.placement import Placement, Shard, dim_chunks
 from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
 from colfunc.torch_private import pytree_module as pytree
@@ -68,3 +69,24 @@ rule(aten._scaled_dot_product_efficient_attention_backward)(
 )
 rule(aten._scaled_dot_product_cudnn_attention)(_attention_rule(9, 2))
 rule(aten._scaled_dot_product_cudnn_attention_backward)(_attention_rule(3, 3, q_at=1))
+
+
+@rule(torch.ops.colfunc.paged_attention.default)
+def paged_attention(
+    q: Spec, k: Spec, v: Spec, k_cache: Spec, v_cache: Spec, tables: Spec, *lens: Any
+) -> OpSharding:
+    """Heads split alike: the queries ``[N, H, E]``, the new keys and values ``[N, K, E]`` and the
+    caches ``[C, B, K, E]`` on their head dims, the block tables whole; else all whole."""
+    per_axis: list[Option] = [(R, (R, R, R, R, R, R))]
+    mesh_k = [q.mesh.axis_size(a) for a in q.mesh.axis_names]
+    if all(_heads_align_3d(q, k, n) for n in mesh_k):
+        heads = (Shard(1), Shard(1), Shard(1), Shard(2), Shard(2), R)
+        per_axis.insert(0, (Shard(1), heads))
+    return pick([q, k, v, k_cache, v_cache, tables], per_axis)
+
+
+def _heads_align_3d(q: Spec, kv: Spec, n: int) -> bool:
+    H, K = q.shape[1], kv.shape[1]
+    if K % n:
+        return False
+    return [(o * (H // K), s * (H // K)) for o, s in dim_chunks(K, [n])] == dim_chunks(H, [n])

@@ -1,4 +1,5 @@
-"""Indexing along one dim: index_select (and index_add, its backward), gather, scatter.
+"""Indexing along one dim: index_select (and index_add, its backward), gather, scatter; and
+advanced indexing ``x[..., idx, ...]`` by one block of adjacent index tensors.
 
 The other dims pass their splits through. The indexed dim of the source may be split: then
 index_select is a masked lookup (zeros for indices another rank holds) leaving a Partial sum,
@@ -44,6 +45,24 @@ def index_select(x: Spec, dim: int, index: Spec) -> OpSharding:
         return out.movedim(0, d)
 
     return OpSharding(outputs=choice.outputs, inputs=choice.inputs, compute=compute)
+
+
+@rule(aten.index.Tensor)
+def index(x: Spec, indices: Any) -> OpSharding:
+    """``x[indices]`` with index tensors on adjacent dims: a split dim outside them stays split
+    (shifted by the index tensors' rank), the index tensors whole."""
+    at = [d for d, t in enumerate(indices) if t is not None]
+    given = [t for t in indices if t is not None]
+    whole: tuple[Any, ...] = (R,) * len(given)
+    opts: list[Option] = [(R, (R, *whole))]
+    if at == list(range(at[0], at[-1] + 1)):
+        rank = max(t.ndim for t in given)
+        for d in range(x.ndim):
+            if d < at[0]:
+                opts.append((Shard(d), (Shard(d), *whole)))
+            elif d > at[-1]:
+                opts.append((Shard(d - len(at) + rank), (Shard(d), *whole)))
+    return pick([x, *given], opts)
 
 
 @rule(aten.index_add)
