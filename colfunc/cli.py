@@ -124,10 +124,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import queue
+    import threading
+
     import uvicorn
 
     from colfunc.inference import Engine
-    from colfunc.inference.server import EngineLoop, build_app
+    from colfunc.inference.server import EngineLoop, build_app, follow
+    from colfunc.sharding import launch
 
     if (args.run is None) == (args.hf is None):
         raise ValueError("give one of --run DIR or --hf DIR")
@@ -135,19 +139,54 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    kw = {"max_num_seqs": args.max_num_seqs}
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.kv_memory is not None:
         kw["kv_memory"] = args.kv_memory
-    if args.run is not None:
-        engine, name = Engine.from_run(args.run, **kw), Path(args.run).resolve().name
+    folder = args.run if args.run is not None else args.hf
+    name = args.model_name or Path(folder).resolve().name
+
+    def load(**extra: Any) -> Engine:
+        if args.run is not None:
+            return Engine.from_run(args.run, **kw, **extra)
+        return Engine.from_hf(args.hf, **kw, **extra)
+
+    if args.tp == 1:
+        loop = EngineLoop(load(), max_waiting=args.max_waiting)
     else:
-        engine, name = Engine.from_hf(args.hf, **kw), Path(args.hf).resolve().name
-    loop = EngineLoop(engine, max_waiting=args.max_waiting)
-    app = build_app(loop, args.model_name or name)
-    print(
-        f"colfunc: serving {args.model_name or name!r} on http://{args.host}:{args.port}",
-        flush=True,
-    )
+        # the ranks are threads of this process: rank 0 runs the loop the server feeds, the
+        # others follow it step by step
+        commands = [queue.SimpleQueue[Any]() for _ in range(args.tp - 1)]
+        ready: dict[str, Any] = {}
+        started = threading.Event()
+
+        def rank(mesh: Any) -> None:
+            try:
+                engine = load(mesh=mesh)
+            except BaseException as e:
+                ready["error"] = e
+                started.set()
+                raise
+            if mesh.rank == 0:
+                ready["loop"] = EngineLoop(
+                    engine, max_waiting=args.max_waiting, followers=commands, thread=False
+                )
+                started.set()
+                ready["loop"].run()
+            else:
+                follow(engine, commands[mesh.rank - 1])
+
+        ranks = threading.Thread(
+            target=launch, args=(rank, {"tp": args.tp}), kwargs={"timeout": 600.0}, daemon=True
+        )
+        ranks.start()
+        started.wait()
+        if "error" in ready:
+            raise ready["error"]
+        loop = ready["loop"]
+    app = build_app(loop, name)
+    print(f"colfunc: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # On SIGTERM uvicorn stops accepting, waits for the requests in flight, shuts the app down,
     # and raises the signal again with the handler found before it: this one, so that the
     # command then ends with status 0.
@@ -248,6 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB")
     p.add_argument("--max-waiting", type=int, default=256, help="queue length before 503")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (threads)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

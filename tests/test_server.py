@@ -272,37 +272,39 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_sigterm_finishes_the_requests_in_flight_then_exits(folder) -> None:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colfunc",
-            "serve",
-            "--hf",
-            str(folder),
-            "--port",
-            str(port),
-            "--model-name",
-            NAME,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
+class Process:
+    """``colfunc serve`` in a process of its own, on a free port, up and healthy."""
+
+    def __init__(self, *args: str) -> None:
+        port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "colfunc", "serve", *args, "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
         while True:
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
             except httpx.TransportError:
                 pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise AssertionError(f"the server did not come up: {proc.communicate()}")
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.kill()
+                raise AssertionError(f"the server did not come up: {self.proc.communicate()}")
             time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits(folder) -> None:
+    server = Process("--hf", str(folder), "--model-name", NAME)
+    try:
         body = {
             "model": NAME,
             "prompt": "def",
@@ -311,17 +313,36 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(folder) -> None:
             "ignore_eos": True,
         }
         lines = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and not lines:
-                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                    server.proc.send_signal(signal.SIGTERM)  # mid-stream
                 if line.startswith("data: "):
                     lines.append(line)
         assert lines[-1] == "data: [DONE]"
         finals = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in lines[:-1]]
         assert finals[-1] == "length"  # all 60 tokens came
-        assert proc.wait(timeout=30) == 0
+        assert server.proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.kill()
+
+
+def test_serve_tp2_gives_the_tokens_of_one_device(folder) -> None:
+    server = Process("--hf", str(folder), "--model-name", NAME, "--tp", "2")
+    try:
+        direct = Engine.from_hf(folder)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        prompts = ["def f(x):", "import json\n", "class Parser:"]
+        p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = [o.outputs[0].text for o in direct.generate(prompts, p)]
+        got = [
+            client.completions.create(model=NAME, prompt=q, **GREEDY).choices[0].text
+            for q in prompts
+        ]
+        assert got == want
+        stream = client.completions.create(model=NAME, prompt=prompts[0], stream=True, **GREEDY)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want[0]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.kill()

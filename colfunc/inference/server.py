@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import fastapi
@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from colfunc.inference.engine import Engine, RequestOutput
 from colfunc.inference.sampling import SamplingParams
 
-__all__ = ["EngineLoop", "QueueFull", "build_app"]
+__all__ = ["EngineLoop", "QueueFull", "apply", "build_app", "follow"]
 
 
 class QueueFull(Exception):
@@ -82,11 +82,24 @@ class _Stream:
 
 
 class EngineLoop:
-    """Runs ``engine`` on its own thread: :meth:`submit` and :meth:`abort` from any thread,
-    outputs pushed to each request's asyncio queue after every step."""
+    """Runs ``engine``: :meth:`submit` and :meth:`abort` from any thread, outputs pushed to each
+    request's asyncio queue after every step.
 
-    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+    It runs on a thread of its own, or (``thread=False``) on whichever thread calls :meth:`run`:
+    rank 0 of a tensor-parallel engine, whose other ranks :func:`follow` it through the
+    ``followers`` queues, taking the same requests in the same order and stepping with it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int = 256,
+        *,
+        followers: Sequence[queue.SimpleQueue[Any]] = (),
+        thread: bool = True,
+    ) -> None:
         self.engine, self.max_waiting = engine, max_waiting
+        self.followers = list(followers)
         self.metrics = _Metrics()
         self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
@@ -95,8 +108,13 @@ class EngineLoop:
         self.wake = threading.Event()
         self.stopping = False
         self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="colfunc-engine", daemon=True)
-        self.thread.start()
+        self.done = threading.Event()
+        self.own = threading.Thread(target=self.run, name="colfunc-engine", daemon=True)
+        if thread:
+            self.own.start()
+
+    def alive(self) -> bool:
+        return self.failure is None and not self.done.is_set()
 
     def submit(self, ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue[Any]]:
         """Queue a request (token ids); its id and the queue its outputs arrive on."""
@@ -120,23 +138,28 @@ class EngineLoop:
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
-        self.thread.join(timeout=30)
+        self.done.wait(timeout=30)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop: take new requests and aborts, step while there is work."""
         try:
             while not self.stopping:
+                msgs = []
                 while True:
                     try:
-                        msg = self.inbox.get_nowait()
+                        msgs.append(self.inbox.get_nowait())
                     except queue.Empty:
                         break
+                for msg in msgs:
                     if msg[0] == "add":
                         with self.lock:
                             self.pending -= 1
-                            self.engine.add_request(msg[2], msg[3], request_id=msg[1])
-                    else:
-                        self.engine.abort(msg[1])
-                if not self.engine.has_unfinished():
+                    apply(self.engine, msg)
+                busy = self.engine.has_unfinished()
+                if msgs or busy:
+                    for f in self.followers:
+                        f.put((msgs, busy))
+                if not busy:
                     self._gauges()
                     self.wake.wait(timeout=0.5)
                     self.wake.clear()
@@ -150,6 +173,10 @@ class EngineLoop:
             for rid, stream in list(self.streams.items()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 self.streams.pop(rid, None)
+        finally:
+            for f in self.followers:
+                f.put(None)
+            self.done.set()
 
     def _gauges(self) -> None:
         s = self.engine.stats()
@@ -170,6 +197,25 @@ class EngineLoop:
         if out.finished:
             self.streams.pop(out.request_id, None)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+
+def apply(engine: Engine, msg: tuple[Any, ...]) -> None:
+    """Carry out one command of the loop: ``("add", id, ids, params)`` or ``("abort", id)``."""
+    if msg[0] == "add":
+        engine.add_request(msg[2], msg[3], request_id=msg[1])
+    else:
+        engine.abort(msg[1])
+
+
+def follow(engine: Engine, commands: queue.SimpleQueue[Any]) -> None:
+    """Mirror rank 0's :class:`EngineLoop` on another rank of a tensor-parallel engine: the same
+    commands, and a step whenever rank 0 steps (its collectives meet theirs), until None."""
+    while (item := commands.get()) is not None:
+        msgs, step = item
+        for msg in msgs:
+            apply(engine, msg)
+        if step:
+            engine.step()
 
 
 # --- the OpenAI API ---------------------------------------------------------------------------
@@ -426,7 +472,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if loop.failure is not None or not loop.thread.is_alive():
+        if not loop.alive():
             return JSONResponse({"status": "error"}, status_code=500)
         return JSONResponse({"status": "ok"})
 
