@@ -25,6 +25,7 @@ __all__ = [
     "device",
     "interpreting",
     "layer_norm",
+    "paged_attention",
     "rms_norm",
     "rope",
 ]
@@ -113,6 +114,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     _float(op, q=q)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"{op}: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+) -> None:
+    """``q[N,H,E]``, ``k, v[N,K,E]``, caches ``[C,B,K,E]`` with a power-of-two block size B, int32
+    block tables ``[S,M]`` covering every context, one float dtype, a supported head dim."""
+    op = "paged_attention"
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k_cache.dim() != 4:
+        raise ValueError(
+            f"{op}: expects q[N,H,E], k, v [N,K,E] and caches [C,B,K,E]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    N, H, E = q.shape
+    B, K = k_cache.shape[1:3]
+    if k.shape[0] != N or k.shape[1:] != (K, E) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and cache {tuple(k_cache.shape)} "
+            "disagree in tokens, heads or head dim"
+        )
+    if H % K:
+        raise ValueError(f"{op}: query heads ({H}) must be a multiple of key/value heads ({K})")
+    if B & (B - 1):
+        raise ValueError(f"{op}: the kernel needs a power-of-two block size, got {B}")
+    if not HEAD_DIM_RANGE[0] <= E <= HEAD_DIM_RANGE[1]:
+        raise ValueError(f"{op}: head dim {E} is outside the kernel's range {HEAD_DIM_RANGE}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(f"{op}: block tables must be int32 [S, M], got {block_tables.dtype}")
+    if len(context_lens) != len(query_lens) or len(query_lens) != block_tables.shape[0]:
+        raise ValueError(f"{op}: one context and query length per block-table row")
+    if sum(query_lens) != N or min(query_lens, default=1) < 1:
+        raise ValueError(f"{op}: query lengths {list(query_lens)} must be >= 1 and sum to {N}")
+    if max(context_lens, default=0) > block_tables.shape[1] * B:
+        raise ValueError(f"{op}: a context is longer than its block table covers")
+    _float(op, q=q)
+    if not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"{op}: q, k, v and the caches must share one dtype")
 
 
 def _row_fits(op: str, x: torch.Tensor) -> None:

@@ -22,11 +22,17 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+import itertools
+
 import colfunc.ops as ops
-from colfunc.kernels import adamw, attention, cross_entropy, norms, rope
+from colfunc.kernels import adamw, attention, cross_entropy, norms, paged_attention, rope
 from colfunc.ops import reference
 
-_STALE = [m.__name__ for m in (adamw, attention, cross_entropy, norms, rope) if not m.INTERPRETED]
+_STALE = [
+    m.__name__
+    for m in (adamw, attention, cross_entropy, norms, paged_attention, rope)
+    if not m.INTERPRETED
+]
 if _STALE:
     pytest.skip(
         f"{_STALE} were imported before TRITON_INTERPRET=1 was set, so they cannot run on the CPU; "
@@ -262,3 +268,73 @@ def test_dispatcher_reaches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
             out = call()
             assert out.grad_fn is not None
             assert (name in type(out.grad_fn).__name__) == (choice == "triton"), (choice, name)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    block=st.sampled_from([4, 8, 16]),
+    heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    head_dim=st.sampled_from([16, 32]),
+    lens=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 6)), min_size=1, max_size=4),
+    dtype=DTYPES,
+    data=st.data(),
+)
+def test_paged_attention_matches_the_reference(block, heads, head_dim, lens, dtype, data) -> None:
+    """Decodes and prefill chunks mixed, over blocks scattered through the cache in any order."""
+    H, K = heads
+    context_lens = [c for c, _ in lens]
+    query_lens = [q for _, q in lens]
+    N = sum(query_lens)
+    M = max(-(-c // block) for c in context_lens) or 1
+    C = len(lens) * M + 3
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    perm = torch.randperm(C, generator=g)[: len(lens) * M].view(len(lens), M).to(torch.int32)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = rand(N, H, head_dim), rand(N, K, head_dim), rand(N, K, head_dim)
+    kc, vc = rand(C, block, K, head_dim), rand(C, block, K, head_dim)
+    got = paged_attention.paged_attention(q, k, v, kc, vc, perm, context_lens, query_lens)
+    f32 = [t.float() for t in (q, k, v, kc, vc)]
+    want = reference.paged_attention(*f32, perm, context_lens, query_lens)
+    tol = TOL[dtype]
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+def test_paged_attention_refuses_what_it_cannot_take() -> None:
+    q = torch.zeros(3, 2, 16)
+    kv = torch.zeros(3, 2, 16)
+    cache = torch.zeros(4, 6, 2, 16)  # a block size that is not a power of two
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="power-of-two block size"):
+        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [4], [3])
+    cache = torch.zeros(4, 4, 2, 16)
+    with pytest.raises(ValueError, match="sum to 3"):
+        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [4], [2])
+    with pytest.raises(ValueError, match="longer than its block table"):
+        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [9], [3])
+
+
+def test_varlen_attention_is_each_sequence_alone() -> None:
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 7, 1, 5]
+    N = sum(lens)
+    q, k, v = (torch.randn(N, 4, 16, generator=g) for _ in range(3))
+    bounds = [0, 3, 10, 11, 16]
+    for choice in ("torch", "triton"):
+        os.environ["COLFUNC_KERNELS"] = choice
+        try:
+            got = ops.varlen_attention(q, k, v, bounds)
+        finally:
+            del os.environ["COLFUNC_KERNELS"]
+        for a, b in itertools.pairwise(bounds):
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1),
+                k[a:b].transpose(0, 1),
+                v[a:b].transpose(0, 1),
+                is_causal=True,
+            ).transpose(0, 1)
+            assert torch.allclose(got[a:b], want, atol=1e-5), choice
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ops.varlen_attention(q, k, v, [0, 3, 15])

@@ -17,6 +17,7 @@ from colfunc.ops.dispatch import (
     paged_attention,
     rms_norm,
     rope,
+    varlen_attention,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "reference",
     "rms_norm",
     "rope",
+    "varlen_attention",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -39,6 +40,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rope",
+    "varlen_attention",
 ]
 
 CHOICES = ("auto", "triton", "torch")
@@ -192,10 +194,14 @@ def _paged_attention_op(
     query_lens: list[int],
 ) -> torch.Tensor:
     # an operator of its own, so that a ShardedTensor sees one op with one sharding rule (heads
-    # split alike in the queries, keys, values and the cache) rather than its insides
-    return reference.paged_attention(
-        q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens
-    )
+    # split alike in the queries, keys, values and the cache) rather than its insides; inside,
+    # the tensors are plain (a rank's local heads)
+    args = (q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens)
+    tensors = (q, k, v, k_cache, v_cache, block_tables)
+    if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
+        out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
+        return out
+    return reference.paged_attention(*args)
 
 
 @_paged_attention_op.register_fake
@@ -217,12 +223,8 @@ def paged_attention(
     cache holding their first ``context_lens`` tokens; decode and (chunked) prefill in one call,
     the default scale ``1/sqrt(E)``. See :func:`colfunc.ops.reference.paged_attention`; on
     ShardedTensors, heads split over an axis stay split (``torch.ops.colfunc.paged_attention``
-    has its own rule). Only the PyTorch reference exists so far: ``COLFUNC_KERNELS=triton``
-    raises ValueError."""
-    if kernels_choice() == "triton":
-        raise ValueError(
-            "paged_attention: there is no Triton kernel for it yet; use COLFUNC_KERNELS=auto"
-        )
+    has its own rule). The Triton kernel (power-of-two block sizes, head dims 16-128) is one
+    program per query token and head, streaming its blocks with an online softmax."""
     out: torch.Tensor = torch.ops.colfunc.paged_attention(
         q_NHE,
         k_NKE,
@@ -234,3 +236,24 @@ def paged_attention(
         list(query_lens),
     )
     return out
+
+
+def varlen_attention(
+    q_NHE: torch.Tensor, k_NKE: torch.Tensor, v_NKE: torch.Tensor, cu_seqlens: Sequence[int]
+) -> torch.Tensor:
+    """Causal attention of sequences packed end to end (``cu_seqlens``: ``[0, end_1, ..., N]``,
+    as FlashAttention's varlen API), each token seeing the earlier tokens of its own sequence.
+    :func:`paged_attention` with nothing cached, on the same kernel."""
+    bounds = list(cu_seqlens)
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != q_NHE.shape[0]:
+        raise ValueError(
+            f"varlen_attention: cu_seqlens must run from 0 to the {q_NHE.shape[0]} packed tokens, "
+            f"got {bounds}"
+        )
+    lens = [b - a for a, b in itertools.pairwise(bounds)]
+    if min(lens) < 1:
+        raise ValueError(f"varlen_attention: cu_seqlens {bounds} has an empty sequence")
+    K, E = k_NKE.shape[1:]
+    empty = k_NKE.new_zeros(1, 16, K, E)  # one unused block: no context to read
+    tables = torch.zeros(len(lens), 1, dtype=torch.int32, device=q_NHE.device)
+    return paged_attention(q_NHE, k_NKE, v_NKE, empty, empty, tables, [0] * len(lens), lens)

@@ -1,0 +1,143 @@
+"""Attention over a paged KV cache for a packed batch: decode and (chunked) prefill in one kernel.
+
+One program per (packed query token, query head) streams the keys its token sees with an online
+softmax (FlashAttention's running max and sum, in base 2): first the sequence's cached tokens,
+block by block through its row of the block table (vLLM's PagedAttention, Kwon et al. 2023), then
+the new tokens of its own sequence up to itself. A decode step is one query token per sequence; a
+prefill chunk of ``n`` tokens is ``n`` programs per head over the same blocks, which makes this
+also a variable-length (``cu_seqlens``) causal attention when the cache is empty.
+
+Legend: N packed tokens, H query heads, K key/value heads, G = H / K, E head dim, C cache blocks,
+B block size (slots), S sequences, M blocks per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from colfunc.kernels import checks
+
+__all__ = ["paged_attention"]
+
+INTERPRETED = checks.interpreting()  # how the kernel below was decorated (read once, at import)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr,  # q, out [N, H, E]; k, v [N, K, E]; caches
+    tables_ptr, seq_ptr, ctx_ptr, start_ptr,  # [S, M] int32; per token its sequence; per sequence
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_cc, stride_cb, stride_ck, stride_vcc, stride_vcb, stride_vck,
+    stride_tm, stride_on, stride_oh,
+    qk_scale,  # softmax scale times log2(e)
+    G: tl.constexpr,  # query heads per key/value head
+    BLOCK: tl.constexpr,  # cache block size
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # head dim, padded to a power of two
+    BLOCK_N: tl.constexpr,  # new tokens per iteration
+):  # fmt: skip
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // G
+    s = tl.load(seq_ptr + n)
+    ctx = tl.load(ctx_ptr + s)
+    first = tl.load(start_ptr + s)
+    j = n - first  # this token's index among its sequence's new tokens
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    q_D = tl.load(q_ptr + n * stride_qn + h * stride_qh + offs_d, mask=dmask, other=0.0)
+    q_D = q_D.to(tl.float32)
+    m_i = tl.full((), float("-inf"), tl.float32)
+    l_i = tl.zeros((), tl.float32)
+    acc_D = tl.zeros((BLOCK_D,), tl.float32)
+    offs_b = tl.arange(0, BLOCK)
+    for start in range(0, ctx, BLOCK):  # the cached tokens, a block at a time
+        block = tl.load(tables_ptr + s * stride_tm + start // BLOCK)
+        valid = (start + offs_b) < ctx
+        mask = valid[:, None] & dmask[None, :]
+        k_BD = tl.load(
+            kc_ptr + block * stride_cc + offs_b[:, None] * stride_cb + kh * stride_ck
+            + offs_d[None, :], mask=mask, other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        v_BD = tl.load(
+            vc_ptr + block * stride_vcc + offs_b[:, None] * stride_vcb + kh * stride_vck
+            + offs_d[None, :], mask=mask, other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        s_B = tl.where(valid, tl.sum(k_BD * q_D[None, :], axis=1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_B, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_B = tl.exp2(s_B - m_new)
+        l_i = l_i * alpha + tl.sum(p_B, axis=0)
+        acc_D = acc_D * alpha + tl.sum(p_B[:, None] * v_BD, axis=0)
+        m_i = m_new
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, j + 1, BLOCK_N):  # the new tokens of this sequence, up to this one
+        t = start + offs_n
+        valid = t <= j
+        mask = valid[:, None] & dmask[None, :]
+        rows = first + t
+        k_ND = tl.load(
+            k_ptr + rows[:, None] * stride_kn + kh * stride_kh + offs_d[None, :],
+            mask=mask, other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        v_ND = tl.load(
+            v_ptr + rows[:, None] * stride_vn + kh * stride_vh + offs_d[None, :],
+            mask=mask, other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        s_N = tl.where(valid, tl.sum(k_ND * q_D[None, :], axis=1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_N, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_N = tl.exp2(s_N - m_new)
+        l_i = l_i * alpha + tl.sum(p_N, axis=0)
+        acc_D = acc_D * alpha + tl.sum(p_N[:, None] * v_ND, axis=0)
+        m_i = m_new
+    out_D = acc_D / l_i
+    tl.store(
+        out_ptr + n * stride_on + h * stride_oh + offs_d,
+        out_D.to(out_ptr.dtype.element_ty),
+        mask=dmask,
+    )
+
+
+def paged_attention(
+    q_NHE: torch.Tensor,
+    k_NKE: torch.Tensor,
+    v_NKE: torch.Tensor,
+    k_cache_CBKE: torch.Tensor,
+    v_cache_CBKE: torch.Tensor,
+    block_tables_SM: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+) -> torch.Tensor:
+    """The contract of :func:`colfunc.ops.reference.paged_attention` (scale ``1/sqrt(E)``), on
+    tensors whose last dim is contiguous. Raises ValueError for inputs the kernel does not take,
+    before launching. Forward only: inference needs no gradient."""
+    args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE, block_tables_SM)
+    checks.paged_attention(*args, context_lens, query_lens)
+    checks.device("paged_attention", *args, interpreted=INTERPRETED)
+    q, k, v, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in args[:5])
+    N, H, E = q.shape
+    K, B = k.shape[1], kc.shape[1]
+    device = q.device
+    lens = torch.tensor(list(query_lens), dtype=torch.int32, device=device)
+    seq_N = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens)
+    starts = torch.zeros(len(query_lens), dtype=torch.int32, device=device)
+    starts[1:] = torch.cumsum(lens, 0)[:-1]
+    ctx = torch.tensor(list(context_lens), dtype=torch.int32, device=device)
+    tables = block_tables_SM.contiguous()
+    out = torch.empty_like(q)
+    _paged_attention_kernel[(N, H)](
+        q, k, v, kc, vc, out,
+        tables, seq_N.to(torch.int32), ctx, starts,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        tables.stride(0), out.stride(0), out.stride(1),
+        LOG2E / math.sqrt(E),
+        G=H // K, BLOCK=B, HEAD_DIM=E, BLOCK_D=triton.next_power_of_2(E), BLOCK_N=16,
+    )  # fmt: skip
+    return out
