@@ -154,6 +154,18 @@ def adamw_(
             p.copy_(p_wide)
 
 
+def _by_length(seqs: list[int], context_lens: Sequence[int]) -> list[list[int]]:
+    """``seqs`` in groups of similar context length (at most twice the shortest, plus a block's
+    worth), so that padding every context of a group to its longest wastes little."""
+    groups: list[list[int]] = []
+    for s in sorted(seqs, key=lambda s: context_lens[s]):
+        if groups and context_lens[s] <= 2 * context_lens[groups[-1][0]] + 16:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
 def paged_attention(
     q_NHE: torch.Tensor,
     k_NKE: torch.Tensor,
@@ -173,9 +185,9 @@ def paged_attention(
     sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
     a (chunked) prefill has more. Returns ``[N, H, E]``.
 
-    Sequences with one new token are computed together: their blocks are gathered into one
-    padded batch (a block past the context may be any block: it is masked out). Each longer
-    one runs alone.
+    Sequences with one new token are computed together, in groups of similar context length:
+    a group's blocks are gathered into one padded batch (a block past a context may be any
+    block: it is masked out). Each longer one runs alone.
     """
     N, H = q_NHE.shape[:2]
     B = k_cache_CBKE.shape[1]
@@ -195,21 +207,20 @@ def paged_attention(
         k = k_cache_CBKE[blocks].flatten(0, 1)[:n]
         return k, v_cache_CBKE[blocks].flatten(0, 1)[:n]
 
-    decodes = [s for s, n in enumerate(query_lens) if n == 1]
-    if decodes:
-        # every decoding sequence's blocks in one gather, [S, M * B, K, E], its new key and
-        # value written at its context length, everything after it masked out
+    for group in _by_length([s for s, n in enumerate(query_lens) if n == 1], context_lens):
+        # every decoding sequence of the group's blocks in one gather, [S, M * B, K, E], its new
+        # key and value written at its context length, everything after it masked out
         device = q_NHE.device
-        S_, K = len(decodes), k_NKE.shape[1]
-        M = -(-(max(context_lens[s] for s in decodes) + 1) // B)
-        index = torch.tensor(decodes, device=device)
+        K = k_NKE.shape[1]
+        M = -(-(max(context_lens[s] for s in group) + 1) // B)
+        index = torch.tensor(group, device=device)
         picked = block_tables_SM[index, :M].reshape(-1).long()
-        shape = (S_, M * B, K, k_cache_CBKE.shape[-1])
+        shape = (len(group), M * B, K, k_cache_CBKE.shape[-1])
         k_SLKE = k_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
         v_SLKE = v_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
-        ctx = torch.tensor([context_lens[s] for s in decodes], device=device)
-        rows = torch.tensor([starts[s] for s in decodes], device=device)
-        seq = torch.arange(S_, device=device)
+        ctx = torch.tensor([context_lens[s] for s in group], device=device)
+        rows = torch.tensor([starts[s] for s in group], device=device)
+        seq = torch.arange(len(group), device=device)
         k_SLKE[seq, ctx], v_SLKE[seq, ctx] = k_NKE[rows], v_NKE[rows]
         mask_SL = torch.arange(M * B, device=device)[None, :] <= ctx[:, None]
         y = F.scaled_dot_product_attention(
