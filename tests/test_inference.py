@@ -344,3 +344,27 @@ def test_from_hf_folder_with_its_tokenizer(tmp_path) -> None:
     prompts = _prompts([5, 11])
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
     assert got == _hf_greedy(m, prompts, GREEDY.max_tokens)
+
+
+def test_allocator_evicts_the_least_recently_released_cached_block() -> None:
+    from colfunc.inference import BlockAllocator, block_hash
+
+    a = BlockAllocator(num_blocks=3, block_size=2)
+    keys = [block_hash(None, [t, t]) for t in range(3)]
+    blocks = [a.allocate() for _ in range(3)]
+    for b, k in zip(blocks, keys):
+        a.register(b, k)
+    for b in (blocks[1], blocks[0], blocks[2]):  # released in this order: 1 is the oldest
+        a.release(b)
+    assert a.free_count() == 3 and a.used_count() == 0
+    assert a.lookup(keys[0]) == blocks[0]  # a hit takes a cached block back from eviction
+    fresh = a.allocate()  # no never-cached block is left: the oldest released goes
+    assert fresh == blocks[1] and a.lookup(keys[1]) is None
+    assert a.lookup(keys[2]) == blocks[2]
+    assert (a.hits, a.queries) == (2, 3)
+    with pytest.raises(RuntimeError, match="no free block"):
+        a.allocate()
+    for b in (blocks[0], blocks[2], fresh):
+        a.release(b)
+    with pytest.raises(RuntimeError, match="released more often"):
+        a.release(fresh)

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LAYOUT = {"block_size": 4, "num_blocks": 40, "max_num_batched_tokens": 16}
 
 
-def _model(kind: str):
+def _hf(kind: str):
     torch.manual_seed(0)
     if kind == "gpt":
         c = transformers.GPT2Config(
@@ -43,7 +43,14 @@ def _model(kind: str):
             max_position_embeddings=64,
         )
         m = transformers.LlamaForCausalLM(c)
-    return hf.from_hf(m.double().eval())
+    m = m.double().eval()
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _model(kind: str):
+    return hf.from_hf(_hf(kind))
 
 
 def _generate(kind: str, built, mesh=None):
@@ -63,8 +70,15 @@ def _on_rank(mesh):
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_tensor_parallel_engine_on_threads_equals_one_device(kind) -> None:
-    built = _model(kind)  # built once: the ranks are threads sharing the global RNG
+    m = _hf(kind)
+    built = hf.from_hf(m)  # built once: the ranks are threads sharing the global RNG
     want = _generate(kind, built)
+    for p, w in zip(PROMPTS, want):  # and one device is transformers' greedy generate
+        ids = torch.tensor([p])
+        ref = m.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
+        )
+        assert ref[0, len(p) :].tolist() == w
 
     def main(mesh):
         return _generate(kind, built, mesh), cf.sharding.fallback_counts(mesh)
