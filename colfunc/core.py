@@ -386,10 +386,14 @@ class Layered:
         name: str = "layered",
         divisors: Mapping[str, int | None] | None = None,
         sequence_dims: Mapping[str, int] | None = None,
+        xs: Callable[[PyTree, PyTree], PyTree] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
             if not callable(fn):
                 raise TypeError(f"layered: {label} must be callable, got {fn!r}")
+        if xs is not None and not callable(xs):
+            raise TypeError(f"layered: xs must be callable (params, batch) -> pytree, got {xs!r}")
+        self.xs = xs
         dims = {"": 1} if sequence_dims is None else dict(sequence_dims)
         for path, dim in dims.items():
             if not isinstance(path, str) or isinstance(dim, bool) or not isinstance(dim, int):
@@ -402,16 +406,32 @@ class Layered:
         self.sequence_dims = dims
 
     def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
-        return self.post(params, self.carry(params, batch), batch)
+        if self.xs is None:
+            return self.post(params, self.carry(params, batch), batch)
+        carry, ys = self.run(params, batch)
+        return self.post(params, carry, batch, ys)  # type: ignore[call-arg]
 
-    def carry(self, params: PyTree, batch: PyTree) -> PyTree:
-        """The carry after the last layer: ``pre``, then the scan of ``block``."""
+    def _check(self, params: PyTree) -> None:
         if not isinstance(params, dict) or "blocks" not in params:
             keys = sorted(params) if isinstance(params, dict) else type(params).__name__
             raise ValueError(
                 f"{self.name}: params must be a dict with the stacked layers under 'blocks'; got {keys}"
             )
+
+    def carry(self, params: PyTree, batch: PyTree) -> PyTree:
+        """The carry after the last layer: ``pre``, then the scan of ``block``."""
+        self._check(params)
+        if self.xs is not None:
+            return self.run(params, batch)[0]
         return scan_layers(self.block, self.pre(params, batch), params["blocks"])
+
+    def run(self, params: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+        """``(carry, ys)`` after the last layer of a loss with per-layer ``xs``."""
+        self._check(params)
+        if self.xs is None:
+            raise ValueError(f"{self.name}: run() is for a layered loss with xs; use carry()")
+        xs = self.xs(params, batch)
+        return scan_layers(self.block, self.pre(params, batch), params["blocks"], xs=xs)
 
     def __repr__(self) -> str:
         return f"Layered({self.name})"
@@ -425,6 +445,7 @@ def layered(
     name: str = "layered",
     divisors: Mapping[str, int | None] | None = None,
     sequence_dims: Mapping[str, int] | None = None,
+    xs: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
 
@@ -440,10 +461,18 @@ def layered(
     which sequence parallelism splits (default ``{"": 1}``: the carry is one ``[B, T, ...]``
     tensor); leaves not named (conditioning, rotary tables) stay whole.
 
+    With ``xs(params, batch)`` (a pytree stacked on a leading layer axis: per-layer noise,
+    conditioning, a cache), the scan runs with those ``xs``: ``block(layer_params, carry, x) ->
+    (carry, y)`` and ``post(params, carry, batch, ys)`` gets the ``y``\\ s stacked per layer
+    (per-layer auxiliary losses, say). Under ``pipeline`` each stage takes its layers' rows of
+    ``xs``, and the ``ys`` so far travel with the carry to the last stage.
+
     Example:
         >>> loss = cf.layered(pre, block, post, sequence_dims={"h": 1})  # carry {"h", "cond"}
     """
-    return Layered(pre, block, post, name=name, divisors=divisors, sequence_dims=sequence_dims)
+    return Layered(
+        pre, block, post, name=name, divisors=divisors, sequence_dims=sequence_dims, xs=xs
+    )
 
 
 class P(tuple):

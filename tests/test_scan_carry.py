@@ -255,3 +255,71 @@ def test_scan_xs_errors_name_the_leaf() -> None:
             blocks,
             xs=torch.tensor([[1.0], [-1.0], [1.0]]),
         )
+
+
+# --- a layered loss with per-layer xs and ys, under pipeline -----------------------------------
+
+
+def _gated_xs(params: Any, batch: Any) -> Any:
+    """Per-layer gates made from a parameter outside the blocks, so the xs carry gradients back
+    to it from every stage (the same for every microbatch: a pipeline's loss is the mean of its
+    microbatches' losses, which is the batch's loss only for per-example terms)."""
+    return {"gate": torch.tanh(params["gates"])}
+
+
+def _gated_block(layer: Any, carry: Any, x: Any) -> Any:
+    h_BTD, c_BD = _block(layer, carry)
+    h_BTD = h_BTD * (1 + 0.1 * torch.tanh(x["gate"]))
+    return (h_BTD, c_BD), h_BTD.square().mean()  # y: this layer's auxiliary loss
+
+
+def _gated_post(params: Any, carry: Any, batch: Any, ys: torch.Tensor) -> torch.Tensor:
+    return _post(params, carry, batch) + 0.01 * ys.sum()
+
+
+GATED = cf.layered(
+    _pre, _gated_block, _gated_post, name="gated", sequence_dims={"0": 1}, xs=_gated_xs
+)
+
+
+def _gated_params() -> Any:
+    g = torch.Generator().manual_seed(5)
+    return {**toy_init(), "gates": torch.randn(L, D, generator=g, dtype=torch.float64)}
+
+
+def test_layered_xs_is_the_loop() -> None:
+    params, (batch,) = _gated_params(), _batches(1)
+    carry, aux = _pre(params, batch), []
+    xs = _gated_xs(params, batch)
+    for i in range(L):
+        layer = {k: v[i] for k, v in params["blocks"].items()}
+        carry, y = _gated_block(layer, carry, {"gate": xs["gate"][i]})
+        aux.append(y)
+    want = _gated_post(params, carry, batch, torch.stack(aux))
+    assert torch.equal(GATED(params, batch), want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def test_per_layer_xs_and_ys_cross_pipeline_stages(schedule: str) -> None:
+    """Each stage takes its layers' rows of xs; the ys so far travel with the carry (and their
+    gradients back) to the last stage, whose post reads them all."""
+    params, batches = _gated_params(), _batches(2)
+    ref = cf.train_step(GATED, ADAM)
+    virtual = 2 if schedule == "interleaved" else 1
+
+    def main(mesh):
+        step = cf.pipeline(ref, 2, 4, schedule, virtual_stages=virtual)
+        return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
+
+    cf.launch(main, mesh={"pp": 2}, timeout=180)
+
+
+def test_per_layer_xs_under_pipeline_with_remat_and_zero() -> None:
+    params, batches = _gated_params(), _batches(2)
+    ref = cf.train_step(GATED, ADAM)
+
+    def main(mesh):
+        step = cf.remat(cf.zero(cf.shard(cf.pipeline(ref, 2, 4, "1f1b"), mesh), stage=3))
+        return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
+
+    cf.launch(main, mesh={"dp": 2, "pp": 2}, timeout=180)

@@ -112,38 +112,46 @@ def _placement(code: int) -> Any:
     return Partial(PARTIAL_OPS[-1 - code]) if code < 0 else Replicate()
 
 
+def _header_tag(direction: str, stage: int) -> int:
+    """The tag of the descriptor of ``stage``'s messages in ``direction``; message tags start at
+    ``2 * stages`` (see the runtime)."""
+    return 2 * stage + int(direction == "B")
+
+
 class Link:
     """This rank's transfers over the pipeline axis during one step.
 
-    ``expected`` lists the ``(source, direction, tag)`` of this rank's receives in schedule
-    order. The next ``AHEAD`` of them are kept posted, so that a message moves while this rank
-    computes rather than when it asks. The first message of each direction between two ranks
-    is preceded by its descriptor (tag 0 forward, 1 backward), posted as early as the message.
+    ``expected`` lists the ``(source, direction, tag, stage)`` of this rank's receives in
+    schedule order (``stage``: the sending stage). The next ``AHEAD`` of them are kept posted, so
+    that a message moves while this rank computes rather than when it asks. The first message of
+    each direction from each stage is preceded by its descriptor (tag ``2 * stage``, plus 1
+    backward), posted as early as the message: the messages of one stage share a structure, those
+    of two stages may not (a carry with the per-layer ``ys`` so far grows from stage to stage).
     Leaf ``k`` of the message tagged ``t`` travels with tag ``t * MAX_LEAVES + k``.
     """
 
     AHEAD = 4
 
-    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, str, int]]) -> None:
+    def __init__(self, mesh: Mesh, axis: str, expected: list[tuple[int, str, int, int]]) -> None:
         self.mesh, self.axis = mesh, axis
-        # by (source, direction): structure, leaf metas, which leaves need gradients
-        self.meta: dict[tuple[int, str], tuple[Any, list[Meta], list[bool]]] = {}
-        self.headers: dict[tuple[int, str], Any] = {}  # posted descriptor receives
-        self.told: set[tuple[int, str]] = set()
+        # by (source, direction, stage): structure, leaf metas, which leaves need gradients
+        self.meta: dict[tuple[int, str, int], tuple[Any, list[Meta], list[bool]]] = {}
+        self.headers: dict[tuple[int, str, int], Any] = {}  # posted descriptor receives
+        self.told: set[tuple[int, str, int]] = set()
         self.sends: list[Any] = []
         self.expected = expected
         self.posted: dict[int, list[Any]] = {}  # position in `expected` -> posted receives
         self.next = 0  # position of the next receive to hand out
         self._post_ahead()
 
-    def send(self, message: Any, dst: int, direction: str, tag: int) -> None:
-        """Send a pytree of tensors; the receiver gets it with the same structure."""
+    def send(self, message: Any, dst: int, direction: str, tag: int, stage: int) -> None:
+        """Send a pytree of tensors from ``stage``; the receiver gets it with the same structure."""
         leaves, _ = _leaves(message)
-        if (dst, direction) not in self.told:
-            self.told.add((dst, direction))
+        if (dst, direction, stage) not in self.told:
+            self.told.add((dst, direction, stage))
             header = _header(message)
             self.sends.append(
-                comm.send(header, self.axis, dst, tag=int(direction == "B"), mesh=self.mesh)
+                comm.send(header, self.axis, dst, tag=_header_tag(direction, stage), mesh=self.mesh)
             )
         for k, x in enumerate(leaves):
             piece = local_piece(x).detach()
@@ -151,17 +159,21 @@ class Link:
                 comm.send(piece, self.axis, dst, tag=tag * MAX_LEAVES + k, mesh=self.mesh)
             )
 
-    def _post_header(self, key: tuple[int, str]) -> None:
+    def _post_header(self, key: tuple[int, str, int]) -> None:
         if key not in self.headers:
-            src, direction = key
-            tag = int(direction == "B")
+            src, direction, stage = key
             self.headers[key] = comm.recv(
-                (_HEADER,), torch.int64, self.axis, src, tag=tag, mesh=self.mesh
+                (_HEADER,),
+                torch.int64,
+                self.axis,
+                src,
+                tag=_header_tag(direction, stage),
+                mesh=self.mesh,
             )
 
     def _post(self, k: int) -> None:
-        src, direction, tag = self.expected[k]
-        _, metas, _ = self.meta[src, direction]
+        src, direction, tag, stage = self.expected[k]
+        _, metas, _ = self.meta[src, direction, stage]
         self.posted[k] = [
             comm.recv(shape, dtype, self.axis, src, tag=tag * MAX_LEAVES + i, mesh=self.mesh)
             for i, (shape, dtype, _) in enumerate(metas)
@@ -169,7 +181,8 @@ class Link:
 
     def _post_ahead(self) -> None:
         for k in range(self.next, min(self.next + self.AHEAD, len(self.expected))):
-            key = self.expected[k][:2]
+            src, direction, _, stage = self.expected[k]
+            key = (src, direction, stage)
             if k in self.posted:
                 continue
             if key in self.meta:
@@ -177,13 +190,13 @@ class Link:
             else:
                 self._post_header(key)
 
-    def recv(self, src: int, direction: str, tag: int) -> Any:
-        """The next expected message: a pytree whose leaves that needed a gradient on the
-        sender's side need one here."""
+    def recv(self, src: int, direction: str, tag: int, stage: int) -> Any:
+        """The next expected message (from ``stage``): a pytree whose leaves that needed a
+        gradient on the sender's side need one here."""
         k = self.next
-        if self.expected[k] != (src, direction, tag):
+        if self.expected[k] != (src, direction, tag, stage):
             raise RuntimeError(f"pipeline: receive {(src, direction, tag)} out of schedule order")
-        key = (src, direction)
+        key = (src, direction, stage)
         if key not in self.meta:
             self._post_header(key)
             self.meta[key] = _read_header(self.headers.pop(key).wait().tolist(), self.mesh)

@@ -64,8 +64,11 @@ class Runner:
         microbatches: list[PyTree],
         mesh: Mesh | None,
         axis: str,
+        stage_span: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         self.schedule, self.rank, self.loss = schedule, rank, loss
+        # each stage's layers in the whole model, for a loss's per-layer xs
+        self.stage_span = stage_span if stage_span is not None else stage_layers
         self.microbatches = microbatches
         self.last = schedule.stages - 1
         self.scale = core.loss_scale() / len(microbatches)
@@ -82,9 +85,9 @@ class Runner:
         self.link: Link | None = None
         if mesh is not None and schedule.ranks > 1:
             expected = [
-                (self._peer(a.stage - 1), "F", self._tag("F", a.stage - 1, a.mb))
+                (self._peer(a.stage - 1), "F", self._tag("F", a.stage - 1, a.mb), a.stage - 1)
                 if a.op == "RECV_F"
-                else (self._peer(a.stage + 1), "B", self._tag("B", a.stage + 1, a.mb))
+                else (self._peer(a.stage + 1), "B", self._tag("B", a.stage + 1, a.mb), a.stage + 1)
                 for a in schedule.actions[rank]
                 if a.op.startswith("RECV")
             ]
@@ -193,11 +196,21 @@ class Runner:
             self.one_layer[i] = tree.unflatten(self.blocks_def, leaves)
         return self.one_layer[i]
 
+    def _layer_xs(self, s: int, batch: PyTree) -> list[PyTree] | None:
+        """Stage ``s``'s rows of the loss's per-layer ``xs`` (None without xs)."""
+        if self.loss.xs is None:
+            return None
+        a, b = self.stage_span[s]
+        flat, treedef = tree.flatten_with_paths(self.loss.xs(self.rest_params, batch))
+        return [tree.unflatten(treedef, [x[i] for _, x in flat]) for i in range(a, b)]
+
     def forward(self, s: int, j: int) -> None:
         batch = self.microbatches[j]
         with torch.enable_grad() if self.grad else torch.no_grad():
             if s == 0:
                 h = self.loss.pre(self.rest_params, batch)
+                if self.loss.xs is not None:  # the ys so far travel with the carry
+                    h = {"carry": h, "ys": []}
             else:
                 if self.schedule.rank_of(s - 1) == self.rank:
                     prev = self.outputs[s - 1, j] if self.grad else self.outputs.pop((s - 1, j))
@@ -208,13 +221,32 @@ class Runner:
                     self.inputs[s, j] = x
                 h = x
             start, stop = self.stage_layers[s]
-            for i in range(start, stop):
-                if self.direct:
-                    h = self.loss.block(self.layer_trees[i], h)
-                else:
-                    h = core.scan_layers(self.loss.block, h, self._stacked(i))
+            rows = self._layer_xs(s, batch)
+            if rows is None:
+                for i in range(start, stop):
+                    if self.direct:
+                        h = self.loss.block(self.layer_trees[i], h)
+                    else:
+                        h = core.scan_layers(self.loss.block, h, self._stacked(i))
+            else:
+                carry, ys = h["carry"], list(h["ys"])
+                for i, x in zip(range(start, stop), rows):
+                    if self.direct:
+                        carry, y = self.loss.block(self.layer_trees[i], carry, x)  # type: ignore[call-arg]
+                    else:
+                        one = tree.map(lambda t: t[None], x)
+                        carry, y1 = core.scan_layers(
+                            self.loss.block, carry, self._stacked(i), xs=one
+                        )
+                        y = None if y1 is None else tree.map(lambda t: t[0], y1)
+                    ys.append(y)
+                h = {"carry": carry, "ys": ys}
             if s == self.last:
-                loss = self.loss.post(self.rest_params, h, batch)
+                if rows is None:
+                    loss = self.loss.post(self.rest_params, h, batch)
+                else:
+                    stacked = _stack_rows(h["ys"])
+                    loss = self.loss.post(self.rest_params, h["carry"], batch, stacked)  # type: ignore[call-arg]
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise ValueError(f"the loss function must return a scalar tensor, got {loss!r}")
                 self.losses.append(loss.detach())
@@ -274,8 +306,10 @@ class Runner:
 
     # --- transfers -------------------------------------------------------------------------------
     def _tag(self, direction: str, stage: int, j: int) -> int:
-        # tags 0 and 1 are the descriptors; then one per (sending stage, microbatch, direction)
-        return 2 + 2 * (stage * self.schedule.microbatches + j) + (direction == "B")
+        # tags below 2 * stages are the descriptors (one per sending stage and direction); then
+        # one per (sending stage, microbatch, direction)
+        base = 2 * self.schedule.stages
+        return base + 2 * (stage * self.schedule.microbatches + j) + (direction == "B")
 
     def _peer(self, stage: int) -> int:
         return self.schedule.rank_of(stage)
@@ -283,21 +317,21 @@ class Runner:
     def send_forward(self, s: int, j: int) -> None:
         assert self.link is not None
         out = self.outputs[s, j] if self.grad else self.outputs.pop((s, j))
-        self.link.send(out, self._peer(s + 1), "F", self._tag("F", s, j))
+        self.link.send(out, self._peer(s + 1), "F", self._tag("F", s, j), s)
 
     def recv_forward(self, s: int, j: int) -> None:
         assert self.link is not None
-        x = self.link.recv(self._peer(s - 1), "F", self._tag("F", s - 1, j))
+        x = self.link.recv(self._peer(s - 1), "F", self._tag("F", s - 1, j), s - 1)
         self.received["F", s, j] = x
 
     def send_backward(self, s: int, j: int) -> None:
         assert self.link is not None
         grad = self.input_grads.pop((s, j))
-        self.link.send(grad, self._peer(s - 1), "B", self._tag("B", s, j))
+        self.link.send(grad, self._peer(s - 1), "B", self._tag("B", s, j), s)
 
     def recv_backward(self, s: int, j: int) -> None:
         assert self.link is not None
-        x = self.link.recv(self._peer(s + 1), "B", self._tag("B", s + 1, j))
+        x = self.link.recv(self._peer(s + 1), "B", self._tag("B", s + 1, j), s + 1)
         self.received["B", s, j] = x
 
 
@@ -337,3 +371,13 @@ def _needing_grad(carry: PyTree) -> list[torch.Tensor]:
 
 def _grad_or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g
+
+
+def _stack_rows(ys: list[PyTree]) -> PyTree:
+    """Per-layer outputs stacked on a new leading layer axis (None if every one is None)."""
+    if all(y is None for y in ys):
+        return None
+    flats = [tree.flatten_with_paths(y) for y in ys]
+    treedef = flats[0][1]
+    leaves = [torch.stack([f[0][k][1] for f in flats]) for k in range(len(flats[0][0]))]
+    return tree.unflatten(treedef, leaves)

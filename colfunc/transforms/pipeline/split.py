@@ -119,9 +119,17 @@ def weight_pass(
             node.register_prehook(lambda _, saved=gs: saved) for node, gs in group.grads.items()
         ]
         order = sorted(group.weights)
+        # A weight met at several points along the input's path (a per-layer input made from
+        # one parameter, say) is reached from the later point back through the earlier one too,
+        # across nodes that another group's pass also runs: every pass keeps the graph, which is
+        # freed with the last reference to it, at the end of the stage's weight action.
         try:
             got = torch.autograd.grad(
-                edges, [get_gradient_edge(weights[i]) for i in order], seeds, allow_unused=True
+                edges,
+                [get_gradient_edge(weights[i]) for i in order],
+                seeds,
+                allow_unused=True,
+                retain_graph=True,
             )
         finally:
             for h in handles:

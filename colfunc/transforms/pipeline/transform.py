@@ -265,7 +265,15 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
         lay: PipelineLayout = extra["pipeline"]
         mbs = _microbatches(batch, cfg.microbatches)
         runner = Runner(
-            actions, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
+            actions,
+            lay.rank,
+            loss_fn,
+            params,
+            lay.stage_layers(lay.rank),
+            mbs,
+            lay.mesh,
+            axis,
+            {s: lay.stages[s] for s in lay.stage_layers(lay.rank)},
         )
         if cfg.schedule == "zero_bubble":  # input and weight gradients in separate passes
             with core.context(core.SplitBackward()):
@@ -278,7 +286,15 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
         lay: PipelineLayout = extra["pipeline"]
         mbs = _microbatches(batch, cfg.microbatches)
         runner = Runner(
-            forward_only, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis
+            forward_only,
+            lay.rank,
+            loss_fn,
+            params,
+            lay.stage_layers(lay.rank),
+            mbs,
+            lay.mesh,
+            axis,
+            {s: lay.stages[s] for s in lay.stage_layers(lay.rank)},
         )
         total, _ = runner.run()
         return _mean_loss(total, cfg.microbatches, lay)
