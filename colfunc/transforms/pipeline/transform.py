@@ -259,22 +259,20 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
     def init_extra(params: PyTree) -> dict[str, Any]:
         return {**inner_init_extra(params), "pipeline": split(params)}
 
+    def runner_for(
+        acts: schedules.Schedule, params: PyTree, batch: PyTree, lay: PipelineLayout
+    ) -> Runner:
+        spans = {s: lay.stages[s] for s in lay.stage_layers(lay.rank)}
+        mbs = _microbatches(batch, cfg.microbatches)
+        return Runner(
+            acts, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis, spans
+        )
+
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         lay: PipelineLayout = extra["pipeline"]
-        mbs = _microbatches(batch, cfg.microbatches)
-        runner = Runner(
-            actions,
-            lay.rank,
-            loss_fn,
-            params,
-            lay.stage_layers(lay.rank),
-            mbs,
-            lay.mesh,
-            axis,
-            {s: lay.stages[s] for s in lay.stage_layers(lay.rank)},
-        )
+        runner = runner_for(actions, params, batch, lay)
         if cfg.schedule == "zero_bubble":  # input and weight gradients in separate passes
             with core.context(core.SplitBackward()):
                 total, grads = runner.run()
@@ -284,18 +282,7 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
         lay: PipelineLayout = extra["pipeline"]
-        mbs = _microbatches(batch, cfg.microbatches)
-        runner = Runner(
-            forward_only,
-            lay.rank,
-            loss_fn,
-            params,
-            lay.stage_layers(lay.rank),
-            mbs,
-            lay.mesh,
-            axis,
-            {s: lay.stages[s] for s in lay.stage_layers(lay.rank)},
-        )
+        runner = runner_for(forward_only, params, batch, lay)
         total, _ = runner.run()
         return _mean_loss(total, cfg.microbatches, lay)
 
