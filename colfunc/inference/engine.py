@@ -318,9 +318,14 @@ class Engine:
         }
 
     # --- one step ------------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one iteration; the requests it advanced, as they stand (finished ones leave)."""
+        # inference mode skips autograd's bookkeeping; ShardedTensors need version counters, so
+        # a tensor-parallel engine runs under no_grad
+        with torch.no_grad() if self.mesh is not None else torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         work = self.scheduler.schedule()
         if not work.items:
             if self.scheduler.waiting:
