@@ -147,11 +147,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     folder = args.run if args.run is not None else args.hf
     name = args.model_name or Path(folder).resolve().name
 
-    def load(**extra: Any) -> Engine:
-        if args.run is not None:
-            return Engine.from_run(args.run, **kw, **extra)
-        return Engine.from_hf(args.hf, **kw, **extra)
+    # read the files once, on this thread (the ranks below are threads: two importing
+    # transformers at once can trip over its lazy modules), then build an engine per rank
+    loaded = Engine.load_run(args.run) if args.run is not None else Engine.load_hf(args.hf)
 
+    def load(**extra: Any) -> Engine:
+        return Engine(**loaded, **kw, **extra)
+
+    ranks: threading.Thread | None = None
     if args.tp == 1:
         loop = EngineLoop(load(), max_waiting=args.max_waiting)
     else:
@@ -192,6 +195,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # command then ends with status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    loop.stop()
+    if ranks is not None:  # the followers have been told to stop: let the ranks end cleanly
+        ranks.join(timeout=60)
     return 0
 
 

@@ -199,9 +199,10 @@ class Engine:
         return out
 
     # --- construction from files --------------------------------------------------------------
-    @classmethod
-    def from_run(cls, run: str | Path, **kwargs: Any) -> Engine:
-        """The engine of a ``colfunc train`` run folder (or its checkpoint folder)."""
+    @staticmethod
+    def load_run(run: str | Path) -> dict[str, Any]:
+        """What :meth:`from_run` builds an engine from (the model module, config, parameters
+        and byte tokenizer of a ``colfunc train`` run): load once, build an engine per rank."""
         from colfunc import checkpoint, config, train
         from colfunc.step import TrainState
 
@@ -212,16 +213,17 @@ class Engine:
         if not (isinstance(run_cfg, config.RunConfig) and isinstance(state, TrainState)):
             raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
         model = config.model_module(run_cfg.model)
-        kwargs.setdefault("tokenizer", ByteTokenizer())
-        return cls(model, run_cfg.model, state.params, **kwargs)
+        return {
+            "model": model,
+            "cfg": run_cfg.model,
+            "params": state.params,
+            "tokenizer": ByteTokenizer(),
+        }
 
-    @classmethod
-    def from_hf(
-        cls, folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any
-    ) -> Engine:
-        """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
-        safetensors; GPT-2, LLaMA or OPT), with the folder's tokenizer when it has one. Local
-        files only."""
+    @staticmethod
+    def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """What :meth:`from_hf` builds an engine from: the model module, config, parameters,
+        tokenizer (None if the folder has none) and end-of-sequence id of a Hugging Face folder."""
         import transformers
 
         from colfunc import hf
@@ -233,11 +235,29 @@ class Engine:
             folder, local_files_only=True, dtype=dtype
         )
         cfg, params = hf.from_hf(hf_model)
-        model = getattr(models, type(cfg).__module__.rsplit(".", 1)[-1])
-        kwargs.setdefault("tokenizer", load_hf_tokenizer(folder))
-        if kwargs.get("eos_token_id") is None:
-            kwargs["eos_token_id"] = getattr(hf_model.config, "eos_token_id", None)
-        return cls(model, cfg, params, **kwargs)
+        return {
+            "model": getattr(models, type(cfg).__module__.rsplit(".", 1)[-1]),
+            "cfg": cfg,
+            "params": params,
+            "tokenizer": load_hf_tokenizer(folder),
+            "eos_token_id": getattr(hf_model.config, "eos_token_id", None),
+        }
+
+    @classmethod
+    def from_run(cls, run: str | Path, **kwargs: Any) -> Engine:
+        """The engine of a ``colfunc train`` run folder (or its checkpoint folder)."""
+        return cls(**{**cls.load_run(run), **kwargs})
+
+    @classmethod
+    def from_hf(
+        cls, folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> Engine:
+        """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
+        safetensors; GPT-2, LLaMA or OPT), with the folder's tokenizer when it has one. Local
+        files only."""
+        loaded = cls.load_hf(folder, dtype)
+        given = {k: v for k, v in kwargs.items() if v is not None or k not in loaded}
+        return cls(**{**loaded, **given})
 
     # --- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
