@@ -181,14 +181,8 @@ def _block_kv(
     x_BTD, rope = carry["h"], carry["rope"]
     E = cfg.d_model // cfg.n_head
     h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
-    kv = None
-    if paged is None:
-        x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E, rope=rope)
-    else:
-        a_BTD, (k, v) = nn.paged_self_attention(
-            h_BTD, layer["attn"], head_dim=E, paged=paged, rope=rope
-        )
-        x_BTD, kv = x_BTD + a_BTD, {"k": k, "v": v}
+    a_BTD, kv = nn.attend(h_BTD, layer["attn"], head_dim=E, rope=rope, paged=paged)
+    x_BTD = x_BTD + a_BTD
     h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
     return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}, kv
 
@@ -222,11 +216,8 @@ def paged_forward(
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     cos_TR, sin_TR = nn.rope_tables(cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device)
     carry: Carry = {"h": x_1ND, "rope": (cos_TR[batch.positions], sin_TR[batch.positions])}
-
-    def block(layer: Params, c: Carry, kv: dict[str, torch.Tensor]) -> Any:
-        return _block_kv(layer, c, cfg, nn.Paged(kv["k"], kv["v"], batch))
-
-    carry, ys = scan_layers(block, carry, params["blocks"], xs=cache)
+    block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
+    carry, ys = nn.paged_scan(block, carry, params["blocks"], cache, batch)
     return _logits(params, carry["h"][:, select_R], cfg)[0], ys
 
 

@@ -166,12 +166,8 @@ def _block_kv(
     E = cfg.d_model // cfg.n_head
     ln1, ln2 = layer["ln1"], layer["ln2"]
     h_BTD = ops.layer_norm(x_BTD, ln1["weight"], ln1["bias"], cfg.norm_eps)
-    kv = None
-    if paged is None:
-        x_BTD = x_BTD + nn.self_attention(h_BTD, layer["attn"], head_dim=E)
-    else:
-        a_BTD, (k, v) = nn.paged_self_attention(h_BTD, layer["attn"], head_dim=E, paged=paged)
-        x_BTD, kv = x_BTD + a_BTD, {"k": k, "v": v}
+    a_BTD, kv = nn.attend(h_BTD, layer["attn"], head_dim=E, paged=paged)
+    x_BTD = x_BTD + a_BTD
     h_BTD = ops.layer_norm(x_BTD, ln2["weight"], ln2["bias"], cfg.norm_eps)
     return x_BTD + nn.mlp(h_BTD, layer["mlp"], F.relu), kv
 
@@ -202,11 +198,8 @@ def paged_forward(
     positions_N = batch.positions + POSITION_OFFSET
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     x_1ND = x_1ND + nn.embedding(positions_N, params["embed"]["positions"])[None]
-
-    def block(layer: Params, x: torch.Tensor, kv: dict[str, torch.Tensor]) -> Any:
-        return _block_kv(layer, x, cfg, nn.Paged(kv["k"], kv["v"], batch))
-
-    x_1ND, ys = scan_layers(block, x_1ND, params["blocks"], xs=cache)
+    block = lambda layer, x, paged: _block_kv(layer, x, cfg, paged)  # noqa: E731
+    x_1ND, ys = nn.paged_scan(block, x_1ND, params["blocks"], cache, batch)
     return _logits(params, x_1ND[:, select_R], cfg)[0], ys
 
 

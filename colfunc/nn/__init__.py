@@ -9,7 +9,9 @@ compute the same thing, because head counts are inferred from the weights' sizes
 from colfunc.nn.attention import (
     Paged,
     PagedBatch,
+    attend,
     merge_heads,
+    paged_scan,
     paged_self_attention,
     rope_tables,
     self_attention,
@@ -22,6 +24,7 @@ from colfunc.nn.lm import check_input_ids, nest, next_token_loss
 __all__ = [
     "Paged",
     "PagedBatch",
+    "attend",
     "check_input_ids",
     "embedding",
     "gelu_tanh",
@@ -30,6 +33,7 @@ __all__ = [
     "mlp",
     "nest",
     "next_token_loss",
+    "paged_scan",
     "paged_self_attention",
     "rope_tables",
     "self_attention",

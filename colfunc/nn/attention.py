@@ -8,17 +8,21 @@ M blocks per sequence.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from colfunc import ops
+from colfunc.core import scan_layers
 from colfunc.nn.dense import linear
 
 __all__ = [
     "Paged",
     "PagedBatch",
+    "attend",
     "merge_heads",
+    "paged_scan",
     "paged_self_attention",
     "rope_tables",
     "self_attention",
@@ -135,3 +139,37 @@ def paged_self_attention(
         b.query_lens,
     )
     return linear(y_NHE.reshape(1, N, -1), p["wo"], p.get("bo")), (k_NKE, v_NKE)
+
+
+def attend(
+    x_BTD: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    *,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    paged: Paged | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """A block's attention: :func:`self_attention` (and None), or with ``paged``
+    :func:`paged_self_attention` and this layer's new ``{"k", "v"}``."""
+    if paged is None:
+        return self_attention(x_BTD, p, head_dim=head_dim, rope=rope), None
+    y, (k, v) = paged_self_attention(x_BTD, p, head_dim=head_dim, paged=paged, rope=rope)
+    return y, {"k": k, "v": v}
+
+
+def paged_scan(
+    block_kv: Callable[[Any, Any, Paged], tuple[Any, Any]],
+    carry: Any,
+    blocks: Any,
+    cache: dict[str, torch.Tensor],
+    batch: PagedBatch,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``scan_layers`` of ``block_kv(layer, carry, paged)`` with each layer's slice of the paged
+    cache (``{"k", "v"}``, ``[L, C, B, K, E]``) as its ``x``; returns the carry and the new keys
+    and values, stacked per layer (``[L, N, K, E]``), for the caller to write into the cache."""
+
+    def block(layer: Any, c: Any, kv: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        return block_kv(layer, c, Paged(kv["k"], kv["v"], batch))
+
+    out: tuple[Any, dict[str, torch.Tensor]] = scan_layers(block, carry, blocks, xs=cache)
+    return out
