@@ -33,20 +33,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"colfunc: error: {message} (see {self.prog} --help)\n")
 
 
-def _load_run(run: str) -> tuple[Any, Any]:
-    """``(state, config)`` of the run folder ``run`` (or of its checkpoint folder itself)."""
-    from colfunc import checkpoint, config, train
-    from colfunc.step import TrainState
-
-    path = Path(run)
-    if (path / train.CHECKPOINT).is_dir():
-        path = path / train.CHECKPOINT
-    state, cfg = checkpoint.load(path)
-    if not (isinstance(cfg, config.RunConfig) and isinstance(state, TrainState)):
-        raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
-    return state, cfg
-
-
 @contextlib.contextmanager
 def _threads(requested: int | None) -> Iterator[None]:
     """Use ``requested`` intra-op threads, or by default one per core that is not busy.
@@ -92,7 +78,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume)
     if not (run_dir / train.CHECKPOINT).is_dir():
         raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no {train.CHECKPOINT}/")
-    state, saved = _load_run(args.resume)
+    state, saved = train.load_run(args.resume)
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
         raise ValueError(
@@ -105,9 +91,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from colfunc import train
     from colfunc.generate import complete
 
-    state, cfg = _load_run(args.run)
+    state, cfg = train.load_run(args.run)
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
     text = complete(

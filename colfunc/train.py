@@ -37,11 +37,22 @@ from colfunc.generate import complete
 from colfunc.sharding import Mesh, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
 
-__all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "plot", "run"]
+__all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "load_run", "plot", "run"]
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
+
+
+def load_run(run: str | Path) -> tuple[TrainState, RunConfig]:
+    """``(state, config)`` of the run folder ``run`` (or of its checkpoint folder itself)."""
+    path = Path(run)
+    if (path / CHECKPOINT).is_dir():
+        path = path / CHECKPOINT
+    state, cfg = checkpoint.load(path)
+    if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
+        raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+    return state, cfg
 
 
 def build_optimizer(cfg: OptimConfig, steps: int) -> optim.GradientTransformation:

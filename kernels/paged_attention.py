@@ -29,6 +29,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_softmax(m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale):  # fmt: skip
+    """One tile of keys and values (``[N, D]``, ``valid`` rows) folded into the running max
+    ``m_i``, sum ``l_i`` and output ``acc_D`` of a query row, in base 2."""
+    s_N = tl.where(valid, tl.sum(k_ND * q_D[None, :], axis=1) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_N, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p_N = tl.exp2(s_N - m_new)
+    l_i = l_i * alpha + tl.sum(p_N, axis=0)
+    acc_D = acc_D * alpha + tl.sum(p_N[:, None] * v_ND, axis=0)
+    return m_new, l_i, acc_D
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr,  # q, out [N, H, E]; k, v [N, K, E]; caches
     tables_ptr, seq_ptr, ctx_ptr, start_ptr,  # [S, M] int32; per token its sequence; per sequence
@@ -68,13 +81,7 @@ def _paged_attention_kernel(
             vc_ptr + block * stride_vcc + offs_b[:, None] * stride_vcb + kh * stride_vck
             + offs_d[None, :], mask=mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
-        s_B = tl.where(valid, tl.sum(k_BD * q_D[None, :], axis=1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_B, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p_B = tl.exp2(s_B - m_new)
-        l_i = l_i * alpha + tl.sum(p_B, axis=0)
-        acc_D = acc_D * alpha + tl.sum(p_B[:, None] * v_BD, axis=0)
-        m_i = m_new
+        m_i, l_i, acc_D = _online_softmax(m_i, l_i, acc_D, q_D, k_BD, v_BD, valid, qk_scale)
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(0, j + 1, BLOCK_N):  # the new tokens of this sequence, up to this one
         t = start + offs_n
@@ -89,13 +96,7 @@ def _paged_attention_kernel(
             v_ptr + rows[:, None] * stride_vn + kh * stride_vh + offs_d[None, :],
             mask=mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
-        s_N = tl.where(valid, tl.sum(k_ND * q_D[None, :], axis=1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_N, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p_N = tl.exp2(s_N - m_new)
-        l_i = l_i * alpha + tl.sum(p_N, axis=0)
-        acc_D = acc_D * alpha + tl.sum(p_N[:, None] * v_ND, axis=0)
-        m_i = m_new
+        m_i, l_i, acc_D = _online_softmax(m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale)
     out_D = acc_D / l_i
     tl.store(
         out_ptr + n * stride_on + h * stride_oh + offs_d,

@@ -81,7 +81,6 @@ class RequestOutput:
 class _Request:
     request_id: str
     prompt: list[int]
-    params: SamplingParams
     seqs: list[Sequence]
     forks: list[Sequence]  # waiting for the first completion's prompt to be computed
 
@@ -170,7 +169,6 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._arrivals = itertools.count()
         self._default_seed = itertools.count()
 
     def _place(self, params: Any, mesh: Mesh) -> Any:
@@ -203,15 +201,9 @@ class Engine:
     def load_run(run: str | Path) -> dict[str, Any]:
         """What :meth:`from_run` builds an engine from (the model module, config, parameters
         and byte tokenizer of a ``colfunc train`` run): load once, build an engine per rank."""
-        from colfunc import checkpoint, config, train
-        from colfunc.step import TrainState
+        from colfunc import config, train
 
-        path = Path(run)
-        if (path / train.CHECKPOINT).is_dir():
-            path = path / train.CHECKPOINT
-        state, run_cfg = checkpoint.load(path)
-        if not (isinstance(run_cfg, config.RunConfig) and isinstance(state, TrainState)):
-            raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+        state, run_cfg = train.load_run(run)
         model = config.model_module(run_cfg.model)
         return {
             "model": model,
@@ -299,13 +291,12 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"Engine: request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else next(self._default_seed)
-        arrival = next(self._arrivals)
         seqs = []
         for i in range(params.n):
             g = torch.Generator(device=self.cache["k"].device)
             g.manual_seed(seed * 1_000_003 + i)  # each completion its own stream
-            seqs.append(Sequence(rid, i, list(ids), params, g, arrival))
-        self.requests[rid] = _Request(rid, ids, params, seqs, seqs[1:])
+            seqs.append(Sequence(rid, i, list(ids), params, g))
+        self.requests[rid] = _Request(rid, ids, seqs, seqs[1:])
         self.scheduler.add(seqs[0])
         return rid
 

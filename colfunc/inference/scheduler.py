@@ -32,7 +32,6 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator
-    arrival: int
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)  # of its full blocks, in order

@@ -175,7 +175,6 @@ def paged_attention(
     block_tables_SM: torch.Tensor,
     context_lens: Sequence[int],
     query_lens: Sequence[int],
-    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of sequences over a paged KV cache.
 
@@ -183,7 +182,7 @@ def paged_attention(
     and ``[N, K, E]``), after ``context_lens[s]`` tokens whose keys and values are in the cache
     (``[C blocks, B slots, K, E]``) at the blocks its row of ``block_tables`` lists. Each new token
     sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
-    a (chunked) prefill has more. Returns ``[N, H, E]``.
+    a (chunked) prefill has more. Returns ``[N, H, E]``; the scale is ``1/sqrt(E)``.
 
     Sequences with one new token are computed together, in groups of similar context length:
     a group's blocks are gathered into one padded batch (a block past a context may be any
@@ -228,7 +227,6 @@ def paged_attention(
             k_SLKE.transpose(1, 2),
             v_SLKE.transpose(1, 2),
             attn_mask=mask_SL[:, None, None, :],
-            scale=scale,
             enable_gqa=H != K,
         )
         out_NHE[rows] = y[:, :, 0]
@@ -245,7 +243,6 @@ def paged_attention(
             k_TKE.transpose(0, 1)[None],
             v_TKE.transpose(0, 1)[None],
             causal=True,
-            scale=scale,
         )
         out_NHE[lo:hi] = y[0].transpose(0, 1)
     return out_NHE

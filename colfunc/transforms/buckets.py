@@ -153,7 +153,6 @@ class GradBuckets:
         self, mesh: Mesh, axis: str, bucket_bytes: int, params: PyTree, op: str = "avg"
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
-        self.wide = _wide_dtype()
         self.frame = core.LayerGrads(self.on_layer)
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
@@ -165,12 +164,10 @@ class GradBuckets:
         self.bucket_of: dict[str, dict[int, _Bucket]] = {}  # a scanned leaf's, per layer
         self.filled: dict[int, set[str]] = {}  # per layer, the scanned leaves written
         self.reported: set[int] = set()
+        # what arrives after its bucket started is reduced apart; it also names the dtype each
+        # gradient is reduced in (amp's masters)
         self.late = PackedBuckets(mesh, axis, bucket_bytes, op)
         self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
-
-    def dtype_of(self, x: torch.Tensor) -> torch.dtype:
-        """The dtype ``x``'s gradient is reduced in."""
-        return self.wide if self.wide is not None and x.is_floating_point() else x.dtype
 
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
@@ -178,7 +175,7 @@ class GradBuckets:
         n = local[scanned[0]].shape[0] if scanned else 0
         by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
         for path in [*scanned, *(p for p in local if p not in scanned)]:
-            rows, others = by_dtype.setdefault(self.dtype_of(local[path]), ([], []))
+            rows, others = by_dtype.setdefault(self.late.dtype_of(local[path]), ([], []))
             (rows if path in scanned else others).append(path)
         buckets: list[_Bucket] = []
         for d, (rows, others) in by_dtype.items():
