@@ -19,7 +19,7 @@ from colfunc import (
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.sharding import Mesh, launch, shard_map
 from colfunc.step import Step, TrainState, full_state, train_step
-from colfunc.transforms import amp, pipeline, remat, shard, zero
+from colfunc.transforms import amp, offload, pipeline, remat, shard, zero
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,7 @@ __all__ = [
     "memory",
     "models",
     "nn",
+    "offload",
     "ops",
     "optim",
     "pipeline",

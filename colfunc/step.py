@@ -47,7 +47,7 @@ from colfunc.optim.clip import global_norm, known_norm
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["StateLayout", "Step", "TrainState", "full_state", "train_step"]
+__all__ = ["StateLayout", "Step", "TrainState", "check_loss", "full_state", "train_step"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], torch.Tensor]
@@ -88,7 +88,8 @@ class StateLayout(Protocol):
     def place_opt(self, states: PyTree) -> PyTree: ...
 
 
-def _check_loss(loss: Any) -> None:
+def check_loss(loss: Any) -> None:
+    """Refuse a loss that is not a scalar tensor (a ValueError naming what it was)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss function must return a scalar tensor, got {shape}")
@@ -98,7 +99,7 @@ def _forward(loss_fn: LossFn) -> Forward:
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
         with torch.no_grad():
             loss = loss_fn(params, batch)
-        _check_loss(loss)
+        check_loss(loss)
         return loss
 
     return forward
@@ -116,7 +117,7 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
             taps.track({path: x for (path, _), x in zip(flat, leaves)})
         with torch.enable_grad():
             loss = loss_fn(tree.unflatten(treedef, leaves), batch)
-            _check_loss(loss)
+            check_loss(loss)
             diff = [x for x in leaves if x.requires_grad]
             scale = core.loss_scale()
             target = loss if scale == 1.0 else loss * scale

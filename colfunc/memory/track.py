@@ -49,6 +49,11 @@ class Tracker:
             self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._free, key, n)
 
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (to take the peaks of parts of a block)."""
+        with self._lock:
+            self.peak = self.live
+
     def _free(self, key: int, n: int) -> None:
         with self._lock:
             if key in self._ids:

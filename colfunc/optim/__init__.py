@@ -14,7 +14,7 @@ Example:
 
 from colfunc.optim import learning_rates
 from colfunc.optim.accumulate import AccumulateState, accumulate
-from colfunc.optim.adam import AdamState, adam, adamw
+from colfunc.optim.adam import AdamState, AdamWHyper, adam, adamw
 from colfunc.optim.base import (
     GradientTransformation,
     LearningRate,
@@ -29,6 +29,7 @@ from colfunc.optim.sgd import SgdState, sgd
 __all__ = [
     "AccumulateState",
     "AdamState",
+    "AdamWHyper",
     "GradientTransformation",
     "LearningRate",
     "SgdState",

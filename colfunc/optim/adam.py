@@ -32,7 +32,7 @@ from colfunc.optim.base import (
     wide_leaves,
 )
 
-__all__ = ["AdamState", "adam", "adamw"]
+__all__ = ["AdamState", "AdamWHyper", "adam", "adamw"]
 
 PyTree = Any
 
@@ -47,6 +47,16 @@ class AdamState(NamedTuple):
     exp_avg: PyTree
     exp_avg_sq: PyTree
     max_exp_avg_sq: PyTree | None
+
+
+class AdamWHyper(NamedTuple):
+    """The hyperparameters of a plain AdamW (no AMSGrad), as ``GradientTransformation.adamw``."""
+
+    lr: float | LearningRate
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
 
 
 def _scale_by_adam(
@@ -155,7 +165,8 @@ def _scale_by_adam(
         m_tree, v_tree = tree.unflatten(treedef, new_m), tree.unflatten(treedef, new_v)
         return tree.unflatten(treedef, new_p), AdamState(t, m_tree, v_tree, None)
 
-    return GradientTransformation(init, update, current_lr, apply)
+    hyper = AdamWHyper(lr, beta1, beta2, eps, weight_decay) if decoupled and not amsgrad else None
+    return GradientTransformation(init, update, current_lr, apply, hyper)
 
 
 def adamw(

@@ -38,6 +38,10 @@ class GradientTransformation(NamedTuple):
     # ``donate`` it may write the new values into the buffers of ``params`` and ``state``. It may
     # return None where it does not apply (then the caller takes the two-step path).
     apply: Callable[..., tuple[PyTree, PyTree] | None] | None = None
+    # Plain AdamW's hyperparameters (an ``optim.AdamWHyper``), for a transform that runs the
+    # update with kernels of its own where the tensors live (``offload``: the CPU Adam on host
+    # chunks, the fused device AdamW on device chunks); None for every other optimizer.
+    adamw: Any = None
 
 
 def learning_rate(lr: float | LearningRate, count: int) -> float:

@@ -5,7 +5,7 @@ Every transform is a frozen, validated config (``ShardConfig``, ``ZeroConfig``, 
 step's :class:`Composition` and builds the whole composition again from the plain step, in the
 order of :data:`ORDER` (innermost first)::
 
-    remat(amp(zero(shard(pipeline(step)))))
+    remat(amp(offload(zero(shard(pipeline(step))))))
 
 So ``cf.zero(cf.shard(step, mesh), 2)`` and ``cf.shard(cf.zero(step, 2), mesh)`` are the same
 step, and a builder knows, from typed fields of the composition, what the transforms around it
@@ -26,6 +26,7 @@ from colfunc.transforms.buckets import BUCKET_BYTES
 if TYPE_CHECKING:
     from colfunc.sharding import Mesh
     from colfunc.transforms.amp import AmpConfig
+    from colfunc.transforms.offload import OffloadConfig
     from colfunc.transforms.pipeline.transform import PipelineConfig
     from colfunc.transforms.remat import RematConfig
     from colfunc.transforms.shard import ShardConfig
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["ORDER", "Composition", "apply_transform"]
 
 # the canonical nesting, innermost first: pipeline replaces the whole backward pass, shard places
-# what zero then cuts, amp casts what zero gathers, remat checkpoints whatever runs per layer
-ORDER = ("pipeline", "shard", "zero", "amp", "remat")
+# what zero then cuts, offload moves what runs per layer, amp casts what zero gathers, remat
+# checkpoints whatever runs per layer (outside offload's fetches, so a recomputation fetches again)
+ORDER = ("pipeline", "shard", "zero", "offload", "amp", "remat")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +47,7 @@ class Composition:
     pipeline: PipelineConfig | None = None
     shard: ShardConfig | None = None
     zero: ZeroConfig | None = None
+    offload: OffloadConfig | None = None
     amp: AmpConfig | None = None
     remat: RematConfig | None = None
 
@@ -84,6 +87,17 @@ class Composition:
 
     def check(self) -> None:
         """Refuse combinations that no order could carry out."""
+        if self.offload is not None:
+            # offload replaces the plain forward-backward pass with its own (fetches per layer,
+            # gradients written home per layer); these transforms replace it too
+            others = [
+                n for n in ("pipeline", "shard", "zero", "amp") if getattr(self, n) is not None
+            ]
+            if others:
+                raise ValueError(
+                    f"offload: composing with {', '.join(others)} is not supported; offload "
+                    f"composes with remat and with optimizer wrappers (optim.accumulate)"
+                )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh
             if self.zero.axis not in mesh.axis_names:

@@ -1,0 +1,282 @@
+"""The device pool of an offloaded step: what is resident, what moved, and the exact peak.
+
+Host-homed chunks (their master weights and Adam moments in host memory) are fetched to the
+device as one flat buffer per chunk when a step needs their group, kept in a cache, and dropped
+when evicted: a parameter copy is never dirty, since the master is on the host (gradients are
+written back to the host as soon as their layer's backward pass ends, outside the cache).
+Device-homed chunks live on the device for the whole run, as flat *mirrors* of parameters,
+gradients and moments; the host rows of those chunks are then stale until gathered.
+
+The account is exact. Every tensor a step allocates is seen by a dispatch mode (the one of
+:func:`colfunc.memory.track`) unless it is host work, which runs out of sight of every dispatch
+mode (:meth:`DevicePool.host`); so on a machine without a GPU, where the CPU stands for the
+device, the pool's peak is the peak of device tensors as the budget sees them. On CUDA the
+allocator's own counters are read instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from colfunc import torch_private
+from colfunc.memory.chunks import Chunk, ChunkLayout
+from colfunc.memory.placement import Event, Trace, next_uses
+from colfunc.memory.track import track
+
+__all__ = ["DevicePool", "Mirror"]
+
+
+class Mirror:
+    """A device-homed chunk: flat parameter, gradient and Adam moment buffers on the device."""
+
+    def __init__(self, chunk: Chunk, device: torch.device, master: torch.dtype) -> None:
+        self.param = torch.zeros(chunk.capacity, dtype=chunk.dtype, device=device)
+        self.grad = torch.zeros(chunk.capacity, dtype=chunk.dtype, device=device)
+        self.exp_avg = torch.zeros(chunk.capacity, dtype=master, device=device)
+        self.exp_avg_sq = torch.zeros(chunk.capacity, dtype=master, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class _CudaMeter:
+    """Live and peak bytes from the CUDA allocator, relative to the start of the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    @property
+    def live(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.base
+
+    @property
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+class DevicePool:
+    """Residency, traffic and placement of one offloaded run's chunks (see the module docs).
+
+    ``streaming``: keep only the groups in use (and the next ``prefetch``), as ZeRO-Offload
+    streams layers; otherwise cache copies under the budget and evict by Belady's rule over the
+    trace recorded in the warm-up step. ``pinned``: chunks whose copy is kept for the whole step
+    once fetched (a static placement).
+    """
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        device: torch.device,
+        budget: int,
+        *,
+        streaming: bool,
+        prefetch: int,
+        pinned: frozenset[int] = frozenset(),
+    ) -> None:
+        self.layout, self.device, self.budget = layout, device, budget
+        self.streaming, self.prefetch, self.pinned = streaming, prefetch, pinned
+        self.cache: dict[int, torch.Tensor] = {}  # chunk -> its parameter copy on the device
+        self.mirrors: dict[int, Mirror] = {}
+        self.in_use: dict[int, int] = {}  # group -> holders
+        self.trace: Trace | None = None  # recorded in the warm-up step
+        self.extra_baseline = 0  # device bytes held outside chunks (the "device" policy's state)
+        self._recording: Trace | None = None
+        self._uses: list[dict[int, int]] = []
+        self._cursor = 0
+        self._meter: Any = None
+        self._leaves: list[torch.Tensor] = []
+        self.h2d = self.d2h = 0
+        self.step_peak = self.window_peak = self._window_max = 0
+
+    # --- accounting -----------------------------------------------------------------------
+    @property
+    def baseline(self) -> int:
+        """Device bytes resident for the whole run: the mirrors (and the "device" policy's state)."""
+        return self.extra_baseline + sum(m.nbytes for m in self.mirrors.values())
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self.layout.chunks[c].nbytes for c in self.cache)
+
+    def _meter_peak(self) -> int:
+        return self._meter.peak if self._meter is not None else 0
+
+    def begin_step(self) -> None:
+        """Start a step's figures (its windows add to them)."""
+        self.h2d = self.d2h = 0
+        self.step_peak = 0
+
+    def metrics(self) -> dict[str, int]:
+        """The step's figures, as the step reports them."""
+        return {
+            "offload/device_peak_bytes": self.step_peak,
+            "offload/h2d_bytes": self.h2d,
+            "offload/d2h_bytes": self.d2h,
+        }
+
+    @contextlib.contextmanager
+    def window(
+        self, leaves: list[torch.Tensor], host_tensors: list[torch.Tensor], *, record: bool
+    ) -> Iterator[None]:
+        """Account a part of a step (the forward-backward pass, the update): ``leaves`` are the
+        parameters' host tensors (flat, in layout order), ``host_tensors`` everything else the
+        step writes in place (never counted). ``record``: record the trace (the warm-up step)."""
+        self._leaves = leaves
+        self._cursor = 0
+        self._window_max = 0
+        self._recording = Trace() if record else None
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cuda":
+                self._meter = _CudaMeter(self.device)
+            else:
+                mirrors = [t for m in self.mirrors.values() for t in m.tensors()]
+                self._meter = stack.enter_context(track(leaves, host_tensors, mirrors))
+            try:
+                yield
+            finally:
+                self._close_interval()
+                self.window_peak = self.baseline + max(self._window_max, self._meter.peak)
+                self.step_peak = max(self.step_peak, self.window_peak)
+                self._meter = None
+                self._leaves = []
+
+    def end_warmup(self) -> Trace | None:
+        """The trace just recorded, kept for placing later steps (None if none was recording)."""
+        rec, self._recording = self._recording, None
+        if rec is not None:
+            self.trace = rec
+            self._uses = next_uses(rec.groups())
+        return rec
+
+    def _close_interval(self) -> None:
+        """End the interval since the last event: its non-model peak goes to the trace."""
+        rec = self._recording
+        if rec is None or self._meter is None:
+            return
+        self._window_max = max(self._window_max, self._meter.peak)
+        nonmodel = max(0, self._meter_peak() - self.cached_bytes)
+        if rec.events:
+            rec.events[-1].nonmodel = max(rec.events[-1].nonmodel, nonmodel)
+        else:
+            rec.head = max(rec.head, nonmodel)
+        self._meter.reset_peak()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def host() -> Iterator[None]:
+        """Run host work (writes to host memory) out of sight of every dispatch mode."""
+        with torch_private.disable_current_modes():
+            yield
+
+    # --- placement ------------------------------------------------------------------------
+    def _position(self, group: int, backward: bool) -> int | None:
+        """This event's position in the recorded trace (resynchronising if the step diverged)."""
+        if self.trace is None:
+            return None
+        events = self.trace.events
+        n = len(events)
+        for d in range(n):
+            k = (self._cursor + d) % n
+            if events[k].group == group and events[k].backward == backward:
+                self._cursor = k + 1
+                return k
+        return None
+
+    def _capacity(self, k: int | None) -> int:
+        """Device bytes the cache may hold from event ``k`` to the next."""
+        if k is None or self.trace is None:
+            return 0  # warm-up: stream
+        return self.budget - self.baseline - self.trace.events[k].nonmodel
+
+    def _chunks(self, group: int) -> tuple[int, ...]:
+        return tuple(c for c in self.layout.groups[group] if c not in self.mirrors)
+
+    def _protected(self, group: int, k: int | None) -> set[int]:
+        groups = set(self.in_use) | {group}
+        if k is not None and self.trace is not None:
+            events = self.trace.events
+            groups |= {events[(k + d) % len(events)].group for d in range(1, self.prefetch + 1)}
+        chunks = {c for g in groups for c in self._chunks(g)}
+        return chunks | (self.pinned & set(self.cache))
+
+    def _fetch(self, c: int) -> None:
+        chunk = self.layout.chunks[c]
+        buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
+        for p in chunk.pieces:
+            src = self._leaves[p.leaf] if p.row is None else self._leaves[p.leaf][p.row]
+            buf[p.offset : p.offset + p.numel].view(p.shape).copy_(src, non_blocking=True)
+        self.h2d += chunk.used * chunk.dtype.itemsize
+        self.cache[c] = buf
+
+    def require(self, group: int, backward: bool) -> dict[int, torch.Tensor]:
+        """Make ``group`` resident (an event of the trace) and hold it; returns its chunks'
+        device buffers (parameters), mirrors included."""
+        self._close_interval()
+        k = self._position(group, backward)
+        if self._recording is not None:
+            self._recording.events.append(Event(group, backward))
+        keep = self._protected(group, k)
+        missing = [c for c in self._chunks(group) if c not in self.cache]
+        need = sum(self.layout.chunks[c].nbytes for c in missing)
+        if self.streaming or k is None:
+            for c in [c for c in self.cache if c not in keep]:
+                del self.cache[c]
+        else:
+            capacity = self._capacity(k)
+            uses = self._uses[k]
+            victims = sorted(
+                (c for c in self.cache if c not in keep),
+                key=lambda c: uses.get(self.layout.chunks[c].group, 1 << 60),
+                reverse=True,
+            )
+            for c in victims:
+                if self.cached_bytes + need <= capacity:
+                    break
+                del self.cache[c]
+        for c in missing:
+            self._fetch(c)
+        if k is not None and self.trace is not None:
+            self._prefetch(k)
+        self.in_use[group] = self.in_use.get(group, 0) + 1
+        out = {c: self.cache[c] for c in self._chunks(group)}
+        out.update(
+            {c: self.mirrors[c].param for c in self.layout.groups[group] if c in self.mirrors}
+        )
+        return out
+
+    def _prefetch(self, k: int) -> None:
+        assert self.trace is not None
+        events = self.trace.events
+        capacity = self._capacity(k)
+        for d in range(1, self.prefetch + 1):
+            group = events[(k + d) % len(events)].group
+            for c in self._chunks(group):
+                size = self.layout.chunks[c].nbytes
+                if c not in self.cache and self.cached_bytes + size <= capacity:
+                    self._fetch(c)
+
+    def release(self, group: int) -> None:
+        """Stop holding ``group`` (its chunks become evictable)."""
+        n = self.in_use.get(group, 0) - 1
+        if n > 0:
+            self.in_use[group] = n
+        else:
+            self.in_use.pop(group, None)
+
+    def invalidate(self) -> None:
+        """Drop every cached copy (the update changed the masters they copy)."""
+        self.cache.clear()
+        self.in_use.clear()

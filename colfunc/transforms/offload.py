@@ -1,0 +1,743 @@
+"""``offload``: heterogeneous memory, model states in chunks under a device budget (Gemini).
+
+The parameters are cut into fixed-size chunks in layer order (:mod:`colfunc.memory.chunks`).
+A *host-homed* chunk keeps its parameters (the fp32 masters), gradients and Adam moments in host
+memory: :func:`colfunc.scan_layers` fetches a layer's chunks to the device just before the layer
+runs, its backward pass fetches them again if they were evicted (saved-tensor hooks stand in for
+the weights the backward pass keeps, as ZeRO-3's gathers do), its gradients go back to the host
+as soon as the layer's backward pass ends, and the update runs there, by the C++ CPU Adam
+(:func:`colfunc.ops.cpu_adamw_`). A *device-homed* chunk lives on the device for the whole run
+and is updated there by the fused AdamW (:func:`colfunc.ops.adamw_`). The leaves outside the
+stacked layers (group 0: embeddings, final norm) are fetched once, at the start of the step.
+
+Policies:
+
+``"device"``
+    everything on the device: the in-memory step, with the account kept (the reference).
+``"host"``
+    every chunk host-homed, each layer streamed in and dropped after use (ZeRO-Offload).
+``"static"``
+    the first ``1 - offload_optim`` of the chunks (by bytes, in layer order) device-homed, and
+    the parameter copies of the first ``1 - offload_params`` kept on the device for the whole
+    step once fetched; the rest streamed.
+``"auto"``
+    the first step records which groups the step uses, in which order, and the non-model memory
+    (activations, gradients in flight) the device needs between each use and the next
+    (:class:`~colfunc.memory.placement.Trace`). From then on each fetch keeps the device within
+    the budget by evicting the cached copies whose next use is farthest away, and fetches the
+    next ``prefetch`` groups ahead when they fit; ``margin`` of the memory the warm-up left
+    spare holds device-homed chunks, whose update then runs on the device.
+
+On a machine without a GPU the CPU stands for the device: the same code runs, copies are copies
+within one memory, and the account of device bytes is exact, so the budget can be checked.
+Each step's metrics carry ``offload/device_peak_bytes`` (the device pool's peak, model states
+included), ``offload/h2d_bytes`` and ``offload/d2h_bytes``.
+
+The state is updated in place (an offloaded step donates its state, see
+:func:`colfunc.train_step`): the state passed in must not be used again. The host rows of
+device-homed chunks are stale while they live on the device; :func:`colfunc.full_state` writes
+them back first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from colfunc import core, ops, torch_private, tree
+from colfunc.memory.chunks import ChunkLayout, chunk_layout
+from colfunc.memory.placement import device_budget
+from colfunc.memory.pool import DevicePool, Mirror
+from colfunc.optim.adam import AdamState
+from colfunc.optim.base import learning_rate
+from colfunc.optim.clip import global_norm
+from colfunc.step import Step, TrainState, check_loss
+from colfunc.transforms.composition import apply_transform
+
+if TYPE_CHECKING:
+    from colfunc.transforms.composition import Composition
+
+__all__ = ["POLICIES", "OffloadConfig", "OffloadState", "offload"]
+
+PyTree = Any
+POLICIES = ("device", "host", "static", "auto")
+
+
+def _fraction(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"offload: {name} must be a fraction in [0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """The arguments of :func:`offload`, checked."""
+
+    policy: str = "auto"
+    device_budget: int | float | str | None = None
+    margin: float = 0.0
+    prefetch: int = 1
+    chunk_mb: float | None = None
+    offload_params: float | None = None
+    offload_optim: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"offload: unknown policy {self.policy!r}; use one of {POLICIES}")
+        _fraction("margin", self.margin)
+        if self.margin and self.policy != "auto":
+            raise ValueError(f"offload: margin is for policy='auto', not {self.policy!r}")
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
+            raise ValueError(f"offload: prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.chunk_mb is not None and (
+            isinstance(self.chunk_mb, bool)
+            or not isinstance(self.chunk_mb, int | float)
+            or not self.chunk_mb > 0
+        ):
+            raise ValueError(
+                f"offload: chunk_mb must be a number > 0 or None, got {self.chunk_mb!r}"
+            )
+        given = {
+            n: v for n in ("offload_params", "offload_optim") if (v := getattr(self, n)) is not None
+        }
+        if given and self.policy != "static":
+            raise ValueError(
+                f"offload: {', '.join(given)} are for policy='static', not {self.policy!r}"
+            )
+        for name, value in given.items():
+            _fraction(name, value)
+        if self.params_fraction > self.optim_fraction:
+            raise ValueError(
+                f"offload: offload_params={self.params_fraction} exceeds offload_optim="
+                f"{self.optim_fraction}: a chunk whose optimizer runs on the device keeps its "
+                f"master weights there, so at most offload_optim of the parameters can be offloaded"
+            )
+        device_budget(self.device_budget, _device())  # refuse a bad budget when built
+
+    @property
+    def params_fraction(self) -> float:
+        return 0.0 if self.offload_params is None else float(self.offload_params)
+
+    @property
+    def optim_fraction(self) -> float:
+        return 0.0 if self.offload_optim is None else float(self.offload_optim)
+
+    def build(self, step: Step, comp: Composition) -> Step:
+        return _build(step, self)
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+class OffloadState:
+    """``state.extra["offload"]``: the chunks, where each lives, the host gradient buffers and
+    the device pool. A :class:`~colfunc.step.StateLayout`: gathering writes the device-homed
+    chunks back to their host rows."""
+
+    def __init__(self, cfg: OffloadConfig, params: PyTree, layout: ChunkLayout) -> None:
+        self.cfg, self.layout = cfg, layout
+        self.device = _device()
+        self.budget = device_budget(cfg.device_budget, self.device)
+        flat, self.treedef = tree.flatten_with_paths(params)
+        self.grads = [torch.zeros_like(x, device="cpu") for _, x in flat]
+        if self.device.type == "cuda":
+            self.grads = [g.pin_memory() for g in self.grads]
+        sizes = [c.nbytes for c in layout.chunks]
+        homed = (
+            _first_fraction(sizes, 1.0 - cfg.optim_fraction) if cfg.policy == "static" else set()
+        )
+        pinned = (
+            _first_fraction(sizes, 1.0 - cfg.params_fraction) if cfg.policy == "static" else set()
+        )
+        self.planned: set[int] = homed  # chunks to keep on the device (mirrors made on first use)
+        self.pool = DevicePool(
+            layout,
+            self.device,
+            self.budget,
+            streaming=cfg.policy != "auto",
+            prefetch=cfg.prefetch,
+            pinned=frozenset(pinned - homed),
+        )
+        self.block_leaves = [k for k, s in enumerate(layout.stacked) if s]
+        self._host: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._written: set[tuple[int, int]] = set()  # (chunk, piece) gradients written this step
+        self._needs_moments: set[int] = set()
+
+    # --- StateLayout --------------------------------------------------------------------
+    def sync_host(self) -> None:
+        """Copy every device-homed chunk's parameters and moments back to its host rows."""
+        if self._host is None:
+            return
+        with DevicePool.host(), torch.no_grad():
+            for c, m in self.pool.mirrors.items():
+                for p in self.layout.chunks[c].pieces:
+                    for host, flat in zip(self._host, (m.param, m.exp_avg, m.exp_avg_sq)):
+                        self._row(host, p).copy_(flat[p.offset : p.offset + p.numel].view(p.shape))
+
+    def gather_params(self, params: PyTree) -> PyTree:
+        self.sync_host()
+        return params
+
+    def gather_opt(self, states: PyTree) -> PyTree:
+        self.sync_host()
+        return states
+
+    def place_opt(self, states: PyTree) -> PyTree:
+        return states  # host rows are the layout; mirrors are made from them on first use
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers this state owns (host gradients, device mirrors): pass them to
+        :func:`colfunc.memory.track` as pre-existing to measure what a step allocates."""
+        return self.grads + [t for m in self.pool.mirrors.values() for t in m.tensors()]
+
+    # --- chunks ---------------------------------------------------------------------------
+    @staticmethod
+    def _row(leaves: list[torch.Tensor], piece: Any) -> torch.Tensor:
+        x = leaves[piece.leaf]
+        return x if piece.row is None else x[piece.row]
+
+    def make_mirrors(self, leaves: list[torch.Tensor]) -> None:
+        """Device-home the planned chunks not yet homed: parameters copied now, moments at the
+        next update (before the step's account starts, so they count as resident)."""
+        for c in sorted(self.planned - set(self.pool.mirrors)):
+            chunk = self.layout.chunks[c]
+            master = torch.float64 if chunk.dtype == torch.float64 else torch.float32
+            m = Mirror(chunk, self.device, master)
+            with torch.no_grad():
+                for p in chunk.pieces:
+                    m.param[p.offset : p.offset + p.numel].view(p.shape).copy_(self._row(leaves, p))
+            self.pool.h2d += chunk.used * chunk.dtype.itemsize
+            self.pool.mirrors[c] = m
+            self.pool.cache.pop(c, None)
+            self._needs_moments.add(c)
+
+    def write_grad(self, c: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Layer gradients of chunk ``c`` (one per piece): to its host rows, or its mirror."""
+        chunk = self.layout.chunks[c]
+        mirror = self.pool.mirrors.get(c)
+        for j, (p, g) in enumerate(zip(chunk.pieces, grads)):
+            if g is None:
+                continue
+            first = (c, j) not in self._written
+            self._written.add((c, j))
+            if mirror is not None:
+                dst = mirror.grad[p.offset : p.offset + p.numel].view(p.shape)
+                dst.copy_(g) if first else dst.add_(g)
+                continue
+            with DevicePool.host():
+                dst = self._row(self.grads, p)
+                dst.copy_(g) if first else dst.add_(g.to(dst.device))
+            self.pool.d2h += g.numel() * g.element_size()
+
+    def zero_unwritten(self) -> None:
+        """Zero the gradients no layer wrote this step (parameters the loss did not use)."""
+        with DevicePool.host(), torch.no_grad():
+            for chunk in self.layout.chunks:
+                mirror = self.pool.mirrors.get(chunk.index)
+                for j, p in enumerate(chunk.pieces):
+                    if (chunk.index, j) in self._written:
+                        continue
+                    if mirror is not None:
+                        mirror.grad[p.offset : p.offset + p.numel].zero_()
+                    else:
+                        self._row(self.grads, p).zero_()
+        self._written.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadState(policy={self.cfg.policy!r}, budget={self.budget}, "
+            f"chunks={len(self.layout.chunks)}, device_homed={len(self.pool.mirrors)})"
+        )
+
+
+def _first_fraction(sizes: list[int], fraction: float) -> set[int]:
+    """The leading indices of ``sizes`` whose total is at most ``fraction`` of the sum."""
+    total, out, acc = sum(sizes), set(), 0
+    for i, s in enumerate(sizes):
+        if acc + s > fraction * total + 1e-9 * total:
+            break
+        acc += s
+        out.add(i)
+    return out
+
+
+class _Holder:
+    """A chunk's device buffer as the fetch node sees it (a non-tensor argument, so that the
+    node's outputs are views of a tensor it did not receive)."""
+
+    def __init__(self, state: OffloadState, c: int, buf: torch.Tensor) -> None:
+        self.state, self.c, self.buf = state, c, buf
+
+
+class _Fetch(torch.autograd.Function):
+    """A chunk's tensors, as views of its device buffer; the backward pass writes their
+    gradients to the chunk's home and ends the layer's hold on the device."""
+
+    @staticmethod
+    def forward(
+        holder: _Holder, frame: _Streaming, token: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        chunk = holder.state.layout.chunks[holder.c]
+        return tuple(holder.buf[p.offset : p.offset + p.numel].view(p.shape) for p in chunk.pieces)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.holder, ctx.frame = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
+        holder: _Holder = ctx.holder
+        holder.state.write_grad(holder.c, grads)
+        ctx.frame.chunk_done(holder.state.layout.chunks[holder.c].group)
+        holder.buf = None  # type: ignore[assignment]
+        return None, None, None
+
+
+class _Regathered:
+    """Group ``g``'s buffers, fetched again on first use in the backward pass."""
+
+    def __init__(self, frame: _Streaming, group: int) -> None:
+        self.frame, self.group = frame, group
+        self.bufs: dict[int, torch.Tensor] | None = None
+
+    def get(self, c: int) -> torch.Tensor:
+        if self.bufs is None:
+            self.bufs = self.frame.require(self.group, backward=True)
+            self.frame.regathered[self.group] = self
+        return self.bufs[c]
+
+
+def _saving_hooks_active() -> bool:
+    return torch_private.top_saved_tensors_default_hooks(False) is not None
+
+
+def _in_backward() -> bool:
+    return torch_private.current_autograd_node() is not None
+
+
+class _Streaming:
+    """Context frame of an offloaded step: fetch each scanned layer's chunks (a
+    :class:`~colfunc.core.ScanInterceptor`) and hold group 0 for the whole step."""
+
+    def __init__(
+        self, state: OffloadState, leaves: list[torch.Tensor], token: torch.Tensor | None
+    ) -> None:
+        self.state, self.leaves, self.token = state, leaves, token
+        self.pool = state.pool
+        self.pending: dict[int, int] = {}  # group -> chunks whose gradients are still due
+        self.held_backward: set[int] = set()
+        self.regathered: dict[int, _Regathered] = {}
+        first = state.block_leaves[0] if state.block_leaves else None
+        rows = leaves[first].unbind(0) if first is not None else ()
+        self.layer_index = {r.data_ptr(): i for i, r in enumerate(rows)}
+
+    def require(self, group: int, backward: bool) -> dict[int, torch.Tensor]:
+        bufs = self.pool.require(group, backward)
+        if backward:
+            self.held_backward.add(group)
+        return bufs
+
+    def chunk_done(self, group: int) -> None:
+        """One chunk of ``group`` has its gradients: at the last, release the backward hold."""
+        left = self.pending.get(group, 0) - 1
+        if left > 0:
+            self.pending[group] = left
+            return
+        self.pending.pop(group, None)
+        if group in self.held_backward:
+            self.held_backward.discard(group)
+            self.pool.release(group)
+            holder = self.regathered.pop(group, None)
+            if holder is not None:
+                holder.bufs = None
+
+    def views(
+        self, group: int, bufs: dict[int, torch.Tensor]
+    ) -> dict[tuple[int, int | None], torch.Tensor]:
+        """(leaf, row) -> the tensor the model sees: fetch nodes when gradients are wanted."""
+        out: dict[tuple[int, int | None], torch.Tensor] = {}
+        grad = self.token is not None and torch.is_grad_enabled()
+        for c in self.state.layout.groups[group]:
+            chunk = self.state.layout.chunks[c]
+            if grad:
+                ts = _Fetch.apply(_Holder(self.state, c, bufs[c]), self, self.token)
+            else:
+                ts = tuple(
+                    bufs[c][p.offset : p.offset + p.numel].view(p.shape) for p in chunk.pieces
+                )
+            for p, t in zip(chunk.pieces, ts):
+                out[(p.leaf, p.row)] = t
+        if grad and not _in_backward():
+            self.pending[group] = len(self.state.layout.groups[group])
+        return out
+
+    def outer(self) -> dict[int, torch.Tensor]:
+        """Group 0's leaves on the device, held until the step ends."""
+        bufs = self.require(0, backward=False)
+        return {leaf: t for (leaf, _), t in self.views(0, bufs).items()}
+
+    def scan_layers(self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any) -> Any:
+        state = self.state
+
+        def fetched(layer_rows: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+            flat, treedef = tree.flatten_with_paths(layer_rows)
+            i = self.layer_index.get(flat[0][1].data_ptr()) if flat else None
+            if i is None or len(flat) != len(state.block_leaves):
+                raise ValueError(
+                    "offload: scan_layers ran over a tree that is not the step's params['blocks']; "
+                    "an offloaded loss must scan exactly its stacked layers (cf.layered)"
+                )
+            group, backward = 1 + i, _in_backward()
+            bufs = self.require(group, backward)
+            views = self.views(group, bufs)
+            layer = tree.unflatten(treedef, [views[(k, i)] for k in state.block_leaves])
+            try:
+                if not torch.is_grad_enabled() or self.token is None or _saving_hooks_active():
+                    # inference, or inside a checkpoint (remat): that drops the weights after the
+                    # forward pass and fetches them again when it recomputes the layer
+                    return block(layer, c, x)
+                with torch.autograd.graph.saved_tensors_hooks(*self._hooks(group, bufs)):
+                    return block(layer, c, x)
+            finally:
+                if not backward:
+                    self.pool.release(group)
+
+        return inner(fetched, carry, blocks, xs)
+
+    def _hooks(self, group: int, bufs: dict[int, torch.Tensor]) -> tuple[Any, Any]:
+        # the backward pass keeps, instead of a cached chunk's views, a token that fetches the
+        # chunk again (mirrors stay on the device: kept as they are)
+        storages = {
+            b.untyped_storage().data_ptr(): c for c, b in bufs.items() if c not in self.pool.mirrors
+        }
+        again = _Regathered(self, group)
+
+        def pack(t: torch.Tensor) -> Any:
+            c = storages.get(t.untyped_storage().data_ptr()) if type(t) is torch.Tensor else None
+            if c is None:
+                return t
+            return (again, c, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            holder, c, size, stride, offset = packed
+            return holder.get(c).as_strided(size, stride, offset)
+
+        return pack, unpack
+
+
+def _build(step: Step, cfg: OffloadConfig) -> Step:
+    if cfg.policy == "device":
+        return _build_device(step, cfg)
+    loss_fn, optimizer = step.loss_fn, step.optimizer
+    hyper = optimizer.adamw
+    homes_device = cfg.margin > 0 or (cfg.policy == "static" and cfg.optim_fraction < 1.0)
+    if homes_device and hyper is None:
+        raise ValueError(
+            "offload: chunks homed on the device (margin > 0, or static offload_optim < 1) are "
+            "updated by the fused AdamW kernels, which need optim.adamw (plain, no amsgrad) as "
+            f"the optimizer; got {optimizer!r:.80}; use margin=0 / offload_optim=1 otherwise"
+        )
+    inner_init_extra, inner_update = step.init_extra, step.update
+    chunk_size_of = None if cfg.chunk_mb is None else cfg.chunk_mb
+
+    def init_extra(params: PyTree) -> dict[str, Any]:
+        extra = dict(inner_init_extra(params))
+        size = None
+        if chunk_size_of is not None:
+            itemsize = max(x.element_size() for x in tree.tensors(params))
+            size = int(chunk_size_of * 2**20) // itemsize
+        layout = chunk_layout(params, size)
+        state = OffloadState(cfg, params, layout)
+        _check_floor(state)
+        extra["offload"] = state
+        return extra
+
+    def layout(params: PyTree) -> PyTree:
+        host = tree.map(
+            lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, params
+        )
+        if torch.cuda.is_available():
+            host = tree.map(lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x, host)
+        return host
+
+    def run(
+        params: PyTree, batch: PyTree, extra: dict[str, Any], grad: bool
+    ) -> tuple[torch.Tensor, PyTree]:
+        state: OffloadState = _state(extra)
+        leaves = tree.leaves(params)
+        if grad:
+            state.pool.begin_step()
+            state.make_mirrors(leaves)
+        token = torch.zeros((), requires_grad=True) if grad else None
+        frame = _Streaming(state, leaves, token)
+        record = grad and state.pool.trace is None
+        with state.pool.window(leaves, state.tensors(), record=record), core.context(frame):
+            outer = frame.outer()
+            given = [outer[k] if k in outer else x.detach() for k, x in enumerate(leaves)]
+            with torch.enable_grad() if grad else torch.no_grad():
+                loss = loss_fn(tree.unflatten(state.treedef, given), batch)
+                check_loss(loss)
+                if grad:
+                    scale = core.loss_scale()
+                    target = loss if scale == 1.0 else loss * scale
+                    assert token is not None
+                    torch.autograd.grad(target, [token], allow_unused=True)
+            state.pool.release(0)
+            if grad:
+                state.zero_unwritten()
+        if record:
+            _check_warmup(state)
+        return loss.detach(), (tree.unflatten(state.treedef, state.grads) if grad else None)
+
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
+        return run(params, batch, extra, grad=True)
+
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        return run(params, batch, extra, grad=False)[0]
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        off = _state(state.extra)
+        with off.pool.window(tree.leaves(state.params), off.tensors(), record=False):
+            if hyper is not None:
+                new_state, info = _adamw_update(off, hyper, grads, state)
+            else:  # any other optimizer: the update on the host (no chunk is device-homed)
+                with DevicePool.host():
+                    new_state, info = inner_update(grads, state)
+        off.pool.invalidate()
+        return new_state, {**info, **off.pool.metrics()}
+
+    return step.replace(
+        layout=layout,
+        init_extra=init_extra,
+        forward=forward,
+        forward_backward=forward_backward,
+        update=update,
+        donate=True,
+    )
+
+
+def _state(extra: dict[str, Any]) -> OffloadState:
+    state = extra.get("offload")
+    if not isinstance(state, OffloadState):
+        raise ValueError(
+            "offload: the state has no 'offload' entry; make it with this step's init (step.init)"
+        )
+    return state
+
+
+def _check_floor(state: OffloadState) -> None:
+    """Refuse, before running, a budget that cannot hold group 0 and the largest layer with
+    their gradients (the least any step needs, activations aside)."""
+    layout = state.layout
+    largest = max((layout.group_bytes(g) for g in range(1, len(layout.groups))), default=0)
+    floor = 2 * (layout.group_bytes(0) + largest)
+    if state.budget < floor:
+        raise ValueError(
+            f"offload: device_budget {state.budget} B is below the smallest feasible budget: "
+            f"at least {floor} B (the parameters and gradients of the leaves outside the layers "
+            f"and of the largest layer) plus the activations; raise it to >= {floor} B"
+        )
+
+
+def _check_warmup(state: OffloadState) -> None:
+    """After the warm-up step: refuse a budget its streaming peak exceeded; plan ``margin``."""
+    pool = state.pool
+    peak = pool.window_peak
+    pool.end_warmup()
+    if peak > state.budget:
+        pool.trace = None  # measure again next time
+        raise ValueError(
+            f"offload: device_budget {state.budget} B is below the smallest feasible budget "
+            f"{peak} B for this step (measured: the largest layer's working set with its "
+            f"activations, streamed one layer at a time); raise it to >= {peak} B, or add "
+            f"cf.remat to shrink the activations"
+        )
+    if state.cfg.margin <= 0:
+        return
+    spare = state.cfg.margin * (state.budget - peak)
+    used = 0
+    # device-home layers from the first (the ones a cache cannot keep from the forward pass
+    # to the backward pass), then group 0
+    order = [c for g in [*range(1, len(state.layout.groups)), 0] for c in state.layout.groups[g]]
+    for c in order:
+        chunk = state.layout.chunks[c]
+        master = 8 if chunk.dtype == torch.float64 else 4
+        cost = chunk.capacity * (2 * chunk.dtype.itemsize + 2 * master)
+        if used + cost > spare:
+            break
+        used += cost
+        state.planned.add(c)
+
+
+def _adamw_update(
+    off: OffloadState, hyper: Any, grads: PyTree, state: TrainState
+) -> tuple[TrainState, dict[str, Any]]:
+    """AdamW where each chunk lives: host chunks by the CPU Adam, mirrors by the fused one."""
+    opt = state.opt_state
+    if not isinstance(opt, AdamState):
+        raise TypeError(f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}")
+    ps, ms, vs = tree.leaves(state.params), tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq)
+    off._host = (ps, ms, vs)
+    t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
+    kw: dict[str, Any] = dict(
+        step=t,
+        lr=lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        eps=hyper.eps,
+        weight_decay=hyper.weight_decay,
+    )
+    mirrors = off.pool.mirrors
+    for c in sorted(off._needs_moments):  # moments of chunks just device-homed
+        m = mirrors[c]
+        for p in off.layout.chunks[c].pieces:
+            for flat, host in ((m.exp_avg, ms), (m.exp_avg_sq, vs)):
+                flat[p.offset : p.offset + p.numel].view(p.shape).copy_(off._row(host, p))
+        off.pool.h2d += 2 * off.layout.chunks[c].used * m.exp_avg.element_size()
+    off._needs_moments.clear()
+    lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    norms_of: list[torch.Tensor] = []
+    for chunk in off.layout.chunks:
+        homed = mirrors.get(chunk.index)
+        if homed is not None:
+            norms_of.extend(homed.grad[p.offset : p.offset + p.numel] for p in chunk.pieces)
+            continue
+        for p in chunk.pieces:
+            for out, src in zip(lists, (ps, off.grads, ms, vs)):
+                out.append(off._row(src, p))
+    with DevicePool.host():
+        if mirrors:
+            host_norms = (
+                torch_private.foreach_norm(lists[1], 2.0, dtype=torch.float64) if lists[1] else []
+            )
+            dev_norms = (
+                torch_private.foreach_norm(norms_of, 2.0, dtype=torch.float64) if norms_of else []
+            )
+            squares = [n.cpu().square() for n in (*host_norms, *dev_norms)]
+            norm = torch.stack(squares).sum().sqrt().to(torch.float32)
+        else:
+            norm = global_norm(tree.unflatten(off.treedef, off.grads))
+        if lists[0]:
+            if all(x.dtype == torch.float32 for x in lists[0]):
+                ops.cpu_adamw_(*lists, **kw)
+            else:  # fp64 masters: torch's fused kernel (the C++ Adam is fp32)
+                steps = [torch.tensor(float(t)) for _ in lists[0]]
+                torch_private.fused_adamw_(
+                    *lists,
+                    [],
+                    steps,
+                    amsgrad=False,
+                    maximize=False,
+                    **{k: v for k, v in kw.items() if k != "step"},
+                )
+    if mirrors:
+        order = sorted(mirrors)
+        ops.adamw_(
+            [mirrors[c].param for c in order],
+            [mirrors[c].grad for c in order],
+            [mirrors[c].exp_avg for c in order],
+            [mirrors[c].exp_avg_sq for c in order],
+            **kw,
+        )
+    new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
+    return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
+
+
+def _build_device(step: Step, cfg: OffloadConfig) -> Step:
+    """The "device" policy: the in-memory step, its device bytes accounted."""
+    inner_init_extra = step.init_extra
+    inner_fb, inner_fwd, inner_update = step.forward_backward, step.forward, step.update
+    device = _device()
+
+    def layout(params: PyTree) -> PyTree:
+        return tree.map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, params)
+
+    def init_extra(params: PyTree) -> dict[str, Any]:
+        extra = dict(inner_init_extra(params))
+        state = OffloadState(cfg, params, chunk_layout(params))
+        state.grads = []  # the in-memory step makes its own
+        extra["offload"] = state
+        return extra
+
+    def forward_backward(
+        params: PyTree, batch: PyTree, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, PyTree]:
+        pool = _state(extra).pool
+        pool.begin_step()
+        with pool.window(tree.leaves(params), [], record=False):
+            return inner_fb(params, batch, extra)
+
+    def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
+        with _state(extra).pool.window(tree.leaves(params), [], record=False):
+            return inner_fwd(params, batch, extra)
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        pool = _state(state.extra).pool
+        pool.extra_baseline = tree.size_bytes(state.params) + tree.size_bytes(state.opt_state)
+        # the gradients were made in the step: held, they are part of what the window sees
+        with pool.window(tree.leaves(state.params), tree.leaves(state.opt_state), record=False):
+            new_state, info = inner_update(grads, state)
+        return new_state, {**info, **pool.metrics()}
+
+    return step.replace(
+        layout=layout,
+        init_extra=init_extra,
+        forward_backward=forward_backward,
+        forward=forward,
+        update=update,
+    )
+
+
+def offload(
+    step: Step,
+    policy: str = "auto",
+    device_budget: int | float | str | None = None,
+    *,
+    margin: float = 0.0,
+    prefetch: int = 1,
+    chunk_mb: float | None = None,
+    offload_params: float | None = None,
+    offload_optim: float | None = None,
+) -> Step:
+    """Keep ``step``'s model states in chunks that move between device and host memory within
+    ``device_budget``; see the module docs for the policies.
+
+    ``device_budget``: bytes, a string such as ``"2GiB"``, or a fraction of the device's memory
+    (required without a GPU, where the CPU stands for the device). ``margin`` (``"auto"``): the
+    fraction of the memory the warm-up step leaves spare that holds device-homed chunks
+    (ColossalAI's ``gpu_margin_mem_ratio``). ``prefetch``: groups fetched ahead of their use.
+    ``chunk_mb``: the chunk size (None: searched for the least waste). ``offload_params`` and
+    ``offload_optim`` (``"static"``): the fractions of parameters and optimizer states in host
+    memory.
+
+    Example:
+        >>> step = cf.offload(cf.train_step(loss, optim.adamw(3e-4)), "auto", "2GiB", margin=0.8)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"offload: expected a Step (from cf.train_step), got {type(step).__name__}")
+    config = OffloadConfig(
+        policy=policy,
+        device_budget=device_budget,
+        margin=margin,
+        prefetch=prefetch,
+        chunk_mb=chunk_mb,
+        offload_params=offload_params,
+        offload_optim=offload_optim,
+    )
+    return apply_transform(step, "offload", config)
