@@ -129,11 +129,18 @@ class DevicePool:
 
     @contextlib.contextmanager
     def window(
-        self, leaves: list[torch.Tensor], host_tensors: list[torch.Tensor], *, record: bool
+        self,
+        leaves: list[torch.Tensor],
+        host_tensors: list[torch.Tensor],
+        *,
+        record: bool,
+        carried: int = 0,
     ) -> Iterator[None]:
         """Account a part of a step (the forward-backward pass, the update): ``leaves`` are the
         parameters' host tensors (flat, in layout order), ``host_tensors`` everything else the
-        step writes in place (never counted). ``record``: record the trace (the warm-up step)."""
+        step writes in place (never counted). ``record``: record the trace (the warm-up step).
+        ``carried``: device bytes made before the window and alive through it (the in-memory
+        step's gradients, during its update)."""
         self._leaves = leaves
         self._cursor = 0
         self._window_max = 0
@@ -148,7 +155,8 @@ class DevicePool:
                 yield
             finally:
                 self._close_interval()
-                self.window_peak = self.baseline + max(self._window_max, self._meter.peak)
+                peak = max(self._window_max, self._meter.peak)
+                self.window_peak = self.baseline + carried + peak
                 self.step_peak = max(self.step_peak, self.window_peak)
                 self._meter = None
                 self._leaves = []

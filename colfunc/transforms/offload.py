@@ -277,7 +277,8 @@ class _Holder:
     node's outputs are views of a tensor it did not receive)."""
 
     def __init__(self, state: OffloadState, c: int, buf: torch.Tensor) -> None:
-        self.state, self.c, self.buf = state, c, buf
+        self.state, self.c = state, c
+        self.buf: torch.Tensor | None = buf
 
 
 class _Fetch(torch.autograd.Function):
@@ -289,7 +290,9 @@ class _Fetch(torch.autograd.Function):
         holder: _Holder, frame: _Streaming, token: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         chunk = holder.state.layout.chunks[holder.c]
-        return tuple(holder.buf[p.offset : p.offset + p.numel].view(p.shape) for p in chunk.pieces)
+        buf, holder.buf = holder.buf, None  # the node must not keep the chunk alive
+        assert buf is not None
+        return tuple(buf[p.offset : p.offset + p.numel].view(p.shape) for p in chunk.pieces)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -301,7 +304,6 @@ class _Fetch(torch.autograd.Function):
         holder: _Holder = ctx.holder
         holder.state.write_grad(holder.c, grads)
         ctx.frame.chunk_done(holder.state.layout.chunks[holder.c].group)
-        holder.buf = None  # type: ignore[assignment]
         return None, None, None
 
 
@@ -513,7 +515,8 @@ def _build(step: Step, cfg: OffloadConfig) -> Step:
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         off = _state(state.extra)
-        with off.pool.window(tree.leaves(state.params), off.tensors(), record=False):
+        host = off.tensors() + tree.tensors(state.opt_state)
+        with off.pool.window(tree.leaves(state.params), host, record=False):
             if hyper is not None:
                 new_state, info = _adamw_update(off, hyper, grads, state)
             else:  # any other optimizer: the update on the host (no chunk is device-homed)
@@ -672,6 +675,10 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
         extra = dict(inner_init_extra(params))
         state = OffloadState(cfg, params, chunk_layout(params))
         state.grads = []  # the in-memory step makes its own
+        # the model states resident for the whole run: the parameters and the optimizer's
+        # state (sized on the meta device, without making it)
+        meta = tree.map(lambda x: torch.empty_like(x, device="meta"), params)
+        state.pool.extra_baseline = tree.size_bytes(params) + tree.size_bytes(step.init_opt(meta))
         extra["offload"] = state
         return extra
 
@@ -689,9 +696,11 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         pool = _state(state.extra).pool
-        pool.extra_baseline = tree.size_bytes(state.params) + tree.size_bytes(state.opt_state)
         # the gradients were made in the step: held, they are part of what the window sees
-        with pool.window(tree.leaves(state.params), tree.leaves(state.opt_state), record=False):
+        carried = tree.size_bytes(grads)
+        with pool.window(
+            tree.leaves(state.params), tree.tensors(state.opt_state), record=False, carried=carried
+        ):
             new_state, info = inner_update(grads, state)
         return new_state, {**info, **pool.metrics()}
 
