@@ -212,13 +212,18 @@ class DevicePool:
     def _chunks(self, group: int) -> tuple[int, ...]:
         return tuple(c for c in self.layout.groups[group] if c not in self.mirrors)
 
-    def _protected(self, group: int, k: int | None) -> set[int]:
-        groups = set(self.in_use) | {group}
-        if k is not None and self.trace is not None:
-            events = self.trace.events
-            groups |= {events[(k + d) % len(events)].group for d in range(1, self.prefetch + 1)}
-        chunks = {c for g in groups for c in self._chunks(g)}
+    def _protected(self, group: int) -> set[int]:
+        """Chunks that must stay: the groups in use, this one, the pinned ones."""
+        chunks = {c for g in set(self.in_use) | {group} for c in self._chunks(g)}
         return chunks | (self.pinned & set(self.cache))
+
+    def _soon(self, k: int | None) -> set[int]:
+        """Chunks of the next ``prefetch`` groups of the trace after event ``k``."""
+        if k is None or self.trace is None:
+            return set()
+        events = self.trace.events
+        groups = {events[(k + d) % len(events)].group for d in range(1, self.prefetch + 1)}
+        return {c for g in groups for c in self._chunks(g)}
 
     def _fetch(self, c: int) -> None:
         chunk = self.layout.chunks[c]
@@ -236,24 +241,29 @@ class DevicePool:
         k = self._position(group, backward)
         if self._recording is not None:
             self._recording.events.append(Event(group, backward))
-        keep = self._protected(group, k)
+        keep, soon = self._protected(group), self._soon(k)
         missing = [c for c in self._chunks(group) if c not in self.cache]
         need = sum(self.layout.chunks[c].nbytes for c in missing)
-        if self.streaming or k is None:
-            for c in [c for c in self.cache if c not in keep]:
-                del self.cache[c]
-        else:
-            capacity = self._capacity(k)
-            uses = self._uses[k]
-            victims = sorted(
-                (c for c in self.cache if c not in keep),
-                key=lambda c: uses.get(self.layout.chunks[c].group, 1 << 60),
-                reverse=True,
+        uses = self._uses[k] if k is not None else {}
+
+        def farthest_first(cs: list[int]) -> list[int]:
+            return sorted(
+                cs, key=lambda c: uses.get(self.layout.chunks[c].group, 1 << 60), reverse=True
             )
-            for c in victims:
-                if self.cached_bytes + need <= capacity:
-                    break
-                del self.cache[c]
+
+        evictable = [c for c in self.cache if c not in keep]
+        if self.streaming or k is None:  # drop all but what is about to be used
+            for c in evictable:
+                if c not in soon:
+                    del self.cache[c]
+            evictable = [c for c in evictable if c in soon]
+        # then, while over the capacity, the copies used farthest ahead (Belady); prefetched
+        # ones too, if the activations grew since they came
+        capacity = self._capacity(k)
+        for c in farthest_first(evictable):
+            if self.cached_bytes + need <= capacity:
+                break
+            del self.cache[c]
         for c in missing:
             self._fetch(c)
         if k is not None and self.trace is not None:
