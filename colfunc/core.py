@@ -5,7 +5,8 @@ current mesh, the active transforms. Model code never reads it; it only calls th
 and a transform that wants to change how they run pushes a frame for the duration of a call.
 
 ``scan_layers`` is the hook point for pipeline (run only this stage's layers), remat (checkpoint
-each layer), ZeRO-3 (gather each layer's parameters on use) and sequence parallelism (split the
+each layer), ZeRO-3 (gather each layer's parameters on use), offload (fetch each layer's chunks
+from host memory) and sequence parallelism (split the
 carry's sequence dim between layers): a :class:`ScanInterceptor` frame defines
 ``scan_layers(block, carry, blocks, xs, inner)``, sees the call first and may delegate to
 ``inner``, the next frame's version (finally the plain loop).
@@ -33,6 +34,8 @@ frame                 pushed by                                    read by      
 ``_Remat``            ``remat``'s forward-backward                 :func:`scan_layers` (an interceptor)         call
 ``LayerGather``       ``zero`` stage 3 forward(-backward)          :func:`scan_layers` (an interceptor)         call
 ``_SequenceParallel`` ``shard(sequence_parallel=True)``            :func:`scan_layers` (an interceptor)         call
+``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
+                                                                   each layer's chunks)
 ``Trace``             the user, around a step                      the pipeline runner (records its actions)    call
 ===================== ============================================ ============================================ =====
 """

@@ -4,6 +4,9 @@
 "model states" of the ZeRO paper). ``track()`` records the peak of live tensor bytes allocated
 inside it, on the current thread, on any device (CPU included), so activation and ZeRO savings can
 be measured without a GPU.
+
+``chunks``, ``pool`` and ``placement`` are the parts of :func:`colfunc.offload`: model states in
+fixed-size chunks, the device pool's exact account, and where chunks live under a budget.
 """
 
 from colfunc.memory.report import MemoryReport, report

@@ -72,10 +72,13 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        # the common results first (one tensor, a tuple of them), without flattening a pytree
+        outs = (out,) if type(out) is torch.Tensor else out if type(out) is tuple else None
+        for t in tree_leaves(out) if outs is None else outs:
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
-                if id(storage) not in self.preexisting:
+                key = id(storage)
+                if key not in self.preexisting and key not in self.tracker._ids:
                     self.tracker._add(storage)
         return out
 

@@ -1,0 +1,124 @@
+"""Offload on the CPU: the cost of the machinery, and how much larger a model fits a budget.
+
+1. Step time of ``cf.offload(policy="auto")`` at a device budget of a quarter of the model states
+   (parameters, gradients, Adam moments) against the in-memory step, both under ``cf.remat``,
+   timed interleaved (ours, in-memory, ours, ...) in one process. Device and host are the same
+   memory here, so the ratio is the price of chunking, fetching, the exact account and the CPU
+   Adam (goal: at most 1.3). The two losses are checked equal, so the runs compute the same.
+2. The largest GPT (in layers, width fixed) that trains within a fixed budget: in memory (the
+   "device" policy, whose account refuses a budget the step exceeds) against ``"auto"`` with
+   remat, found by doubling then bisecting the depth; reported as the ratio of model states
+   (goal: at least 20).
+
+    python benchmarks/offload.py [--steps 8] [--budget-mb 8]
+    colfunc bench offload
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import colfunc as cf
+from colfunc import models, optim
+
+gpt = models.gpt
+
+
+def _batch(cfg: gpt.Config, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
+    return {"input_ids": t[:, :-1], "labels": t[:, 1:]}
+
+
+def _states_bytes(params: object) -> int:
+    return 16 * sum(x.numel() for x in cf.tree.leaves(params))  # fp32 params, grads, 2 moments
+
+
+def step_time(steps: int) -> None:
+    cfg = gpt.Config(vocab_size=256, n_layer=8, n_head=4, d_model=192, max_seq_len=128)
+    params = gpt.init(cfg)
+    batch = _batch(cfg, 4)
+    budget = _states_bytes(params) // 4
+    loss = gpt.loss(cfg)
+    ours = cf.remat(cf.offload(cf.train_step(loss, optim.adamw(1e-4)), "auto", budget))
+    theirs = cf.remat(cf.train_step(loss, optim.adamw(1e-4), donate=True))
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    s_ours, _ = ours(s_ours, batch)  # warm-up: records the trace
+    s_theirs, _ = theirs(s_theirs, batch)
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(steps):
+        t = time.perf_counter()
+        s_ours, m_ours = ours(s_ours, batch)
+        times["ours"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        s_theirs, m_theirs = theirs(s_theirs, batch)
+        times["theirs"].append(time.perf_counter() - t)
+    diff = abs(m_ours["loss"].item() - m_theirs["loss"].item())
+    ratio = statistics.median(a / b for a, b in zip(times["ours"], times["theirs"], strict=True))
+    print(
+        f"step time, auto at a quarter of the model states ({budget / 2**20:.1f} MiB of "
+        f"{4 * budget / 2**20:.1f}): {ratio:.3f}x in-memory (goal <= 1.3); "
+        f"device peak {m_ours['offload/device_peak_bytes'] / 2**20:.1f} MiB, "
+        f"h2d {m_ours['offload/h2d_bytes'] / 2**20:.1f} MiB/step, loss diff {diff:.1e}"
+    )
+
+
+def _fits(policy: str, n_layer: int, budget: int) -> int | None:
+    """The model states of an ``n_layer`` GPT if two steps run within ``budget``, else None."""
+    cfg = gpt.Config(vocab_size=256, n_layer=n_layer, n_head=2, d_model=64, max_seq_len=64)
+    params = gpt.init(cfg)
+    step = cf.offload(cf.train_step(gpt.loss(cfg), optim.adamw(1e-4)), policy, budget)
+    step = cf.remat(step)
+    try:
+        state = step.init(params)
+        for _ in range(2):
+            state, m = step(state, _batch(cfg, 2))
+    except ValueError:
+        return None
+    return _states_bytes(params) if m["offload/device_peak_bytes"] <= budget else None
+
+
+def _largest(policy: str, budget: int, cap: int) -> tuple[int, int]:
+    """(layers, model-state bytes) of the deepest model that fits, by doubling then bisection."""
+    lo, lo_bytes, hi = 0, 0, 1
+    while hi <= cap and (b := _fits(policy, hi, budget)) is not None:
+        lo, lo_bytes, hi = hi, b, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > max(1, lo // 8):  # to within an eighth
+        mid = (lo + hi) // 2
+        b = _fits(policy, mid, budget)
+        if b is None:
+            hi = mid
+        else:
+            lo, lo_bytes = mid, b
+    return lo, lo_bytes
+
+
+def capacity(budget_mb: float) -> None:
+    budget = int(budget_mb * 2**20)
+    mem_layers, mem_bytes = _largest("device", budget, cap=64)
+    off_layers, off_bytes = _largest("auto", budget, cap=1024)
+    ratio = off_bytes / mem_bytes if mem_bytes else float("inf")
+    print(
+        f"largest model at a {budget_mb:g} MiB budget (width 64, remat): in memory "
+        f"{mem_layers} layers ({mem_bytes / 2**20:.1f} MiB of model states), auto "
+        f"{off_layers} layers ({off_bytes / 2**20:.1f} MiB): {ratio:.1f}x (goal >= 20)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget-mb", type=float, default=8.0)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    step_time(args.steps)
+    capacity(args.budget_mb)
+
+
+if __name__ == "__main__":
+    main()
