@@ -9,11 +9,16 @@
         zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
         remat="full",                                  # or "save_matmuls", "none"
+        offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # one rank, see cf.offload
         backend="threads",                             # "threads" or "gloo"; "env" under torchrun
     )
 
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
-zero, amp, remat: ``remat(amp(zero(shard(pipeline(step), mesh, plan))))``.
+zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
+
+ColossalAI's form of a placement, ``zero=dict(model_config=dict(tensor_placement_policy="auto"),
+optimizer_config=dict(gpu_margin_mem_ratio=0.8))``, is read as the same offload (``"cuda"``,
+``"cpu"`` and ``"auto"`` are the policies ``"device"``, ``"host"`` and ``"auto"``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from colfunc.step import Step
 
 __all__ = ["ParallelConfig", "build", "parse"]
 
-_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "backend")
+_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "offload", "backend")
+_PLACEMENTS = {"cuda": "device", "cpu": "host", "auto": "auto"}  # ColossalAI's names
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,7 @@ class ParallelConfig:
     zero_prefetch: int = 1
     amp: dict[str, Any] | None = None
     remat: str = "none"
+    offload: dict[str, Any] | None = None
     backend: str = "threads"
 
     def __post_init__(self) -> None:
@@ -54,6 +61,22 @@ class ParallelConfig:
         p = self.zero_prefetch
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"parallel: zero prefetch must be an int >= 0, got {p!r}")
+        if self.offload is not None:
+            from colfunc.transforms.offload import OffloadConfig
+
+            others = [n for n in ("pipeline", "zero") if getattr(self, n) is not None]
+            others += [n for n in ("data", "tensor") if getattr(self, n) > 1]
+            if others:
+                raise ValueError(
+                    f"parallel: offload runs on one rank and does not compose with "
+                    f"{', '.join(others)} yet; remove them or the offload section"
+                )
+            if not isinstance(self.offload, dict):
+                raise ValueError(f"parallel['offload'] must be a dict, got {self.offload!r}")
+            try:
+                OffloadConfig(**self.offload)
+            except TypeError as e:
+                raise ValueError(f"parallel['offload']: {e}") from None
         if self.backend not in ("threads", "gloo", "nccl", "env"):
             raise ValueError(
                 f"parallel: backend must be 'threads', 'gloo', 'nccl' or 'env', got {self.backend!r}"
@@ -92,6 +115,9 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
     else:
         kw["tensor"] = tensor
     zero = section.get("zero")
+    kw["offload"] = section.get("offload")
+    if isinstance(zero, dict) and {"model_config", "optimizer_config"} & set(zero):
+        kw["offload"], zero = _colossal_placement(zero), None
     if isinstance(zero, dict):
         if set(zero) - {"stage", "prefetch"}:
             raise ValueError(
@@ -112,6 +138,27 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
     return ParallelConfig(**kw)
 
 
+def _colossal_placement(zero: dict[str, Any]) -> dict[str, Any]:
+    """ColossalAI's ``zero=dict(model_config=..., optimizer_config=...)`` as an offload section."""
+    model = dict(zero.get("model_config") or {})
+    optimizer = dict(zero.get("optimizer_config") or {})
+    policy = model.pop("tensor_placement_policy", "cuda")
+    if policy not in _PLACEMENTS:
+        raise ValueError(
+            f"parallel['zero']: tensor_placement_policy {policy!r} is not one of "
+            f"{sorted(_PLACEMENTS)}"
+        )
+    out: dict[str, Any] = {"policy": _PLACEMENTS[policy]}
+    if "gpu_margin_mem_ratio" in optimizer:
+        out["margin"] = optimizer.pop("gpu_margin_mem_ratio")
+    leftover = sorted(set(model) | set(optimizer))
+    if leftover:
+        raise ValueError(f"parallel['zero']: {leftover[0]!r} has no colfunc counterpart; remove it")
+    if out["policy"] != "device":
+        out["device_budget"] = zero.get("device_budget")
+    return out
+
+
 def backend(pc: ParallelConfig) -> str:
     """The launch backend: ``env`` when this process is already one rank under ``torchrun``."""
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -121,8 +168,11 @@ def backend(pc: ParallelConfig) -> str:
 
 def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
     """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh."""
-    from colfunc.transforms import amp, remat, shard, zero
+    from colfunc.transforms import amp, offload, remat, shard, zero
 
+    if pc.offload is not None:  # one rank: no shard (parse refuses the rest)
+        step = offload(step, **pc.offload)
+        return remat(step, pc.remat) if pc.remat != "none" else step
     if pc.pipeline is not None:
         from colfunc.transforms.pipeline import pipeline_from_config
 

@@ -351,3 +351,34 @@ def test_budget_strings_and_fractions():
     assert 0 < device_budget(0.01, cpu) < device_budget(0.02, cpu)
     with pytest.raises(ValueError, match=r"fraction of the device's memory, in \(0, 1\]"):
         device_budget(1.5, cpu)
+
+
+def test_config_sections_read_as_offload():
+    """``parallel = dict(offload=...)`` and ColossalAI's ``zero=dict(model_config=...,
+    optimizer_config=...)`` give the same offload; bad sections are refused by name."""
+    from colfunc import parallel
+
+    ours = parallel.parse(dict(offload=dict(policy="auto", device_budget="2GiB", margin=0.8)))
+    theirs = parallel.parse(
+        dict(
+            zero=dict(
+                model_config=dict(tensor_placement_policy="auto"),
+                optimizer_config=dict(gpu_margin_mem_ratio=0.8),
+                device_budget="2GiB",
+            )
+        )
+    )
+    assert ours.offload == theirs.offload == dict(policy="auto", device_budget="2GiB", margin=0.8)
+    cpu = parallel.parse(
+        dict(zero=dict(model_config=dict(tensor_placement_policy="cpu"), device_budget=1 << 30))
+    )
+    assert cpu.offload["policy"] == "host"
+    with pytest.raises(ValueError, match="does not compose with data"):
+        parallel.parse(dict(offload=dict(policy="auto", device_budget="1GiB"), data=2))
+    with pytest.raises(ValueError, match="tensor_placement_policy 'gpu'"):
+        parallel.parse(dict(zero=dict(model_config=dict(tensor_placement_policy="gpu"))))
+    with pytest.raises(ValueError, match="unexpected keyword argument 'polcy'"):
+        parallel.parse(dict(offload=dict(polcy="auto")))
+    loss, _ = _model("gpt")
+    step = parallel.build(cf.train_step(loss, optim.adamw(1e-2)), None, ours, None)
+    assert step.composition.offload.policy == "auto" and step.composition.offload.margin == 0.8
