@@ -70,16 +70,17 @@ def _max_diff(a, b) -> float:
     )
 
 
-_FLOORS: dict[tuple[str, bool], int] = {}
+_FLOORS: dict[tuple[str, bool, bool], int] = {}
 
 
-def _floor(name: str, remat: bool) -> int:
+def _floor(name: str, remat: bool, amp: bool = False) -> int:
     """The smallest feasible budget, as the warm-up of a streamed step measures it."""
-    key = (name, remat)
+    key = (name, remat, amp)
     if key not in _FLOORS:
         loss, params = _model(name)
         step = cf.offload(cf.train_step(loss, optim.adamw(1e-2)), "host", "1GiB", prefetch=0)
         step = cf.remat(step) if remat else step
+        step = cf.amp(step, torch.float32) if amp else step
         _, ms = _run(step, params, _batches(1))
         _FLOORS[key] = ms[0]["offload/device_peak_bytes"]
     return _FLOORS[key]
@@ -94,12 +95,14 @@ def _floor(name: str, remat: bool) -> int:
     accumulate=st.booleans(),
     fractions=st.tuples(st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.5, 1.0])),
     margin=st.sampled_from([0.0, 0.5, 1.0]),
+    amp=st.booleans(),
 )
 def test_every_policy_equals_the_in_memory_step_within_its_budget(
-    name, policy, slack, remat, accumulate, fractions, margin
+    name, policy, slack, remat, accumulate, fractions, margin, amp
 ):
     """Losses and parameters equal the in-memory step; after warm-up the device peak stays
-    within the budget, and agrees with what cf.memory.track measures."""
+    within the budget, and agrees with what cf.memory.track measures. ``amp`` computes in fp32
+    over the fp64 masters (the fetches cast each chunk), so equality stays exact."""
     loss, params = _model(name)
     batches = _batches(3)
 
@@ -107,10 +110,11 @@ def test_every_policy_equals_the_in_memory_step_within_its_budget(
         return optim.accumulate(optim.adamw(1e-2), 2) if accumulate else optim.adamw(1e-2)
 
     def wrap(step):
+        step = cf.amp(step, torch.float32) if amp else step
         return cf.remat(step) if remat else step
 
     ref_state, ref_metrics = _run(wrap(cf.train_step(loss, opt())), params, batches)
-    budget = int(_floor(name, remat) * slack)
+    budget = int(_floor(name, remat, amp) * slack)
     kw: dict = {}
     if policy == "static":
         p_frac, o_frac = min(fractions), max(fractions)
@@ -180,6 +184,22 @@ def test_fp32_with_the_cpu_adam_stays_within_1e_6_over_10_steps(policy, monkeypa
     )
     assert calls["cpu"] == 10
     assert calls["device"] == (9 if policy == "auto" else 0)  # device-homed after the warm-up
+
+
+def test_bf16_amp_over_fp32_masters_matches_in_memory_amp():
+    """bf16 compute: each fetched chunk is cast as amp casts the whole tree, so the losses are
+    equal; the CPU Adam and the device-homed chunks' AdamW keep parameters within 1e-6."""
+    loss, params = _model("llama", dtype=torch.float32)
+    batches = _batches(4)
+    ref, ref_m = _run(cf.amp(cf.train_step(loss, optim.adamw(1e-3)), "bf16"), params, batches)
+    for policy, kw in (("host", {}), ("auto", dict(margin=0.5))):
+        step = cf.amp(
+            cf.offload(cf.train_step(loss, optim.adamw(1e-3)), policy, "1.5MB", **kw), "bf16"
+        )
+        state, ms = _run(step, params, batches)
+        assert [m["loss"].item() for m in ms] == [m["loss"].item() for m in ref_m]
+        assert _max_diff(cf.full_state(state).params, ref.params) <= 1e-6
+        assert all(m["offload/device_peak_bytes"] <= 1_500_000 for m in ms[1:])
 
 
 def test_a_model_twenty_times_the_budget_trains_as_in_memory():

@@ -85,8 +85,10 @@ class DevicePool:
         streaming: bool,
         prefetch: int,
         pinned: frozenset[int] = frozenset(),
+        compute: torch.dtype | None = None,
     ) -> None:
         self.layout, self.device, self.budget = layout, device, budget
+        self.compute = compute  # amp's dtype: copies are cast to it (mirrors' too)
         self.streaming, self.prefetch, self.pinned = streaming, prefetch, pinned
         self.cache: dict[int, torch.Tensor] = {}  # chunk -> its parameter copy on the device
         self.mirrors: dict[int, Mirror] = {}
@@ -109,7 +111,15 @@ class DevicePool:
 
     @property
     def cached_bytes(self) -> int:
-        return sum(self.layout.chunks[c].nbytes for c in self.cache)
+        return sum(self.copy_bytes(c) for c in self.cache)
+
+    def copy_dtype(self, c: int) -> torch.dtype:
+        """The dtype of chunk ``c``'s copy on the device: the compute dtype under amp."""
+        dtype = self.layout.chunks[c].dtype
+        return self.compute if self.compute is not None and dtype.is_floating_point else dtype
+
+    def copy_bytes(self, c: int) -> int:
+        return self.layout.chunks[c].capacity * self.copy_dtype(c).itemsize
 
     def _meter_peak(self) -> int:
         return self._meter.peak if self._meter is not None else 0
@@ -210,7 +220,13 @@ class DevicePool:
         return self.budget - self.baseline - self.trace.events[k].nonmodel
 
     def _chunks(self, group: int) -> tuple[int, ...]:
-        return tuple(c for c in self.layout.groups[group] if c not in self.mirrors)
+        """The chunks of ``group`` that the step uses through a copy: host-homed ones, and
+        device-homed ones too when amp computes in another dtype than their masters'."""
+        return tuple(
+            c
+            for c in self.layout.groups[group]
+            if c not in self.mirrors or self.copy_dtype(c) != self.mirrors[c].param.dtype
+        )
 
     def _protected(self, group: int) -> set[int]:
         """Chunks that must stay: the groups in use, this one, the pinned ones."""
@@ -227,11 +243,16 @@ class DevicePool:
 
     def _fetch(self, c: int) -> None:
         chunk = self.layout.chunks[c]
-        buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
+        dtype = self.copy_dtype(c)
+        mirror = self.mirrors.get(c)
+        if mirror is not None:  # a device-homed master, cast for amp: no transfer
+            self.cache[c] = mirror.param.to(dtype)
+            return
+        buf = torch.empty(chunk.capacity, dtype=dtype, device=self.device)
         for p in chunk.pieces:
             src = self._leaves[p.leaf] if p.row is None else self._leaves[p.leaf][p.row]
             buf[p.offset : p.offset + p.numel].view(p.shape).copy_(src, non_blocking=True)
-        self.h2d += chunk.used * chunk.dtype.itemsize
+        self.h2d += chunk.used * dtype.itemsize
         self.cache[c] = buf
 
     def require(self, group: int, backward: bool) -> dict[int, torch.Tensor]:
@@ -243,7 +264,7 @@ class DevicePool:
             self._recording.events.append(Event(group, backward))
         keep, soon = self._protected(group), self._soon(k)
         missing = [c for c in self._chunks(group) if c not in self.cache]
-        need = sum(self.layout.chunks[c].nbytes for c in missing)
+        need = sum(self.copy_bytes(c) for c in missing)
         uses = self._uses[k] if k is not None else {}
 
         def farthest_first(cs: list[int]) -> list[int]:
@@ -269,11 +290,10 @@ class DevicePool:
         if k is not None and self.trace is not None:
             self._prefetch(k)
         self.in_use[group] = self.in_use.get(group, 0) + 1
-        out = {c: self.cache[c] for c in self._chunks(group)}
-        out.update(
-            {c: self.mirrors[c].param for c in self.layout.groups[group] if c in self.mirrors}
-        )
-        return out
+        return {
+            c: self.cache[c] if c in self.cache else self.mirrors[c].param
+            for c in self.layout.groups[group]
+        }
 
     def _prefetch(self, k: int) -> None:
         assert self.trace is not None
@@ -282,7 +302,7 @@ class DevicePool:
         for d in range(1, self.prefetch + 1):
             group = events[(k + d) % len(events)].group
             for c in self._chunks(group):
-                size = self.layout.chunks[c].nbytes
+                size = self.copy_bytes(c)
                 if c not in self.cache and self.cached_bytes + size <= capacity:
                     self._fetch(c)
 

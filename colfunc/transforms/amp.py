@@ -114,7 +114,8 @@ class AmpConfig:
             )
 
     def build(self, step: Step, comp: Composition) -> Step:
-        return _build(step, self)
+        # under offload the parameters stay in host memory: its fetches cast each chunk
+        return _build(step, self, cast=not comp.offload_fetches)
 
 
 def amp(
@@ -141,7 +142,7 @@ def amp(
     return apply_transform(step, "amp", config)
 
 
-def _build(step: Step, cfg: AmpConfig) -> Step:
+def _build(step: Step, cfg: AmpConfig, cast: bool = True) -> Step:
     compute = _dtype(cfg.dtype)
     loss_scale, init_scale, growth_interval = cfg.loss_scale, cfg.init_scale, cfg.growth_interval
     dynamic = loss_scale == "dynamic"
@@ -165,7 +166,7 @@ def _build(step: Step, cfg: AmpConfig) -> Step:
             stack.enter_context(core.context(core.LossScale(scale)))
             if len(masters) == 1:  # a reduction inside may widen to the masters' dtype first
                 stack.enter_context(core.context(core.WidenGrads(masters.pop())))
-            loss, grads = inner_fb(_cast(params, compute), batch, extra)
+            loss, grads = inner_fb(_cast(params, compute) if cast else params, batch, extra)
         # widen to the masters' dtype, then unscale in fp32 (unscaling in fp16 could underflow)
         grads = tree.map(
             lambda g, p: g.to(p.dtype) / scale if scale != 1.0 else g.to(p.dtype), grads, params
@@ -173,7 +174,8 @@ def _build(step: Step, cfg: AmpConfig) -> Step:
         return _wide_loss(loss, params), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
-        return _wide_loss(inner_fwd(_cast(params, compute), batch, extra), params)
+        given = _cast(params, compute) if cast else params
+        return _wide_loss(inner_fwd(given, batch, extra), params)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         if not scaled:

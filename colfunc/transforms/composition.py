@@ -81,6 +81,12 @@ class Composition:
         its gradients unreduced)."""
         return self.zero is not None
 
+    @property
+    def offload_fetches(self) -> bool:
+        """Whether ``offload`` fetches the parameters chunk by chunk (every policy but
+        ``"device"``): ``amp`` then leaves the casts to compute dtype to those fetches."""
+        return self.offload is not None and self.offload.policy != "device"
+
     def applied(self) -> tuple[Any, ...]:
         """The configs applied, innermost first."""
         return tuple(c for c in (getattr(self, n) for n in ORDER) if c is not None)
@@ -90,13 +96,11 @@ class Composition:
         if self.offload is not None:
             # offload replaces the plain forward-backward pass with its own (fetches per layer,
             # gradients written home per layer); these transforms replace it too
-            others = [
-                n for n in ("pipeline", "shard", "zero", "amp") if getattr(self, n) is not None
-            ]
+            others = [n for n in ("pipeline", "shard", "zero") if getattr(self, n) is not None]
             if others:
                 raise ValueError(
                     f"offload: composing with {', '.join(others)} is not supported; offload "
-                    f"composes with remat and with optimizer wrappers (optim.accumulate)"
+                    f"composes with amp, remat and optimizer wrappers (optim.accumulate)"
                 )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh

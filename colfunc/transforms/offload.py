@@ -9,6 +9,8 @@ as soon as the layer's backward pass ends, and the update runs there, by the C++
 (:func:`colfunc.ops.cpu_adamw_`). A *device-homed* chunk lives on the device for the whole run
 and is updated there by the fused AdamW (:func:`colfunc.ops.adamw_`). The leaves outside the
 stacked layers (group 0: embeddings, final norm) are fetched once, at the start of the step.
+Under ``amp`` each fetched copy is cast to the compute dtype (device-homed masters too), so the
+device holds compute-dtype weights and the fp32 masters stay where they live.
 
 Policies:
 
@@ -129,7 +131,9 @@ class OffloadConfig:
         return 0.0 if self.offload_optim is None else float(self.offload_optim)
 
     def build(self, step: Step, comp: Composition) -> Step:
-        return _build(step, self)
+        # amp, built around offload, computes in its dtype: the fetches cast each chunk to it
+        compute = comp.amp.dtype if comp.amp is not None and comp.offload_fetches else None
+        return _build(step, self, compute if isinstance(compute, torch.dtype) else None)
 
 
 def _device() -> torch.device:
@@ -145,7 +149,13 @@ class OffloadState:
     the device pool. A :class:`~colfunc.step.StateLayout`: gathering writes the device-homed
     chunks back to their host rows."""
 
-    def __init__(self, cfg: OffloadConfig, params: PyTree, layout: ChunkLayout) -> None:
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        params: PyTree,
+        layout: ChunkLayout,
+        compute: torch.dtype | None = None,
+    ) -> None:
         self.cfg, self.layout = cfg, layout
         self.device = _device()
         self.budget = device_budget(cfg.device_budget, self.device)
@@ -168,6 +178,7 @@ class OffloadState:
             streaming=cfg.policy != "auto",
             prefetch=cfg.prefetch,
             pinned=frozenset(pinned - homed),
+            compute=compute,
         )
         self.block_leaves = [k for k, s in enumerate(layout.stacked) if s]
         self._host: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -422,7 +433,9 @@ class _Streaming:
         # the backward pass keeps, instead of a cached chunk's views, a token that fetches the
         # chunk again (mirrors stay on the device: kept as they are)
         storages = {
-            b.untyped_storage().data_ptr(): c for c, b in bufs.items() if c not in self.pool.mirrors
+            b.untyped_storage().data_ptr(): c
+            for c, b in bufs.items()
+            if c not in self.pool.mirrors or b is not self.pool.mirrors[c].param
         }
         again = _Regathered(self, group)
 
@@ -441,7 +454,7 @@ class _Streaming:
         return pack, unpack
 
 
-def _build(step: Step, cfg: OffloadConfig) -> Step:
+def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -> Step:
     if cfg.policy == "device":
         return _build_device(step, cfg)
     loss_fn, optimizer = step.loss_fn, step.optimizer
@@ -463,7 +476,7 @@ def _build(step: Step, cfg: OffloadConfig) -> Step:
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
         layout = chunk_layout(params, size)
-        state = OffloadState(cfg, params, layout)
+        state = OffloadState(cfg, params, layout, compute)
         _check_floor(state)
         extra["offload"] = state
         return extra
@@ -582,6 +595,7 @@ def _check_warmup(state: OffloadState) -> None:
         chunk = state.layout.chunks[c]
         master = 8 if chunk.dtype == torch.float64 else 4
         cost = chunk.capacity * (2 * chunk.dtype.itemsize + 2 * master)
+        cost += pool.copy_bytes(c) if pool.copy_dtype(c) != chunk.dtype else 0  # amp's cast
         if used + cost > spare:
             break
         used += cost
