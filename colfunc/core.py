@@ -36,6 +36,8 @@ frame                 pushed by                                    read by      
 ``_SequenceParallel`` ``shard(sequence_parallel=True)``            :func:`scan_layers` (an interceptor)         call
 ``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
                                                                    each layer's chunks)
+``DryRun``            :func:`colfunc.memory.plan`                  ``offload`` (its state, pool and update:     call
+                                                                   meta tensors, no kernels)
 ``Trace``             the user, around a step                      the pipeline runner (records its actions)    call
 ===================== ============================================ ============================================ =====
 """
@@ -52,6 +54,7 @@ import torch
 from colfunc import tree
 
 __all__ = [
+    "DryRun",
     "LayerGrads",
     "Layered",
     "LossScale",
@@ -156,6 +159,12 @@ def loss_scale() -> float:
         if isinstance(f, LossScale):
             value *= f.value
     return value
+
+
+class DryRun:
+    """A frame saying that what runs inside is a dry run on the meta device: tensors have
+    shapes, dtypes and lifetimes but no values (:func:`colfunc.memory.plan` predicts memory
+    and traffic this way), so no kernel that needs values may run."""
 
 
 class SplitBackward:

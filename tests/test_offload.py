@@ -402,3 +402,36 @@ def test_config_sections_read_as_offload():
     loss, _ = _model("gpt")
     step = parallel.build(cf.train_step(loss, optim.adamw(1e-2)), None, ours, None)
     assert step.composition.offload.policy == "auto" and step.composition.offload.margin == 0.8
+
+
+@pytest.mark.parametrize(
+    "name, remat, policy, kw",
+    [
+        ("gpt", False, "auto", dict(margin=0.5)),
+        ("gpt", False, "static", dict(offload_params=0.5, offload_optim=0.5)),
+        ("llama", True, "auto", dict(margin=0.5)),
+        ("llama", True, "host", {}),
+    ],
+)
+def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, policy, kw):
+    """cf.memory.plan, a dry run on the meta device before anything runs, against the third
+    step's measured figures (after any chunk is device-homed)."""
+    mod = getattr(models, name)
+    cfg = mod.Config(vocab_size=VOCAB, n_layer=6, n_head=2, d_model=32, max_seq_len=SEQ)
+    step = cf.offload(cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), policy, "3MB", **kw)
+    step = cf.remat(step) if remat else step
+    pred = memory.plan(cfg, step, (BATCH, SEQ))
+    _, ms = _run(step, mod.init(cfg), _batches(3))
+    m = ms[-1]
+    assert pred.feasible and pred.smallest_budget <= pred.budget == 3_000_000
+    assert (
+        abs(pred.device_peak_bytes - m["offload/device_peak_bytes"])
+        <= 0.05 * m["offload/device_peak_bytes"]
+    )
+    for key in ("h2d_bytes", "d2h_bytes"):
+        assert abs(getattr(pred, key) - m[f"offload/{key}"]) <= 0.05 * max(m[f"offload/{key}"], 1)
+    # a budget below the least it can run in: predicted infeasible, with that least
+    low = memory.plan(cfg, step, (BATCH, SEQ), pred.smallest_budget - 1)
+    assert not low.feasible and low.smallest_budget == pred.smallest_budget
+    with pytest.raises(ValueError, match=r"has no cf\.offload"):
+        memory.plan(cfg, cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), (BATCH, SEQ))

@@ -160,7 +160,8 @@ class DevicePool:
                 self._meter = _CudaMeter(self.device)
             else:
                 mirrors = [t for m in self.mirrors.values() for t in m.tensors()]
-                self._meter = stack.enter_context(track(leaves, host_tensors, mirrors))
+                meta = self.device.type == "meta"  # a dry run: count what it would allocate
+                self._meter = stack.enter_context(track(leaves, host_tensors, mirrors, meta=meta))
             try:
                 yield
             finally:

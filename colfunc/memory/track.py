@@ -65,17 +65,18 @@ class Tracker:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, tracker: Tracker, preexisting: set[int]) -> None:
+    def __init__(self, tracker: Tracker, preexisting: set[int], meta: bool) -> None:
         super().__init__()
         self.tracker = tracker
         self.preexisting = preexisting
+        self.meta = meta
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # the common results first (one tensor, a tuple of them), without flattening a pytree
         outs = (out,) if type(out) is torch.Tensor else out if type(out) is tuple else None
         for t in tree_leaves(out) if outs is None else outs:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if isinstance(t, torch.Tensor) and (self.meta or not t.is_meta):
                 storage = t.untyped_storage()
                 key = id(storage)
                 if key not in self.preexisting and key not in self.tracker._ids:
@@ -84,11 +85,11 @@ class _Mode(TorchDispatchMode):
 
 
 @contextmanager
-def track(*preexisting: Any) -> Iterator[Tracker]:
+def track(*preexisting: Any, meta: bool = False) -> Iterator[Tracker]:
     """Record the peak of live tensor bytes allocated inside the ``with`` block on this thread.
 
     Tensors passed as ``preexisting`` (any pytrees) are never counted, even when an op returns them
-    (in-place ops do).
+    (in-place ops do). ``meta=True`` counts meta tensors too (a dry run's allocations).
 
     Example:
         >>> with cf.memory.track() as t:
@@ -99,5 +100,5 @@ def track(*preexisting: Any) -> Iterator[Tracker]:
         id(x.untyped_storage()) for x in tree_leaves(preexisting) if isinstance(x, torch.Tensor)
     }
     tracker = Tracker()
-    with _Mode(tracker, known):
+    with _Mode(tracker, known, meta):
         yield tracker

@@ -120,7 +120,10 @@ class OffloadConfig:
                 f"{self.optim_fraction}: a chunk whose optimizer runs on the device keeps its "
                 f"master weights there, so at most offload_optim of the parameters can be offloaded"
             )
-        device_budget(self.device_budget, _device())  # refuse a bad budget when built
+        # refuse a bad budget when built (a dry run names the budget it plans for)
+        device_budget(
+            self.device_budget, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
 
     @property
     def params_fraction(self) -> float:
@@ -137,11 +140,17 @@ class OffloadConfig:
 
 
 def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """The device the pool stands for: the GPU, else the CPU (meta in a dry run)."""
+    if core.innermost(core.DryRun) is not None:
+        return torch.device("meta")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _host() -> torch.device:
+    """Where host-homed chunks live: the CPU (meta in a dry run)."""
+    return torch.device("meta") if core.innermost(core.DryRun) is not None else torch.device("cpu")
 
 
 class OffloadState:
@@ -158,9 +167,10 @@ class OffloadState:
     ) -> None:
         self.cfg, self.layout = cfg, layout
         self.device = _device()
-        self.budget = device_budget(cfg.device_budget, self.device)
+        real = torch.device("cpu") if self.device.type == "meta" else self.device
+        self.budget = device_budget(cfg.device_budget, real)
         flat, self.treedef = tree.flatten_with_paths(params)
-        self.grads = [torch.zeros_like(x, device="cpu") for _, x in flat]
+        self.grads = [torch.zeros_like(x, device=_host()) for _, x in flat]
         if self.device.type == "cuda":
             self.grads = [g.pin_memory() for g in self.grads]
         sizes = [c.nbytes for c in layout.chunks]
@@ -332,6 +342,10 @@ class _Regathered:
         return self.bufs[c]
 
 
+def _where(t: torch.Tensor) -> tuple[int, int]:
+    return id(t.untyped_storage()), t.storage_offset()
+
+
 def _saving_hooks_active() -> bool:
     return torch_private.top_saved_tensors_default_hooks(False) is not None
 
@@ -354,7 +368,9 @@ class _Streaming:
         self.regathered: dict[int, _Regathered] = {}
         first = state.block_leaves[0] if state.block_leaves else None
         rows = leaves[first].unbind(0) if first is not None else ()
-        self.layer_index = {r.data_ptr(): i for i, r in enumerate(rows)}
+        # rows are known by storage and offset, not address: meta tensors (a dry run) all have
+        # address 0, and a storage keeps one Python object for its whole life
+        self.layer_index = {_where(r): i for i, r in enumerate(rows)}
 
     def require(self, group: int, backward: bool) -> dict[int, torch.Tensor]:
         bufs = self.pool.require(group, backward)
@@ -406,7 +422,7 @@ class _Streaming:
 
         def fetched(layer_rows: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
             flat, treedef = tree.flatten_with_paths(layer_rows)
-            i = self.layer_index.get(flat[0][1].data_ptr()) if flat else None
+            i = self.layer_index.get(_where(flat[0][1])) if flat else None
             if i is None or len(flat) != len(state.block_leaves):
                 raise ValueError(
                     "offload: scan_layers ran over a tree that is not the step's params['blocks']; "
@@ -433,14 +449,14 @@ class _Streaming:
         # the backward pass keeps, instead of a cached chunk's views, a token that fetches the
         # chunk again (mirrors stay on the device: kept as they are)
         storages = {
-            b.untyped_storage().data_ptr(): c
+            id(b.untyped_storage()): c
             for c, b in bufs.items()
             if c not in self.pool.mirrors or b is not self.pool.mirrors[c].param
         }
         again = _Regathered(self, group)
 
         def pack(t: torch.Tensor) -> Any:
-            c = storages.get(t.untyped_storage().data_ptr()) if type(t) is torch.Tensor else None
+            c = storages.get(id(t.untyped_storage())) if type(t) is torch.Tensor else None
             if c is None:
                 return t
             return (again, c, t.size(), t.stride(), t.storage_offset())
@@ -482,10 +498,11 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
         return extra
 
     def layout(params: PyTree) -> PyTree:
+        where = _host()
         host = tree.map(
-            lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, params
+            lambda x: x.detach().to(where) if isinstance(x, torch.Tensor) else x, params
         )
-        if torch.cuda.is_available():
+        if _device().type == "cuda":  # pinned, so that copies to the GPU can be asynchronous
             host = tree.map(lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x, host)
         return host
 
@@ -530,7 +547,9 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
         off = _state(state.extra)
         host = off.tensors() + tree.tensors(state.opt_state)
         with off.pool.window(tree.leaves(state.params), host, record=False):
-            if hyper is not None:
+            if core.innermost(core.DryRun) is not None:  # no values: no update to run
+                new_state, info = state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
+            elif hyper is not None:
                 new_state, info = _adamw_update(off, hyper, grads, state)
             else:  # any other optimizer: the update on the host (no chunk is device-homed)
                 with DevicePool.host():
@@ -680,9 +699,9 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
     """The "device" policy: the in-memory step, its device bytes accounted."""
     inner_init_extra = step.init_extra
     inner_fb, inner_fwd, inner_update = step.forward_backward, step.forward, step.update
-    device = _device()
 
     def layout(params: PyTree) -> PyTree:
+        device = _device()
         return tree.map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, params)
 
     def init_extra(params: PyTree) -> dict[str, Any]:
@@ -715,7 +734,10 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
         with pool.window(
             tree.leaves(state.params), tree.tensors(state.opt_state), record=False, carried=carried
         ):
-            new_state, info = inner_update(grads, state)
+            if core.innermost(core.DryRun) is not None:  # no values: no update to run
+                new_state, info = state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
+            else:
+                new_state, info = inner_update(grads, state)
         return new_state, {**info, **pool.metrics()}
 
     return step.replace(
