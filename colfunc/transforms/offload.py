@@ -343,7 +343,7 @@ class _Regathered:
 
 
 def _where(t: torch.Tensor) -> tuple[int, int]:
-    return id(t.untyped_storage()), t.storage_offset()
+    return id(t.untyped_storage()), int(t.storage_offset())
 
 
 def _saving_hooks_active() -> bool:
