@@ -8,12 +8,27 @@ single-device run starts.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["generator", "key", "normal", "ones", "uniform", "zeros"]
+__all__ = [
+    "Abstract",
+    "abstract",
+    "as_meta",
+    "generator",
+    "is_abstract",
+    "key",
+    "materialize",
+    "normal",
+    "ones",
+    "uniform",
+    "zeros",
+]
 
 
 def key(seed: int, path: str) -> int:
@@ -62,3 +77,70 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
 
 def ones(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.ones(shape, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Abstract:
+    """A parameter described but not yet made: its shape, dtype and how to make it (the
+    ``(seed, path)`` initialiser), as PyTorch's meta-device init or ColossalAI's
+    ``LazyInitContext`` defer it. A transform that lays parameters out (``zero`` stage 3,
+    ``offload``) makes each one just before it takes its piece, one tensor at a time, so the
+    whole model is never held; :meth:`then` defers a per-tensor layout step too."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def materialize(self) -> torch.Tensor:
+        x = self.make()
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
+            raise ValueError(
+                f"Abstract: the initialiser made {x.dtype} {tuple(x.shape)}, not the "
+                f"{self.dtype} {self.shape} it described"
+            )
+        return x
+
+    def then(self, fn: Callable[[torch.Tensor], Any]) -> Abstract:
+        """The same parameter, with ``fn`` applied once it is made (shape and dtype kept)."""
+        make = self.make
+        return dataclasses.replace(self, make=lambda: fn(make()))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def abstract(
+    shape: tuple[int, ...], make: Callable[[], torch.Tensor], dtype: torch.dtype = torch.float32
+) -> Abstract:
+    """An :class:`Abstract` parameter of ``shape`` made by ``make()``."""
+    return Abstract(tuple(shape), dtype, make)
+
+
+def is_abstract(params: Any) -> bool:
+    """Whether any leaf of ``params`` is an :class:`Abstract` parameter."""
+    from colfunc import tree
+
+    return any(isinstance(x, Abstract) for x in tree.leaves(params))
+
+
+def materialize(params: Any) -> Any:
+    """``params`` with every :class:`Abstract` leaf made, one at a time, in leaf order."""
+    from colfunc import tree
+
+    return tree.map(lambda x: x.materialize() if isinstance(x, Abstract) else x, params)
+
+
+def as_meta(params: Any) -> Any:
+    """``params`` with every :class:`Abstract` leaf a meta tensor of its shape and dtype (for
+    what needs only shapes: chunk layouts, ZeRO's cut)."""
+    from colfunc import tree
+
+    return tree.map(
+        lambda x: (
+            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, Abstract) else x
+        ),
+        params,
+    )

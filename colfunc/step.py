@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from colfunc import core, tree
+from colfunc import core, random, tree
 from colfunc.optim.base import GradientTransformation, apply_updates
 from colfunc.optim.clip import global_norm, known_norm
 
@@ -213,15 +213,24 @@ class Step:
     def init(self, params: PyTree) -> TrainState:
         """The initial state: parameters placed by ``layout`` and a fresh optimizer state.
 
+        ``params`` may hold :class:`colfunc.random.Abstract` leaves (``models.gpt.init(cfg,
+        abstract=True)``): each is made once, where the layout places it, never all at once
+        where a transform keeps pieces (ZeRO-3 shards, offload's host chunks).
+
         A donating step's state owns its buffers: placed parameters that share memory with
         ``params`` (on one device they are ``params`` themselves) are copied.
         """
-        if not tree.tensors(params):
+        abstract = random.is_abstract(params)
+        if not tree.tensors(params) and not abstract:
             raise ValueError("Step.init: params has no tensor leaves")
-        placed = self.layout(params)
-        if self.donate:
+        # abstract parameters (described, not made): the layout makes each where it belongs,
+        # one at a time (ZeRO-3 keeps its chunk, offload its host copy); what it leaves
+        # abstract is made here. The transforms' own entries need only shapes.
+        placed = random.materialize(self.layout(params))
+        if self.donate and not abstract:
             placed = _owned(placed, params)
-        return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(params)))
+        described = random.as_meta(params) if abstract else params
+        return TrainState(placed, self.init_opt(placed), 0, dict(self.init_extra(described)))
 
     def place_state(self, full: TrainState) -> TrainState:
         """The inverse of :func:`full_state`: a state in the single-device layout (say, from a

@@ -10,6 +10,7 @@ F MLP width (d_ff), V vocabulary, E head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -114,8 +115,11 @@ def _is_bias(path: str) -> bool:
     return leaf == "bias" or leaf in {"bq", "bk", "bv", "bo", "b_in", "b_out"}
 
 
-def init(cfg: Config, seed: int = 0) -> Params:
+def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
     """Fresh fp32 parameters; each value depends only on ``(seed, path)``.
+
+    ``abstract=True``: :class:`colfunc.random.Abstract` leaves, described but not made, for a
+    step that makes each where it belongs (``step.init``; see ``zero`` and ``offload``).
 
     GPT-2 initialisation: weights N(0, 0.02), the projections that write into the residual stream
     N(0, 0.02 / sqrt(2 * n_layer)) (two per layer, so the stream's variance stays bounded with
@@ -130,6 +134,13 @@ def init(cfg: Config, seed: int = 0) -> Params:
             return torch.zeros(shape)
         return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
 
+    if abstract:
+        return nn.nest(
+            {
+                p: random.abstract(s, functools.partial(value, p, s))
+                for p, s in param_shapes(cfg).items()
+            }
+        )
     return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
 
 

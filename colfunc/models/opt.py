@@ -11,6 +11,7 @@ F MLP width (d_ff), V vocabulary, E head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -128,8 +129,11 @@ def _is_bias(path: str) -> bool:
     return leaf == "bias" or leaf in {"bq", "bk", "bv", "bo", "b_in", "b_out"}
 
 
-def init(cfg: Config, seed: int = 0) -> Params:
+def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
     """Fresh fp32 parameters; each value depends only on ``(seed, path)``.
+
+    ``abstract=True``: :class:`colfunc.random.Abstract` leaves, described but not made, for a
+    step that makes each where it belongs (``step.init``; see ``zero`` and ``offload``).
 
     Weights N(0, 0.02), the residual-stream output projections N(0, 0.02 / sqrt(2 * n_layer))
     as in GPT-2, biases 0, norm weights 1.
@@ -143,6 +147,13 @@ def init(cfg: Config, seed: int = 0) -> Params:
             return torch.zeros(shape)
         return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
 
+    if abstract:
+        return nn.nest(
+            {
+                p: random.abstract(s, functools.partial(value, p, s))
+                for p, s in param_shapes(cfg).items()
+            }
+        )
     return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
 
 

@@ -33,9 +33,12 @@ def cut_chunk(x: torch.Tensor, n: int, i: int, stacked: bool) -> tuple[torch.Ten
     local = local_piece(x)
     template = x if isinstance(x, ShardedTensor) else None
     flat = local.detach().reshape(local.shape[0], -1) if stacked else local.detach().reshape(-1)
-    c = -(-flat.shape[-1] // n)
-    flat = torch.nn.functional.pad(flat, (0, c * n - flat.shape[-1]))
-    return flat[..., i * c : (i + 1) * c].clone(), Chunked(tuple(local.shape), stacked, c, template)
+    size = flat.shape[-1]
+    c = -(-size // n)
+    # only this rank's piece is padded (never a padded copy of the whole tensor)
+    piece = flat[..., min(i * c, size) : min((i + 1) * c, size)]
+    chunk = torch.nn.functional.pad(piece, (0, c - piece.shape[-1]))
+    return chunk, Chunked(tuple(local.shape), stacked, c, template)
 
 
 def whole(flat: torch.Tensor, meta: Chunked, stacked_layer: bool = False) -> torch.Tensor:

@@ -55,6 +55,7 @@ from colfunc.memory.pool import DevicePool, Mirror
 from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
 from colfunc.optim.clip import global_norm
+from colfunc.random import Abstract
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.composition import apply_transform
 
@@ -499,9 +500,14 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
 
     def layout(params: PyTree) -> PyTree:
         where = _host()
-        host = tree.map(
-            lambda x: x.detach().to(where) if isinstance(x, torch.Tensor) else x, params
-        )
+
+        def home(x: Any) -> Any:  # an abstract parameter is made here, straight into host memory
+            if isinstance(x, Abstract):
+                meta = where.type == "meta"
+                x = torch.empty(x.shape, dtype=x.dtype, device="meta") if meta else x.materialize()
+            return x.detach().to(where) if isinstance(x, torch.Tensor) else x
+
+        host = tree.map(home, params)
         if _device().type == "cuda":  # pinned, so that copies to the GPU can be asynchronous
             host = tree.map(lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x, host)
         return host

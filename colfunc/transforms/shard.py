@@ -26,6 +26,7 @@ import torch
 
 from colfunc import core, tree
 from colfunc.core import P
+from colfunc.random import Abstract
 from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
@@ -74,6 +75,8 @@ def place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
         )
 
     def one(path: str, x: Any) -> Any:
+        if isinstance(x, Abstract):  # placed once made: the layouts after this one make it
+            return x.then(lambda made: one(path, made))
         if not isinstance(x, torch.Tensor):
             return x
         # every parameter becomes a ShardedTensor (replicated unless named), so parameters,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colfunc import core, tree
+from colfunc.random import Abstract
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
 from colfunc.transforms.buckets import GradBuckets, PackedBuckets, all_reduce_tree
@@ -262,7 +263,16 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         flat, treedef = tree.flatten_with_paths(params)
         # stacked layers are cut layer by layer, so that each layer's gradients can be
         # reduce-scattered (stages 1-2) or its parameters gathered (stage 3) on their own
-        pairs = [cut_chunk(x, n, i, stage >= 1 and is_stacked(p)) for p, x in flat]
+        # an abstract parameter is made here, one at a time, and only its chunk is kept
+        pairs = [
+            cut_chunk(
+                x.materialize() if isinstance(x, Abstract) else x,
+                n,
+                i,
+                stage >= 1 and is_stacked(p),
+            )
+            for p, x in flat
+        ]
         chunks = tree.unflatten(treedef, [c for c, _ in pairs])
         metas = tree.unflatten(treedef, [mt for _, mt in pairs])
         return chunks, ZeroLayout(metas, axis, m, stage)
