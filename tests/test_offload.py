@@ -470,3 +470,21 @@ def test_abstract_init_makes_each_rank_only_its_shards():
         torch.equal(a, b)
         for a, b in zip(cf.tree.leaves(made.params), cf.tree.leaves(full), strict=True)
     )
+
+
+def test_a_new_batch_shape_is_measured_afresh():
+    """Each batch signature gets its own warm-up trace: a step on another shape is measured
+    (not accounted from a trace of different activations) and stays within the budget."""
+    loss, params = _model("gpt")
+    step = cf.offload(cf.train_step(loss, optim.adamw(1e-2)), "auto", "1.5MB")
+    state = step.init(params)
+    shapes = [4, 4, 2, 2, 4, 2]
+    for i, rows in enumerate(shapes):
+        off = state.extra["offload"]
+        with memory.track(state, off.tensors()) as t:
+            state, m = step(state, _batches(1, seed=i, batch=rows)[0])
+        peak = m["offload/device_peak_bytes"]
+        assert abs(peak - (t.peak + off.pool.baseline)) <= 0.05 * peak, (i, peak, t.peak)
+        assert peak <= 1_500_000
+        assert off.pool.measuring == (i in (0, 2))  # the first step of each shape
+    assert len(state.extra["offload"].pool.traces) == 2

@@ -94,10 +94,12 @@ class Event:
 
 @dataclasses.dataclass
 class Trace:
-    """The events of one step, in order, and the non-model peak before the first of them."""
+    """The events of one step, in order, and the non-model peak before the first of them (one
+    trace per batch signature: another shape allocates differently)."""
 
     events: list[Event] = dataclasses.field(default_factory=list)
     head: int = 0  # non-model peak from the start of the step to the first event
+    update: int = 0  # the update's peak of device bytes beyond the resident ones
 
     def groups(self) -> list[int]:
         return [e.group for e in self.events]

@@ -93,7 +93,11 @@ class DevicePool:
         self.cache: dict[int, torch.Tensor] = {}  # chunk -> its parameter copy on the device
         self.mirrors: dict[int, Mirror] = {}
         self.in_use: dict[int, int] = {}  # group -> holders
-        self.trace: Trace | None = None  # recorded in the warm-up step
+        self.traces: dict[Any, Trace] = {}  # batch signature -> the trace its warm-up recorded
+        self.trace: Trace | None = None  # the current batch signature's
+        self.measuring = True  # whether this step's bytes are measured (else accounted)
+        self._signature: Any = None
+        self._accounted = 0
         self.extra_baseline = 0  # device bytes held outside chunks (the "device" policy's state)
         self._recording: Trace | None = None
         self._uses: list[dict[int, int]] = []
@@ -124,6 +128,17 @@ class DevicePool:
     def _meter_peak(self) -> int:
         return self._meter.peak if self._meter is not None else 0
 
+    def select(self, signature: Any) -> None:
+        """Place this step by the trace of its batch ``signature`` (shapes and dtypes); a new
+        signature is recorded afresh, as a warm-up. On the CPU the step's bytes are measured
+        (a dispatch mode sees every allocation) only while recording: later steps of the same
+        signature allocate the same, so their peak is accounted from the trace and the pool's
+        own residency, at no cost per op. On CUDA the allocator's counters are always read."""
+        self._signature = signature
+        self.trace = self.traces.get(signature)
+        self._uses = next_uses(self.trace.groups()) if self.trace is not None else []
+        self.measuring = self.trace is None or self.device.type != "cpu"
+
     def begin_step(self) -> None:
         """Start a step's figures (its windows add to them)."""
         self.h2d = self.d2h = 0
@@ -145,18 +160,23 @@ class DevicePool:
         *,
         record: bool,
         carried: int = 0,
+        update: bool = False,
     ) -> Iterator[None]:
         """Account a part of a step (the forward-backward pass, the update): ``leaves`` are the
         parameters' host tensors (flat, in layout order), ``host_tensors`` everything else the
         step writes in place (never counted). ``record``: record the trace (the warm-up step).
         ``carried``: device bytes made before the window and alive through it (the in-memory
-        step's gradients, during its update)."""
+        step's gradients, during its update). ``update``: this window is the update."""
         self._leaves = leaves
         self._cursor = 0
         self._window_max = 0
         self._recording = Trace() if record else None
+        trace = self.trace
+        self._accounted = (trace.update if update else trace.head) if trace is not None else 0
         with contextlib.ExitStack() as stack:
-            if self.device.type == "cuda":
+            if not self.measuring:
+                self._meter = None
+            elif self.device.type == "cuda":
                 self._meter = _CudaMeter(self.device)
             else:
                 mirrors = [t for m in self.mirrors.values() for t in m.tensors()]
@@ -166,7 +186,12 @@ class DevicePool:
                 yield
             finally:
                 self._close_interval()
-                peak = max(self._window_max, self._meter.peak)
+                if self._meter is None:  # accounted: the trace's non-model peaks on top of
+                    peak = self._accounted  # what the pool held at each event
+                else:
+                    peak = max(self._window_max, self._meter.peak)
+                    if update and trace is not None and trace.update < peak:
+                        trace.update = peak  # kept for the accounted steps
                 self.window_peak = self.baseline + carried + peak
                 self.step_peak = max(self.step_peak, self.window_peak)
                 self._meter = None
@@ -176,9 +201,14 @@ class DevicePool:
         """The trace just recorded, kept for placing later steps (None if none was recording)."""
         rec, self._recording = self._recording, None
         if rec is not None:
-            self.trace = rec
+            self.trace = self.traces[self._signature] = rec
             self._uses = next_uses(rec.groups())
         return rec
+
+    def forget(self) -> None:
+        """Drop the current signature's trace (a warm-up that did not fit: measure again)."""
+        self.traces.pop(self._signature, None)
+        self.trace = None
 
     def _close_interval(self) -> None:
         """End the interval since the last event: its non-model peak goes to the trace."""
@@ -290,6 +320,9 @@ class DevicePool:
             self._fetch(c)
         if k is not None and self.trace is not None:
             self._prefetch(k)
+            self._accounted = max(
+                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
+            )
         self.in_use[group] = self.in_use.get(group, 0) + 1
         return {
             c: self.cache[c] if c in self.cache else self.mirrors[c].param

@@ -31,7 +31,10 @@ Policies:
     spare holds device-homed chunks, whose update then runs on the device.
 
 On a machine without a GPU the CPU stands for the device: the same code runs, copies are copies
-within one memory, and the account of device bytes is exact, so the budget can be checked.
+within one memory, and the account of device bytes is exact, so the budget can be checked: the
+first step of each batch shape is measured by a dispatch mode that sees every allocation, and the
+later ones, which allocate the same, are accounted from that trace and the pool's residency (on
+CUDA the allocator's counters are read on every step).
 Each step's metrics carry ``offload/device_peak_bytes`` (the device pool's peak, model states
 included), ``offload/h2d_bytes`` and ``offload/d2h_bytes``.
 
@@ -522,6 +525,7 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
             state.make_mirrors(leaves)
         token = torch.zeros((), requires_grad=True) if grad else None
         frame = _Streaming(state, leaves, token)
+        state.pool.select(tuple((tuple(x.shape), x.dtype) for x in tree.tensors(batch)))
         record = grad and state.pool.trace is None
         with state.pool.window(leaves, state.tensors(), record=record), core.context(frame):
             outer = frame.outer()
@@ -552,7 +556,7 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         off = _state(state.extra)
         host = off.tensors() + tree.tensors(state.opt_state)
-        with off.pool.window(tree.leaves(state.params), host, record=False):
+        with off.pool.window(tree.leaves(state.params), host, record=False, update=True):
             if core.innermost(core.DryRun) is not None:  # no values: no update to run
                 new_state, info = state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
             elif hyper is not None:
@@ -602,7 +606,7 @@ def _check_warmup(state: OffloadState) -> None:
     peak = pool.window_peak
     pool.end_warmup()
     if peak > state.budget:
-        pool.trace = None  # measure again next time
+        pool.forget()  # measure again next time
         raise ValueError(
             f"offload: device_budget {state.budget} B is below the smallest feasible budget "
             f"{peak} B for this step (measured: the largest layer's working set with its "
