@@ -121,6 +121,17 @@ def check_all() -> dict[str, str]:
     return bad
 
 
+def saving_hooks_active() -> bool:
+    """Whether saved-tensor hooks are already in force (inside a checkpoint, say): ZeRO-3's
+    gathers and offload's fetches then leave the saved weights to them."""
+    return get("top_saved_tensors_default_hooks")(False) is not None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward node (remat recomputing a layer, say)."""
+    return get("current_autograd_node")() is not None
+
+
 def __getattr__(name: str) -> Any:  # torch_private.foreach_add(...), torch_private.pytree, ...
     if name in ENTRIES:
         return get(name)

@@ -21,16 +21,6 @@ if TYPE_CHECKING:
 PyTree = Any
 
 
-def _saving_hooks_active() -> bool:
-    """Whether saved-tensor hooks are already in force (inside a checkpoint, say)."""
-    return torch_private.top_saved_tensors_default_hooks(False) is not None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward node (remat recomputing a layer, say)."""
-    return torch_private.current_autograd_node() is not None
-
-
 class _Regathered:
     """Layer ``i``'s gathered weights, gathered again on first use in the backward pass.
 
@@ -69,7 +59,7 @@ class _LayerGathers:
         return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
 
     def _start(self, i: int) -> StartedGather:
-        if not _saving_hooks_active():
+        if not torch_private.saving_hooks_active():
             return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
         # inside a checkpoint, whose recomputation must replay the same ops: which layers are
         # started ahead differs between the forward pass and the recomputation, so starting one
@@ -108,13 +98,13 @@ class LayerGather:
             if i is None:  # not one of this scan's layers as stacked: gather it now
                 flats = gather_flat(chunks, self.z.axis, self.z.mesh)
             else:
-                started = gathers.take(i, backward=_in_backward())
+                started = gathers.take(i, backward=torch_private.in_backward())
                 flats = list(Gathered.apply(started, self.z.axis, self.z.mesh, *chunks))
             layer_params = [whole(f, m, stacked_layer=True) for f, m in zip(flats, metas)]
             return tree.unflatten(treedef, layer_params)
 
         def gathered_block(layer_chunks: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            if not torch.is_grad_enabled() or _saving_hooks_active():
+            if not torch.is_grad_enabled() or torch_private.saving_hooks_active():
                 # inference, or inside a checkpoint (remat): that drops the gathered weights
                 # after the forward pass and gathers them again when it recomputes the layer
                 return block(layer(layer_chunks), c, x)

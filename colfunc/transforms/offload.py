@@ -350,14 +350,6 @@ def _where(t: torch.Tensor) -> tuple[int, int]:
     return id(t.untyped_storage()), int(t.storage_offset())
 
 
-def _saving_hooks_active() -> bool:
-    return torch_private.top_saved_tensors_default_hooks(False) is not None
-
-
-def _in_backward() -> bool:
-    return torch_private.current_autograd_node() is not None
-
-
 class _Streaming:
     """Context frame of an offloaded step: fetch each scanned layer's chunks (a
     :class:`~colfunc.core.ScanInterceptor`) and hold group 0 for the whole step."""
@@ -412,7 +404,7 @@ class _Streaming:
                 )
             for p, t in zip(chunk.pieces, ts):
                 out[(p.leaf, p.row)] = t
-        if grad and not _in_backward():
+        if grad and not torch_private.in_backward():
             self.pending[group] = len(self.state.layout.groups[group])
         return out
 
@@ -432,12 +424,16 @@ class _Streaming:
                     "offload: scan_layers ran over a tree that is not the step's params['blocks']; "
                     "an offloaded loss must scan exactly its stacked layers (cf.layered)"
                 )
-            group, backward = 1 + i, _in_backward()
+            group, backward = 1 + i, torch_private.in_backward()
             bufs = self.require(group, backward)
             views = self.views(group, bufs)
             layer = tree.unflatten(treedef, [views[(k, i)] for k in state.block_leaves])
             try:
-                if not torch.is_grad_enabled() or self.token is None or _saving_hooks_active():
+                if (
+                    not torch.is_grad_enabled()
+                    or self.token is None
+                    or torch_private.saving_hooks_active()
+                ):
                     # inference, or inside a checkpoint (remat): that drops the weights after the
                     # forward pass and fetches them again when it recomputes the layer
                     return block(layer, c, x)
