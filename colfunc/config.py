@@ -106,9 +106,12 @@ class DataConfig:
     ``corpus`` is ``"stdlib"`` (the running Python's standard library sources), a text file or a
     folder; ``val_fraction`` of it is held out for validation (see :mod:`colfunc.data`). Batches
     are ``batch_size`` windows of ``seq_len`` bytes, a pure function of ``(seed, step)``.
+    ``tokenizer``: None (bytes), or ``"hf:FOLDER"``, the tokenizer saved in a Hugging Face folder:
+    the corpus is then cut into its tokens.
     """
 
     corpus: str = "stdlib"
+    tokenizer: str | None = None
     val_fraction: float = 0.05
     batch_size: int = 16
     seq_len: int = 128
@@ -127,6 +130,12 @@ class DataConfig:
         _check_positive("data", "batch_size", self.batch_size)
         _check_positive("data", "seq_len", self.seq_len)
         _check_positive("data", "seed", self.seed, allow_zero=True)
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not self.tokenizer
+        ):
+            raise ValueError(
+                f"data.tokenizer must be None (bytes) or 'hf:FOLDER', got {self.tokenizer!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,7 +176,10 @@ class TrainConfig:
 class RunConfig:
     """A whole run: the four sections, checked against each other, and the parallel layout.
 
-    ``parallel`` is the mesh and transforms a run asks for (``{}``: one device).
+    ``parallel`` is the mesh and transforms a run asks for (``{}``: one device). ``init`` is
+    where the parameters start: None (the model's own init from ``train.seed``) or
+    ``"hf:FOLDER"``, a Hugging Face folder's weights (a config file's ``model = "hf:FOLDER"``
+    sets both the model and this).
     """
 
     model: Any
@@ -175,6 +187,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
+    init: str | None = None
 
     def __post_init__(self) -> None:
         model_module(self.model)  # a Config from colfunc.models.<family>
@@ -191,7 +204,7 @@ class RunConfig:
                 f"data.seq_len={self.data.seq_len} is longer than the model's context "
                 f"model.max_seq_len={self.model.max_seq_len}"
             )
-        if self.model.vocab_size < 256:
+        if self.data.tokenizer is None and self.model.vocab_size < 256:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
                 f"tokenizer, which needs 256"
@@ -256,8 +269,19 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
             )
         sections = {s: getattr(module, s) for s in SECTIONS}
         parallel = getattr(module, "parallel", None)
+        init = None
         try:
-            cfg = RunConfig(**sections, parallel={} if parallel is None else parallel)
+            if isinstance(sections["model"], str):  # "hf:FOLDER": its config, its weights
+                if not sections["model"].startswith("hf:"):
+                    raise ValueError(
+                        f"model must be a colfunc.models Config or 'hf:FOLDER', got "
+                        f"{sections['model']!r}"
+                    )
+                from colfunc import hf
+
+                init = sections["model"]
+                sections["model"] = hf.read_config(init)
+            cfg = RunConfig(**sections, parallel={} if parallel is None else parallel, init=init)
         except ValueError as e:
             raise ValueError(f"config file {str(path)!r}: {e}") from e
     return override(cfg, overrides)
@@ -447,6 +471,7 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
         out[section] = {n: _jsonable(getattr(value, n)) for n in _field_types(type(value))}
     out["model"]["family"] = type(cfg.model).__module__.removeprefix(_MODELS_PACKAGE)
     out["parallel"] = cfg.parallel
+    out["init"] = cfg.init
     return out
 
 
@@ -475,4 +500,4 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
             raise ValueError(f"unknown fields in {section}: {', '.join(sorted(unknown))}")
         kwargs = {k: _coerce(v, types_[k], f"{section}.{k}") for k, v in fields.items()}
         sections[section] = cls(**kwargs)
-    return RunConfig(**sections, parallel=d.get("parallel") or {})
+    return RunConfig(**sections, parallel=d.get("parallel") or {}, init=d.get("init"))

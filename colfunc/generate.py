@@ -83,8 +83,9 @@ def complete(
     top_k: int = 40,
     seed: int = 0,
 ) -> str:
-    """``prompt`` and up to ``max_new_tokens`` bytes sampled after it by a run's byte-level
-    model, on the inference engine; the output stops at the model's context.
+    """``prompt`` and up to ``max_new_tokens`` tokens sampled after it by a run's model (bytes,
+    or the run's ``data.tokenizer``), on the inference engine; the output stops at the model's
+    context.
 
     Example:
         >>> state, cfg = checkpoint.load("runs/demo/checkpoint")
@@ -96,7 +97,12 @@ def complete(
         raise ValueError("the prompt must not be empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokenizer = ByteTokenizer()
+    tokenizer: Any = ByteTokenizer()
+    if cfg.data.tokenizer is not None:  # the run's own tokenizer (a Hugging Face folder's)
+        from colfunc import hf
+        from colfunc.inference.tokenizers import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(hf.folder_of(cfg.data.tokenizer, what="tokenizer"))
     engine = Engine(model_module(cfg.model), cfg.model, params, tokenizer=tokenizer, max_num_seqs=1)
     p = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=max_new_tokens)
     (out,) = engine.generate([prompt], p)

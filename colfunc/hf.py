@@ -1,6 +1,7 @@
 """Hugging Face weights in and out: GPT-2, LLaMA and OPT causal language models.
 
-``from_hf(model) -> (cfg, params)`` reads a ``transformers`` model; ``to_hf(cfg, params)`` writes
+``from_hf(model) -> (cfg, params)`` reads a ``transformers`` model, ``load(folder)`` and
+``read_config(folder)`` a ``save_pretrained`` folder (local files only); ``to_hf(cfg, params)`` writes
 the state dict that ``load_state_dict`` takes; ``hf_config(cfg)`` builds the matching
 ``transformers`` config. The mapping between the two layouts is a table per model: each entry
 names a Hugging Face key, the colfunc paths concatenated (along the output dim) to make it, and
@@ -15,6 +16,7 @@ except :func:`hf_config`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from colfunc import nn, tree
 from colfunc.models import gpt, llama, opt
 
-__all__ = ["from_hf", "hf_config", "to_hf"]
+__all__ = ["folder_of", "from_hf", "hf_config", "load", "read_config", "to_hf"]
 
 Config = gpt.Config | llama.Config | opt.Config
 Params = dict[str, Any]
@@ -379,3 +381,43 @@ def hf_config(cfg: Config, **overrides: Any) -> Any:
     raise TypeError(
         f"expected a colfunc.models.gpt/llama/opt Config, got {type(cfg).__name__}: {cfg!r}"
     )
+
+
+def folder_of(source: str, what: str = "model") -> Path:
+    """The folder of ``"hf:FOLDER"`` (or a plain folder path), checked to hold ``config.json``
+    (for a model) or a tokenizer."""
+    path = Path(source.removeprefix("hf:")).expanduser()
+    if what == "model" and not (path / "config.json").is_file():
+        raise ValueError(
+            f"{source!r} is not a Hugging Face model folder: {str(path)!r} has no config.json "
+            "(write one with save_pretrained; nothing is downloaded)"
+        )
+    if not path.is_dir():
+        raise ValueError(f"{source!r}: {str(path)!r} is not a folder")
+    return path
+
+
+def read_config(source: str) -> Config:
+    """The colfunc config of a Hugging Face folder's ``config.json`` (GPT-2, LLaMA or OPT)."""
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder_of(source), local_files_only=True)
+    names = [a for a in (getattr(hf_cfg, "architectures", None) or []) if a in _FROM_HF_CONFIG]
+    by_type = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}
+    name = names[0] if names else by_type.get(getattr(hf_cfg, "model_type", ""))
+    if name is None:
+        raise ValueError(
+            f"{source!r}: model_type {getattr(hf_cfg, 'model_type', None)!r} is not one colfunc "
+            f"reads; it reads {sorted(by_type)}"
+        )
+    return _FROM_HF_CONFIG[name](hf_cfg)
+
+
+def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]:
+    """``(cfg, params)`` of a Hugging Face ``save_pretrained`` folder (local files only)."""
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder_of(source), local_files_only=True, dtype=dtype
+    )
+    return from_hf(hf_model)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, data, optim, parallel, tree
+from colfunc import checkpoint, data, hf, optim, parallel, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.generate import complete
 from colfunc.sharding import Mesh, launch
@@ -92,6 +92,27 @@ def plot(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _tokenized(corpus: data.Corpus, cfg: RunConfig) -> data.Corpus:
+    """The corpus cut into the tokens of ``data.tokenizer`` (a Hugging Face folder's)."""
+    from colfunc.inference.tokenizers import load_hf_tokenizer
+
+    assert cfg.data.tokenizer is not None
+    tok = load_hf_tokenizer(hf.folder_of(cfg.data.tokenizer, what="tokenizer"))
+    if tok is None:
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: the folder holds no tokenizer")
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens, more than "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
+
+    def encode(text_bytes: torch.Tensor) -> torch.Tensor:
+        text = bytes(text_bytes.numpy()).decode("utf-8", errors="replace")
+        return torch.tensor(tok.encode(text), dtype=torch.int32)
+
+    return corpus._replace(train=encode(corpus.train), val=encode(corpus.val))
 
 
 def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
@@ -223,8 +244,14 @@ def run(
         )
     t_start = time.perf_counter()
     corpus = data.load_corpus(cfg.data.corpus, cfg.data.val_fraction)
+    if cfg.data.tokenizer is not None:
+        corpus = _tokenized(corpus, cfg)
     _check_corpus(corpus, cfg)
-    body = functools.partial(_train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start)
+    # weights read once, here: ranks (threads) must not import transformers side by side
+    params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
+    body = functools.partial(
+        _train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start, params0
+    )
     if pc is None:
         return body(None)
     return launch(body, mesh=pc.mesh_shape, backend=parallel.backend(pc), timeout=600.0)[0]
@@ -239,6 +266,7 @@ def _train(
     progress: bool,
     pc: parallel.ParallelConfig | None,
     t_start: float,
+    given: Any,
     mesh: Mesh | None,
 ) -> TrainState:
     """The loop on one rank (``mesh`` None: the single-device run); rank 0 does all the I/O."""
@@ -252,7 +280,7 @@ def _train(
     step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps), donate=True)
     if pc is not None and mesh is not None:
         step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
-    params0 = model.init(cfg.model, seed=tc.seed)
+    params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
     if state is not None:  # saved in the single-device layout, whatever the mesh was
         _check_resumable(
             state, train_step(loss_fn, build_optimizer(cfg.optim, tc.steps)).init(params0)
