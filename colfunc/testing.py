@@ -22,6 +22,7 @@ __all__ = [
     "compositions",
     "meshes",
     "placements",
+    "save_bpe_tokenizer",
 ]
 
 PyTree = Any
@@ -240,3 +241,32 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
         elif name == "amp" and composition.get("amp") is not None:
             step = amp(step, **composition["amp"])
     return step
+
+
+def save_bpe_tokenizer(
+    path: Any, vocab_size: int, eos_token: str, chat_template: str | None = None
+) -> Any:
+    """Train a byte-level BPE on two standard-library modules' sources (offline, in a second),
+    save it to ``path`` as a ``transformers`` fast tokenizer and return it: the tokenizer of a
+    tiny Hugging Face folder for tests (beside a random model's ``save_pretrained``)."""
+    import email
+    import inspect
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([inspect.getsource(json), inspect.getsource(email)], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return fast

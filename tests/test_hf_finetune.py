@@ -27,23 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    import email
-
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import colfunc as cf
 
     path = tmp_path_factory.mktemp("opt")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([inspect.getsource(json), inspect.getsource(email)], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    fast.save_pretrained(path)
+    fast = cf.testing.save_bpe_tokenizer(path, 300, "</s>")
     torch.manual_seed(0)
     cfg = transformers.OPTConfig(
         vocab_size=len(fast),

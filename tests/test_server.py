@@ -8,7 +8,6 @@ server binds 127.0.0.1 on a free port and stops at the end of its test.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import signal
 import socket
@@ -25,6 +24,7 @@ import torch
 import transformers
 import uvicorn
 
+import colfunc as cf
 from colfunc.inference import Engine, SamplingParams
 from colfunc.inference.server import EngineLoop, build_app
 
@@ -39,25 +39,8 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    import email
-    import json as json_module
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     path = tmp_path_factory.mktemp("hf")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    texts = [inspect.getsource(m) for m in (json_module, email)]
-    tok.train_from_iterator(texts, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)
+    fast = cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>", chat_template=TEMPLATE)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         n_layer=2,
