@@ -346,6 +346,9 @@ def test_bad_input_is_refused_with_the_fix():
         cf.offload(cf.train_step(loss, optim.sgd(1e-2)), "auto", "1GiB", margin=0.5)
     with pytest.raises(ValueError, match="composing with zero is not supported"):
         cf.zero(cf.offload(base, "auto", "1GiB"), stage=1)
+    mesh = cf.Mesh({"dp": 1, "tp": 1})
+    with pytest.raises(ValueError, match="composing with shard with a tensor-parallel plan"):
+        cf.offload(cf.shard(base, mesh, plan=models.gpt.tp_plan), "auto", "1GiB")
     with pytest.raises(ValueError, match="below the largest tensor"):
         cf.offload(base, "auto", "1GiB", chunk_mb=0.001).init(params)
     # below the parameters and gradients of one layer: refused before running
@@ -488,3 +491,27 @@ def test_a_new_batch_shape_is_measured_afresh():
         assert peak <= 1_500_000
         assert off.pool.measuring == (i in (0, 2))  # the first step of each shape
     assert len(state.extra["offload"].pool.traces) == 2
+
+
+@pytest.mark.parametrize("policy, kw", [("host", {}), ("auto", dict(margin=0.5))])
+def test_offload_on_every_data_parallel_rank_equals_one_device(policy, kw):
+    """offload over data-parallel shard (dp=2, threads): each rank offloads its replica, steps
+    on its half of the batch, and the gradients are averaged in host memory (and in the
+    device-homed mirrors): fp64 parameters within 1e-12 of the single-device step."""
+    loss, params = _model("gpt")
+    batches = _batches(3, batch=4)
+    ref, ref_m = _run(cf.train_step(loss, optim.adamw(1e-2)), params, batches)
+
+    def main(mesh):
+        base = cf.shard(cf.train_step(loss, optim.adamw(1e-2)), mesh)
+        state, ms = _run(cf.offload(base, policy, "1MB", **kw), params, batches)
+        return (
+            cf.full_state(state).params,
+            [m["loss"].item() for m in ms],
+            bool(state.extra["offload"].pool.mirrors),
+        )
+
+    for got, losses, homed in cf.launch(main, mesh={"dp": 2}):
+        assert _max_diff(got, ref.params) <= 1e-12
+        assert losses == pytest.approx([m["loss"].item() for m in ref_m], abs=1e-12)
+        assert homed == (policy == "auto")

@@ -38,6 +38,10 @@ CUDA the allocator's counters are read on every step).
 Each step's metrics carry ``offload/device_peak_bytes`` (the device pool's peak, model states
 included), ``offload/h2d_bytes`` and ``offload/d2h_bytes``.
 
+Over data-parallel ``shard`` (no tensor-parallel plan) every rank offloads its own replica,
+steps on its rows of the batch, and the gradients are averaged over the data-parallel axis in
+place, in host memory and in the device-homed mirrors, before the update.
+
 The state is updated in place (an offloaded step donates its state, see
 :func:`colfunc.train_step`): the state passed in must not be used again. The host rows of
 device-homed chunks are stale while they live on the device; :func:`colfunc.full_state` writes
@@ -59,7 +63,9 @@ from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
 from colfunc.optim.clip import global_norm
 from colfunc.random import Abstract
+from colfunc.sharding import comm
 from colfunc.step import Step, TrainState, check_loss
+from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.composition import apply_transform
 
 if TYPE_CHECKING:
@@ -140,7 +146,11 @@ class OffloadConfig:
     def build(self, step: Step, comp: Composition) -> Step:
         # amp, built around offload, computes in its dtype: the fetches cast each chunk to it
         compute = comp.amp.dtype if comp.amp is not None and comp.offload_fetches else None
-        return _build(step, self, compute if isinstance(compute, torch.dtype) else None)
+        compute = compute if isinstance(compute, torch.dtype) else None
+        # data parallel beneath (shard without a plan): each rank offloads its whole replica,
+        # steps on its slice of the batch, and the gradients are averaged in host memory
+        dp = (comp.mesh, comp.batch_axis) if comp.batch_axis is not None else None
+        return _build(step, self, compute, dp)
 
 
 def _device() -> torch.device:
@@ -470,8 +480,36 @@ class _Streaming:
         return pack, unpack
 
 
-def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -> Step:
+def _split(batch: PyTree, mesh: Any, axis: str) -> PyTree:
+    """This rank's rows of every batch tensor (as ``shard`` splits them)."""
+    n, i = mesh.axis_size(axis), mesh.axis_index(axis)
+
+    def rows(path: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] % n:
+            raise ValueError(
+                f"offload: batch entry {path!r} has {x.shape[0]} rows, not divisible by the "
+                f"{axis!r} axis size {n}"
+            )
+        k = x.shape[0] // n
+        return x[i * k : (i + 1) * k]
+
+    return tree.map_with_path(rows, batch)
+
+
+def _build(
+    step: Step,
+    cfg: OffloadConfig,
+    compute: torch.dtype | None = None,
+    dp: tuple[Any, str] | None = None,
+) -> Step:
     if cfg.policy == "device":
+        if dp is not None:
+            raise ValueError(
+                "offload: policy='device' is the in-memory step; for data parallel without "
+                "offload use cf.shard alone"
+            )
         return _build_device(step, cfg)
     loss_fn, optimizer = step.loss_fn, step.optimizer
     hyper = optimizer.adamw
@@ -519,6 +557,8 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
         if grad:
             state.pool.begin_step()
             state.make_mirrors(leaves)
+        if dp is not None:
+            batch = _split(batch, *dp)
         token = torch.zeros((), requires_grad=True) if grad else None
         frame = _Streaming(state, leaves, token)
         state.pool.select(tuple((tuple(x.shape), x.dtype) for x in tree.tensors(batch)))
@@ -537,9 +577,18 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
             state.pool.release(0)
             if grad:
                 state.zero_unwritten()
+                if dp is not None:  # averaged where they live, in place: host rows, mirrors
+                    homed = [m.grad for m in state.pool.mirrors.values()]
+                    with DevicePool.host():
+                        xs = state.grads + homed
+                        for x, r in zip(xs, all_reduce_buckets(xs, dp[1], dp[0]), strict=True):
+                            x.copy_(r)
         if record:
             _check_warmup(state)
-        return loss.detach(), (tree.unflatten(state.treedef, state.grads) if grad else None)
+        loss = loss.detach()
+        if dp is not None:
+            loss = comm.all_reduce(loss, dp[1], op="avg", mesh=dp[0])
+        return loss, (tree.unflatten(state.treedef, state.grads) if grad else None)
 
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
@@ -563,11 +612,15 @@ def _build(step: Step, cfg: OffloadConfig, compute: torch.dtype | None = None) -
         off.pool.invalidate()
         return new_state, {**info, **off.pool.metrics()}
 
+    def sync(grads: PyTree) -> PyTree:
+        return grads  # averaged over the data-parallel axis in the forward-backward pass
+
     return step.replace(
         layout=layout,
         init_extra=init_extra,
         forward=forward,
         forward_backward=forward_backward,
+        sync=sync,
         update=update,
         donate=True,
     )
