@@ -408,21 +408,23 @@ def test_config_sections_read_as_offload():
 
 
 @pytest.mark.parametrize(
-    "name, remat, policy, kw",
+    "name, remat, amp, policy, kw",
     [
-        ("gpt", False, "auto", dict(margin=0.5)),
-        ("gpt", False, "static", dict(offload_params=0.5, offload_optim=0.5)),
-        ("llama", True, "auto", dict(margin=0.5)),
-        ("llama", True, "host", {}),
+        ("gpt", False, False, "auto", dict(margin=0.5)),
+        ("gpt", False, False, "static", dict(offload_params=0.5, offload_optim=0.5)),
+        ("gpt", False, True, "auto", dict(margin=0.5)),
+        ("llama", True, False, "auto", dict(margin=0.5)),
+        ("llama", True, False, "host", {}),
     ],
 )
-def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, policy, kw):
+def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, amp, policy, kw):
     """cf.memory.plan, a dry run on the meta device before anything runs, against the third
     step's measured figures (after any chunk is device-homed)."""
     mod = getattr(models, name)
     cfg = mod.Config(vocab_size=VOCAB, n_layer=6, n_head=2, d_model=32, max_seq_len=SEQ)
     step = cf.offload(cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), policy, "3MB", **kw)
     step = cf.remat(step) if remat else step
+    step = cf.amp(step, "bf16") if amp else step
     pred = memory.plan(cfg, step, (BATCH, SEQ))
     _, ms = _run(step, mod.init(cfg), _batches(3))
     m = ms[-1]

@@ -53,6 +53,13 @@ def attention(
     T, S = q_BHTD.shape[2], k_BHSD.shape[2]
     gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
     if not causal or T == S:
+        if q_BHTD.is_meta and not gqa:
+            # a meta tensor stands for a CPU one (cf.memory.plan's dry run): the kernel the CPU
+            # runs (flash, saving only the log-sum-exp), not the math path meta would take
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_BHTD, k_BHSD, v_BHSD, 0.0, causal, scale=scale
+            )
+            return out
         return F.scaled_dot_product_attention(
             q_BHTD, k_BHSD, v_BHSD, is_causal=causal, scale=scale, enable_gqa=gqa
         )
