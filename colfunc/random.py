@@ -105,12 +105,6 @@ class Abstract:
         make = self.make
         return dataclasses.replace(self, make=lambda: fn(make()))
 
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 def abstract(
     shape: tuple[int, ...], make: Callable[[], torch.Tensor], dtype: torch.dtype = torch.float32

@@ -226,7 +226,9 @@ class Step:
         # abstract parameters (described, not made): the layout makes each where it belongs,
         # one at a time (ZeRO-3 keeps its chunk, offload its host copy); what it leaves
         # abstract is made here. The transforms' own entries need only shapes.
-        placed = random.materialize(self.layout(params))
+        placed = self.layout(params)
+        if abstract:
+            placed = random.materialize(placed)
         if self.donate and not abstract:
             placed = _owned(placed, params)
         described = random.as_meta(params) if abstract else params

@@ -223,16 +223,14 @@ class Engine:
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise ValueError(f"Engine.from_hf: {str(folder)!r} has no config.json")
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=dtype
-        )
-        cfg, params = hf.from_hf(hf_model)
+        cfg, params = hf.load(str(folder), dtype)
+        hf_cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         return {
             "model": getattr(models, type(cfg).__module__.rsplit(".", 1)[-1]),
             "cfg": cfg,
             "params": params,
             "tokenizer": load_hf_tokenizer(folder),
-            "eos_token_id": getattr(hf_model.config, "eos_token_id", None),
+            "eos_token_id": getattr(hf_cfg, "eos_token_id", None),
         }
 
     @classmethod

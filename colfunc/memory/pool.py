@@ -125,9 +125,6 @@ class DevicePool:
     def copy_bytes(self, c: int) -> int:
         return self.layout.chunks[c].capacity * self.copy_dtype(c).itemsize
 
-    def _meter_peak(self) -> int:
-        return self._meter.peak if self._meter is not None else 0
-
     def select(self, signature: Any) -> None:
         """Place this step by the trace of its batch ``signature`` (shapes and dtypes); a new
         signature is recorded afresh, as a warm-up. On the CPU the step's bytes are measured
@@ -216,7 +213,7 @@ class DevicePool:
         if rec is None or self._meter is None:
             return
         self._window_max = max(self._window_max, self._meter.peak)
-        nonmodel = max(0, self._meter_peak() - self.cached_bytes)
+        nonmodel = max(0, self._meter.peak - self.cached_bytes)
         if rec.events:
             rec.events[-1].nonmodel = max(rec.events[-1].nonmodel, nonmodel)
         else:

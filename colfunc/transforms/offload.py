@@ -67,6 +67,7 @@ from colfunc.sharding import comm
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.shard import split_batch
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
@@ -184,7 +185,9 @@ class OffloadState:
         real = torch.device("cpu") if self.device.type == "meta" else self.device
         self.budget = device_budget(cfg.device_budget, real)
         flat, self.treedef = tree.flatten_with_paths(params)
-        self.grads = [torch.zeros_like(x, device=_host()) for _, x in flat]
+        # the "device" policy's in-memory step makes its own gradients
+        host = cfg.policy != "device"
+        self.grads = [torch.zeros_like(x, device=_host()) for _, x in flat] if host else []
         if self.device.type == "cuda":
             self.grads = [g.pin_memory() for g in self.grads]
         sizes = [c.nbytes for c in layout.chunks]
@@ -480,24 +483,6 @@ class _Streaming:
         return pack, unpack
 
 
-def _split(batch: PyTree, mesh: Any, axis: str) -> PyTree:
-    """This rank's rows of every batch tensor (as ``shard`` splits them)."""
-    n, i = mesh.axis_size(axis), mesh.axis_index(axis)
-
-    def rows(path: str, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if x.shape[0] % n:
-            raise ValueError(
-                f"offload: batch entry {path!r} has {x.shape[0]} rows, not divisible by the "
-                f"{axis!r} axis size {n}"
-            )
-        k = x.shape[0] // n
-        return x[i * k : (i + 1) * k]
-
-    return tree.map_with_path(rows, batch)
-
-
 def _build(
     step: Step,
     cfg: OffloadConfig,
@@ -558,7 +543,7 @@ def _build(
             state.pool.begin_step()
             state.make_mirrors(leaves)
         if dp is not None:
-            batch = _split(batch, *dp)
+            batch = split_batch(batch, dp[1], dp[0])
         token = torch.zeros((), requires_grad=True) if grad else None
         frame = _Streaming(state, leaves, token)
         state.pool.select(tuple((tuple(x.shape), x.dtype) for x in tree.tensors(batch)))
@@ -602,8 +587,8 @@ def _build(
         off = _state(state.extra)
         host = off.tensors() + tree.tensors(state.opt_state)
         with off.pool.window(tree.leaves(state.params), host, record=False, update=True):
-            if core.innermost(core.DryRun) is not None:  # no values: no update to run
-                new_state, info = state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
+            if core.innermost(core.DryRun) is not None:
+                new_state, info = _dry_update(state)
             elif hyper is not None:
                 new_state, info = _adamw_update(off, hyper, grads, state)
             else:  # any other optimizer: the update on the host (no chunk is device-homed)
@@ -624,6 +609,11 @@ def _build(
         update=update,
         donate=True,
     )
+
+
+def _dry_update(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """A dry run's update (cf.memory.plan): no values, so nothing to update."""
+    return state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
 
 
 def _state(extra: dict[str, Any]) -> OffloadState:
@@ -766,7 +756,6 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
         state = OffloadState(cfg, params, chunk_layout(params))
-        state.grads = []  # the in-memory step makes its own
         # the model states resident for the whole run: the parameters and the optimizer's
         # state (sized on the meta device, without making it)
         meta = tree.map(lambda x: torch.empty_like(x, device="meta"), params)
@@ -793,8 +782,8 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
         with pool.window(
             tree.leaves(state.params), tree.tensors(state.opt_state), record=False, carried=carried
         ):
-            if core.innermost(core.DryRun) is not None:  # no values: no update to run
-                new_state, info = state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
+            if core.innermost(core.DryRun) is not None:
+                new_state, info = _dry_update(state)
             else:
                 new_state, info = inner_update(grads, state)
         return new_state, {**info, **pool.metrics()}

@@ -37,7 +37,7 @@ from colfunc.transforms.local import in_placement, local_update
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["ShardConfig", "place", "shard"]
+__all__ = ["ShardConfig", "place", "shard", "split_batch"]
 
 PyTree = Any
 
@@ -95,7 +95,8 @@ def place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
     return tree.map_with_path(one, params)
 
 
-def _split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
+def split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
+    """This rank's rows of every batch tensor, split over the data-parallel ``axis``."""
     n, i = mesh.axis_size(axis), mesh.axis_index(axis)
 
     def split(path: str, x: Any) -> Any:
@@ -305,7 +306,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
-        local_batch = _split_batch(batch, dp, mesh) if dp else batch
+        local_batch = split_batch(batch, dp, mesh) if dp else batch
         buckets = GradBuckets(mesh, dp, cfg.bucket_bytes, params) if in_backward and dp else None
         with contextlib.ExitStack() as stack:
             frames(stack)
@@ -319,7 +320,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         return loss_over_dp(loss), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
-        local_batch = _split_batch(batch, dp, mesh) if dp else batch
+        local_batch = split_batch(batch, dp, mesh) if dp else batch
         with contextlib.ExitStack() as stack:
             frames(stack)
             loss = inner_fwd(params, local_batch, extra)
