@@ -1,10 +1,10 @@
-"""Package discovery, and the optional ahead-of-time build of the C++ CPU Adam.
+"""Package discovery, and the optional ahead-of-time build of the C++ CPU kernels.
 
 The kernel sources live in the top-level ``kernels/`` folder but install as ``colfunc.kernels``
 (a top-level package named ``kernels`` would collide with one on PyPI). Automatic discovery cannot
 express that mapping, so the package list is built here.
 
-``COLFUNC_BUILD_EXT=1 pip install --no-build-isolation -e .`` compiles the CPU Adam now (it needs
+``COLFUNC_BUILD_EXT=1 pip install --no-build-isolation -e .`` compiles the CPU Adam and decode attention now (it needs
 torch in the build environment, hence no build isolation); otherwise it compiles on first use.
 """
 
@@ -21,13 +21,19 @@ cmdclass = {}
 if os.environ.get("COLFUNC_BUILD_EXT") == "1":
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    # the flags of kernels/cpu_build.py's FLAGS, which the on-first-use build passes
+    flags = {
+        "cpu_adam": ["-O3", "-fopenmp", "-ffp-contract=off"],
+        "cpu_attention": ["-O3", "-fopenmp"],
+    }
     ext_modules = [
         CppExtension(
-            "colfunc.kernels._cpu_adam",
-            ["kernels/csrc/cpu_adam.cpp"],
-            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
+            f"colfunc.kernels._{name}",
+            [f"kernels/csrc/{name}.cpp"],
+            extra_compile_args=cflags,
             extra_link_args=["-fopenmp"],
         )
+        for name, cflags in flags.items()
     ]
     cmdclass = {"build_ext": BuildExtension}
 

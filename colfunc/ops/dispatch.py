@@ -3,8 +3,10 @@
 ``COLFUNC_KERNELS`` is read at every call, so a script or a test can switch it at any time:
 
 - ``auto`` (the default): the Triton kernel for CUDA tensors it takes, when Triton is installed;
-  the reference for everything else (CPU tensors, a head dim the kernel lacks, tensor subclasses
-  such as a ShardedTensor, tensors under a ``torch.func`` transform).
+  the C++ decode attention (:mod:`colfunc.ops.cpu_attention`) for the decoding sequences of a
+  paged attention on CPU tensors; the reference for everything else (CPU tensors, a head dim the
+  kernel lacks, tensor subclasses such as a ShardedTensor, tensors under a ``torch.func``
+  transform).
 - ``triton``: the Triton kernel always; CPU tensors only under ``TRITON_INTERPRET=1``. Inputs the
   kernel does not take raise ValueError before anything is launched.
 - ``torch``: the reference always.
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 from colfunc.kernels import checks
-from colfunc.ops import reference
+from colfunc.ops import cpu_attention, reference
 
 __all__ = [
     "CHOICES",
@@ -200,6 +202,14 @@ def _paged_attention_op(
     tensors = (q, k, v, k_cache, v_cache, block_tables)
     if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
         out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
+        return out
+    if (
+        kernels_choice() == "auto" and 1 in query_lens and cpu_attention.supports(*tensors)
+    ):  # decoding on the CPU: the C++ kernel reads each block where it lies
+        reference.check_paged_lens(q, context_lens, query_lens)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        cpu_attention.paged_decode_into(out, *args)
+        reference.paged_prefill_into(out, *args)
         return out
     return reference.paged_attention(*args)
 

@@ -195,24 +195,47 @@ def paged_attention(
     a group's blocks are gathered into one padded batch (a block past a context may be any
     block: it is masked out). Each longer one runs alone.
     """
-    N, H = q_NHE.shape[:2]
-    B = k_cache_CBKE.shape[1]
+    check_paged_lens(q_NHE, context_lens, query_lens)
+    out_NHE = torch.empty_like(q_NHE)
+    args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE, block_tables_SM)
+    paged_decode_into(out_NHE, *args, context_lens, query_lens)
+    paged_prefill_into(out_NHE, *args, context_lens, query_lens)
+    return out_NHE
+
+
+def check_paged_lens(
+    q_NHE: torch.Tensor, context_lens: Sequence[int], query_lens: Sequence[int]
+) -> None:
+    N = q_NHE.shape[0]
     if len(context_lens) != len(query_lens) or sum(query_lens) != N:
         raise ValueError(
             f"paged_attention: query_lens {list(query_lens)} must sum to the {N} packed tokens "
             f"and match context_lens {list(context_lens)} in length"
         )
-    out_NHE = torch.empty_like(q_NHE)
+
+
+def _starts(query_lens: Sequence[int]) -> list[int]:
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
+    return starts
 
-    def context(s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` cached keys and values of sequence ``s``, ``[n, K, E]``."""
-        blocks = block_tables_SM[s, : -(-n // B)]
-        k = k_cache_CBKE[blocks].flatten(0, 1)[:n]
-        return k, v_cache_CBKE[blocks].flatten(0, 1)[:n]
 
+def paged_decode_into(
+    out_NHE: torch.Tensor,
+    q_NHE: torch.Tensor,
+    k_NKE: torch.Tensor,
+    v_NKE: torch.Tensor,
+    k_cache_CBKE: torch.Tensor,
+    v_cache_CBKE: torch.Tensor,
+    block_tables_SM: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+) -> None:
+    """The rows of :func:`paged_attention`'s output for the sequences with one new token."""
+    H = q_NHE.shape[1]
+    B = k_cache_CBKE.shape[1]
+    starts = _starts(query_lens)
     for group in _by_length([s for s, n in enumerate(query_lens) if n == 1], context_lens):
         # every decoding sequence of the group's blocks in one gather, [S, M * B, K, E], its new
         # key and value written at its context length, everything after it masked out
@@ -237,6 +260,29 @@ def paged_attention(
             enable_gqa=H != K,
         )
         out_NHE[rows] = y[:, :, 0]
+
+
+def paged_prefill_into(
+    out_NHE: torch.Tensor,
+    q_NHE: torch.Tensor,
+    k_NKE: torch.Tensor,
+    v_NKE: torch.Tensor,
+    k_cache_CBKE: torch.Tensor,
+    v_cache_CBKE: torch.Tensor,
+    block_tables_SM: torch.Tensor,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+) -> None:
+    """The rows of :func:`paged_attention`'s output for the sequences with several new tokens."""
+    B = k_cache_CBKE.shape[1]
+    starts = _starts(query_lens)
+
+    def context(s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` cached keys and values of sequence ``s``, ``[n, K, E]``."""
+        blocks = block_tables_SM[s, : -(-n // B)]
+        k = k_cache_CBKE[blocks].flatten(0, 1)[:n]
+        return k, v_cache_CBKE[blocks].flatten(0, 1)[:n]
+
     for s, n in enumerate(query_lens):
         if n == 1:
             continue
@@ -252,4 +298,3 @@ def paged_attention(
             causal=True,
         )
         out_NHE[lo:hi] = y[0].transpose(0, 1)
-    return out_NHE

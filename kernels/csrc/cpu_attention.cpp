@@ -1,0 +1,141 @@
+// Decode attention over a paged KV cache, on the CPU.
+//
+// A decoding sequence has one new token: its query attends to the context's keys and values,
+// which sit in the cache's blocks in the order its block table lists, and to its own new key and
+// value. The reference gathers every sequence's blocks into one padded batch and runs a masked
+// attention over it: the cache is read once to gather, the copy written, then read again. This
+// kernel reads each block where it lies, once: one work item per sequence computes every head's
+// scores (grouped-query attention shares the keys), a softmax in the accumulation type, and the
+// weighted sum of the values, walking each cache slot's row of K * E elements from end to end.
+// Work items are shared out over OpenMP threads; the inner loops are SIMD reductions, compiled
+// for AVX-512, AVX2 and plain x86-64, the best one chosen when the library loads.
+//
+// The Python side (colfunc.ops.cpu_attention) validates every tensor and passes raw addresses:
+// this file needs only pybind11, which keeps its compile to seconds.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define COLFUNC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define COLFUNC_CLONES
+#endif
+
+struct Shape {
+  int64_t heads;       // H: query heads
+  int64_t kv_heads;    // K: key/value heads (H is a multiple)
+  int64_t dim;         // E: head dim
+  int64_t block_size;  // B: slots per cache block
+  int64_t table_width; // M: columns of the block table
+};
+
+// One sequence: every head. A slot of the cache holds all K heads' keys (values) in one row of
+// K * E elements, so each row is read once, from end to end.
+template <typename T>
+COLFUNC_CLONES void decode_one(T* out, const T* q, const T* k_new, const T* v_new,
+                               const T* k_cache, const T* v_cache, const int32_t* table,
+                               int64_t context, const Shape& s, double scale,
+                               std::vector<T>& scores, std::vector<T>& acc) {
+  const int64_t E = s.dim, K = s.kv_heads, H = s.heads, B = s.block_size;
+  const int64_t G = H / K, L = context + 1, row = K * E;
+  scores.resize(static_cast<size_t>(H * L));
+  acc.assign(static_cast<size_t>(H * E), static_cast<T>(0));
+  const T sc = static_cast<T>(scale);
+  auto slot = [&](const T* cache, const T* fresh, int64_t t) {
+    return t < context ? cache + (static_cast<int64_t>(table[t / B]) * B + t % B) * row : fresh;
+  };
+  // scores[h, t] = q_h . k_t * scale, k_t the t-th key of the context, then the new one
+  for (int64_t t = 0; t < L; ++t) {
+    const T* kt = slot(k_cache, k_new, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const T* qh = q + h * E;
+      const T* kh = kt + (h / G) * E;
+      T dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t e = 0; e < E; ++e) dot += qh[e] * kh[e];
+      scores[h * L + t] = dot * sc;
+    }
+  }
+  // softmax over t, per head
+  for (int64_t h = 0; h < H; ++h) {
+    T* p = scores.data() + h * L;
+    T top = -std::numeric_limits<T>::infinity();
+    for (int64_t t = 0; t < L; ++t) top = std::max(top, p[t]);
+    T total = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      p[t] = std::exp(p[t] - top);
+      total += p[t];
+    }
+    const T inv = static_cast<T>(1) / total;
+    for (int64_t t = 0; t < L; ++t) p[t] *= inv;
+  }
+  // out_h = sum_t p[h, t] * v_t
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = slot(v_cache, v_new, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const T p = scores[h * L + t];
+      const T* vh = vt + (h / G) * E;
+      T* a = acc.data() + h * E;
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e) a[e] += p * vh[e];
+    }
+  }
+  std::copy(acc.begin(), acc.end(), out);
+}
+
+template <typename T>
+void decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache,
+            uintptr_t v_cache, uintptr_t tables, const std::vector<int64_t>& seqs,
+            const std::vector<int64_t>& rows, const std::vector<int64_t>& contexts,
+            const Shape& s, double scale, int threads) {
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  const int64_t q_row = s.heads * s.dim, kv_row = s.kv_heads * s.dim;
+  T* o = reinterpret_cast<T*>(out);
+  const T* qp = reinterpret_cast<const T*>(q);
+  const T* kn = reinterpret_cast<const T*>(k_new);
+  const T* vn = reinterpret_cast<const T*>(v_new);
+  const T* kc = reinterpret_cast<const T*>(k_cache);
+  const T* vc = reinterpret_cast<const T*>(v_cache);
+  const int32_t* tb = reinterpret_cast<const int32_t*>(tables);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<T> scores, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = rows[i];
+      decode_one<T>(o + r * q_row, qp + r * q_row, kn + r * kv_row, vn + r * kv_row, kc, vc,
+                    tb + seqs[i] * s.table_width, contexts[i], s, scale, scores, acc);
+    }
+  }
+}
+
+void paged_decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache,
+                  uintptr_t v_cache, uintptr_t tables, std::vector<int64_t> seqs,
+                  std::vector<int64_t> rows, std::vector<int64_t> contexts, int64_t heads,
+                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
+                  bool fp64, double scale, int threads) {
+  const Shape s{heads, kv_heads, dim, block_size, table_width};
+  if (fp64)
+    decode<double>(out, q, k_new, v_new, k_cache, v_cache, tables, seqs, rows, contexts, s, scale,
+                   threads);
+  else
+    decode<float>(out, q, k_new, v_new, k_cache, v_cache, tables, seqs, rows, contexts, s, scale,
+                  threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
