@@ -9,8 +9,21 @@ A checkpoint is a folder holding
     the tree's structure (dicts, lists, tuples, named tuples) with its non-tensor leaves (ints,
     floats, strings, bools, None) in place, and the config.
 
-Writes are atomic: the folder is written under a temporary name beside ``path`` and renamed into
-place, so a crash leaves either the previous checkpoint or the new one, never half of one.
+and, in ``meta.json``, a CRC-32 of every tensor's bytes, verified on load: a flipped bit is
+an error naming the tensor, never a silent NaN. Files are written with the permissions the umask
+gives (as any other file), so another user of a shared run folder can read them.
+
+A training run keeps its checkpoints in a *store* (:func:`commit`, :func:`latest`): a folder of
+step-numbered checkpoints (``step-00000100/``) and a ``latest`` file naming the newest. A commit
+writes the new checkpoint under a temporary name (every file fsynced), renames it into place,
+then replaces ``latest`` by a rename: each step is one atomic rename, so a crash or a SIGKILL at
+any moment leaves the previous complete checkpoint loadable. Stale temporaries are removed by the
+next commit; ``keep_last`` prunes the oldest. :class:`AsyncWriter` copies a state to host memory
+and commits it in a background thread.
+
+:func:`save` writes one checkpoint folder; an existing one there is replaced (its temporaries
+removed by the next save, and :func:`load` recovers the old one if a crash came between the two
+renames a replacement takes).
 
 Example:
     >>> save("runs/demo/checkpoint", state, config=cfg)
@@ -22,20 +35,25 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import threading
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["AsyncWriter", "CheckpointError", "commit", "latest", "load", "save", "steps"]
 
 TENSORS = "state.safetensors"
 META = "meta.json"
+LATEST = "latest"
 _FORMAT = "colfunc.checkpoint/1"
+_STEP = re.compile(r"step-(\d{8,})")
 
 
 class CheckpointError(ValueError):
@@ -136,74 +154,144 @@ def _config_json(config: Any) -> Any:
     return {"json": config}
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_synced(path: Path, write: Any) -> None:
     write(path)
+    os.chmod(path, 0o666 & ~_umask())  # as open() would make it, whatever the writer chose
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def save(path: str | Path, state: Any, config: Any = None) -> Path:
-    """Write ``state`` (any pytree, e.g. a ``TrainState``) and ``config`` to the folder ``path``.
+def _sync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
-    ``config`` is a :class:`colfunc.config.RunConfig`, any JSON-serialisable value, or None. An
-    existing checkpoint at ``path`` is replaced atomically; any other existing file or folder
-    there is an error (nothing is overwritten). Returns ``path``.
-    """
-    path = Path(path)
+
+def checksum(t: torch.Tensor) -> str:
+    """The CRC-32 of a CPU tensor's bytes, as 8 hex digits."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{zlib.crc32(data.data) & 0xFFFFFFFF:08x}"
+
+
+def _meta(state: Any, config: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     meta = {
         "format": _FORMAT,
         "state": _encode(state, "", tensors),
         "config": _config_json(config),
     }
+    return meta, tensors
+
+
+def _write(folder: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Both files into the (new, empty) ``folder``, each fsynced; the tensors' checksums in
+    the meta."""
+    storable = _storable(tensors)
+    meta = {**meta, "checksums": {k: checksum(t) for k, t in storable.items()}}
+    _write_synced(folder / TENSORS, lambda p: safetensors.torch.save_file(storable, str(p)))
+    text = json.dumps(meta, indent=1)
+    _write_synced(folder / META, lambda p: p.write_text(text))
+    _sync_dir(folder)
+
+
+def _new_temp(parent: Path, prefix: str) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would hide it from others
+    return tmp
+
+
+def save(path: str | Path, state: Any, config: Any = None) -> Path:
+    """Write ``state`` (any pytree, e.g. a ``TrainState``) and ``config`` to the folder ``path``.
+
+    ``config`` is a :class:`colfunc.config.RunConfig`, any JSON-serialisable value, or None. An
+    existing checkpoint at ``path`` is replaced; any other existing file or folder there is an
+    error (nothing is overwritten). Returns ``path``. (A training run commits to a store
+    instead: :func:`commit`.)
+    """
+    path = Path(path)
+    meta, tensors = _meta(state, config)
     if path.exists() and not (path / META).is_file():
         raise ValueError(f"{str(path)!r} exists and is not a checkpoint; refusing to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crashed save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = _new_temp(path.parent, f".{path.name}.tmp-")
     try:
-        tmp.chmod(path.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would hide it from others
-        storable = _storable(tensors)
-        _write_synced(tmp / TENSORS, lambda p: safetensors.torch.save_file(storable, str(p)))
-        text = json.dumps(meta, indent=1)
-        _write_synced(tmp / META, lambda p: p.write_text(text))
+        _write(tmp, meta, tensors)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(path, old)
         os.rename(tmp, path)
+        _sync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    for previous in path.parent.glob(f".{path.name}.old-*"):
+        shutil.rmtree(previous, ignore_errors=True)
     return path
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except PermissionError as e:
+        raise CheckpointError(f"{str(meta_path)!r} cannot be read: permission denied") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{str(meta_path)!r} is corrupt: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise CheckpointError(f"{str(meta_path)!r} is not a {_FORMAT} file")
+    return meta
 
 
 def load(path: str | Path) -> tuple[Any, Any]:
     """``(state, config)`` from the checkpoint folder ``path``, as they were saved.
 
-    Tensors come back on the CPU. Raises :class:`CheckpointError` (a ValueError) naming the file
-    when the checkpoint is missing, incomplete or corrupt.
+    Tensors come back on the CPU, their checksums verified. Raises :class:`CheckpointError` (a
+    ValueError) naming the file when the checkpoint is missing, incomplete, unreadable or corrupt.
     """
     from colfunc import config as config_lib
 
     path = Path(path)
+    if not path.exists():  # a crash between the two renames of a replacing save
+        olds = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+        if olds and (olds[-1] / META).is_file():
+            path = olds[-1]
     meta_path, tensors_path = path / META, path / TENSORS
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (not a folder)")
     for p in (meta_path, tensors_path):
         if not p.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {p.name} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{str(meta_path)!r} is corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise CheckpointError(f"{str(meta_path)!r} is not a {_FORMAT} file")
+    meta = _read_meta(meta_path)
     try:
         tensors = safetensors.torch.load_file(str(tensors_path))
+    except PermissionError as e:
+        raise CheckpointError(f"{str(tensors_path)!r} cannot be read: permission denied") from e
     except Exception as e:  # safetensors reports corruption with its own error types
         raise CheckpointError(f"{str(tensors_path)!r} is corrupt: {e}") from e
+    sums = meta.get("checksums")
+    if isinstance(sums, dict):  # (checkpoints written before checksums have none)
+        for key, t in tensors.items():
+            if key in sums and sums[key] != checksum(t):
+                raise CheckpointError(
+                    f"{str(tensors_path)!r} is corrupt: tensor {key!r} does not match its "
+                    f"checksum in {META} (its bytes changed after it was written)"
+                )
     try:
         state = _decode(meta["state"], tensors)
         stored = meta["config"]
@@ -218,3 +306,177 @@ def load(path: str | Path) -> tuple[Any, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{str(meta_path)!r} is corrupt: {type(e).__name__}: {e}") from e
     return state, config
+
+
+# --- a store of step-numbered checkpoints -----------------------------------------------------
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def steps(root: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in the store ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP.fullmatch(p.name)
+        if m and (p / META).is_file() and (p / TENSORS).is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint of the store ``root`` (the one ``latest`` names), or None
+    when it has none."""
+    root = Path(root)
+    pointer = root / LATEST
+    try:
+        name = pointer.read_text().strip()
+    except OSError:
+        name = ""
+    if _STEP.fullmatch(name) and (root / name / META).is_file():
+        return root / name
+    done = steps(root)  # no pointer yet (a crash before its first write): the newest folder
+    return root / _step_name(done[-1]) if done else None
+
+
+def _point(root: Path, name: str) -> None:
+    """Replace ``root/latest`` by one rename."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-latest-", dir=root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, root / LATEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _sync_dir(root)
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    """Remove all but the newest ``keep_last`` checkpoints (never ``keep``): each is renamed
+    aside first, so none is ever seen half-deleted."""
+    done = steps(root)
+    for step in done[: max(0, len(done) - keep_last)]:
+        name = _step_name(step)
+        if name == keep:
+            continue
+        dead = root / f".tmp-dead-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(root / name, dead)
+        except OSError:
+            continue
+        shutil.rmtree(dead, ignore_errors=True)
+
+
+def commit(
+    root: str | Path,
+    step: int,
+    state: Any,
+    config: Any = None,
+    *,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` in the store ``root`` and make it the
+    latest; keep the newest ``keep_last`` (None: all). Returns its folder.
+
+    The folder is written under a temporary name, fsynced, and renamed into place; ``latest`` is
+    then replaced by a rename. A step already committed is not written again. Temporaries left
+    by a crashed commit are removed first.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint.commit: step must be an int >= 0, got {step!r}")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"checkpoint.commit: keep_last must be an int >= 1 or None, got {keep_last!r}"
+        )
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{str(root)!r} is a file, not a checkpoint store")
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    name = _step_name(step)
+    final = root / name
+    if not (final / META).is_file():
+        meta, tensors = _meta(state, config)
+        tmp = _new_temp(root, f".tmp-{name}-")
+        try:
+            _write(tmp, meta, tensors)
+            if final.exists():  # an incomplete folder of that name (written by hand?)
+                raise CheckpointError(
+                    f"{str(final)!r} exists but is not a complete checkpoint; remove it"
+                )
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _sync_dir(root)
+    _point(root, name)
+    if keep_last is not None:
+        _prune(root, keep_last, name)
+    return final
+
+
+class AsyncWriter:
+    """Commits in a background thread: :meth:`submit` copies the state to host memory (the
+    only part the caller waits for) and returns; the write runs while training goes on. One
+    commit at a time: a submit waits for the one before. An error in the background is raised
+    by the next :meth:`submit` or :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: Path | None = None
+
+    @staticmethod
+    def snapshot(state: Any) -> Any:
+        """A copy of every tensor leaf of ``state`` in host memory (plain values kept)."""
+        from colfunc import tree
+
+        def copy(x: Any) -> Any:
+            return x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x
+
+        return tree.map(copy, state)
+
+    def submit(
+        self,
+        root: str | Path,
+        step: int,
+        state: Any,
+        config: Any = None,
+        *,
+        keep_last: int | None = None,
+    ) -> None:
+        self.wait()
+        host = self.snapshot(state)
+
+        def work() -> None:
+            try:
+                self.last = commit(root, step, host, config, keep_last=keep_last)
+            except BaseException as e:  # raised in the caller's thread by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name=f"colfunc-save-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Path | None:
+        """Wait for the commit in flight; the folder of the last one done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.last

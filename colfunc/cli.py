@@ -76,8 +76,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if changed_model:
         raise ValueError(f"--set {changed_model[0]}: the model cannot change when resuming")
     run_dir = Path(args.resume)
-    if not (run_dir / train.CHECKPOINT).is_dir():
-        raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no {train.CHECKPOINT}/")
     state, saved = train.load_run(args.resume)
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
@@ -315,8 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         status: Any = args.func(args)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+        return 128 + getattr(e, "signum", 2)
     except (ValueError, OSError, RankFailedError) as e:
         if isinstance(e, RankFailedError):  # a parallel run: report the rank's own error
             if not isinstance(e.__cause__, ValueError | OSError):

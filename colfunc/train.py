@@ -8,11 +8,22 @@ A run folder ``runs/<name>/`` holds
     where the validation loss was measured (also at step 0, before training);
 ``loss.png``
     the training and validation curves;
-``checkpoint/``
-    the ``TrainState`` and the run config (:mod:`colfunc.checkpoint`).
+``checkpoints/``
+    a store of step-numbered checkpoints (``step-00000100/``: the ``TrainState`` and the run
+    config) and a ``latest`` file naming the newest (:func:`colfunc.checkpoint.commit`):
+    written every ``train.save_every`` steps (keeping ``train.keep_last``), at the end, and when
+    the run is stopped by Ctrl-C or SIGTERM. Each commit is atomic, so a crash or a SIGKILL at
+    any moment leaves the previous checkpoint loadable. (Runs written before the store kept one
+    ``checkpoint/`` folder; they still load and resume.)
 
-Batch ``i`` is a pure function of ``(data.seed, i)`` and the state holds the optimizer's count, so
-a resumed run continues exactly: 20 steps equal 10 steps, a checkpoint, and 10 more.
+Batch ``i`` is a pure function of ``(data.seed, i)`` (the step is the data position; the loop
+draws no other random numbers) and the state holds the optimizer's count, so a resumed run
+continues exactly: 20 steps equal 10 steps, a checkpoint, and 10 more, bit for bit.
+
+Ctrl-C (SIGINT) and SIGTERM (what ``timeout``, schedulers and ``docker stop`` send) never cut a
+step short: the run stops after the step in progress, every rank of a parallel run at the same
+step, saves, and raises :class:`Interrupted` (the CLI exits 130 or 143). A loss that is not
+finite stops the run before anything is saved, so it never replaces a good checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -34,21 +46,63 @@ import torch
 from colfunc import checkpoint, data, hf, optim, parallel, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.generate import complete
-from colfunc.sharding import Mesh, launch
+from colfunc.sharding import Mesh, comm, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
 
-__all__ = ["CHECKPOINT", "build_optimizer", "evaluate", "load_run", "plot", "run"]
+__all__ = [
+    "CHECKPOINT",
+    "CHECKPOINTS",
+    "Interrupted",
+    "build_optimizer",
+    "checkpoint_path",
+    "evaluate",
+    "load_run",
+    "plot",
+    "run",
+]
 
-CHECKPOINT = "checkpoint"
+CHECKPOINTS = "checkpoints"  # the run's store
+CHECKPOINT = "checkpoint"  # the one folder that runs kept before the store
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
 
 
-def load_run(run: str | Path) -> tuple[TrainState, RunConfig]:
-    """``(state, config)`` of the run folder ``run`` (or of its checkpoint folder itself)."""
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on a signal (``signum``: SIGINT or SIGTERM) after saving its state."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
+        self.signum, self.step = signum, step
+
+
+def checkpoint_path(run: str | Path) -> Path | None:
+    """The checkpoint a run folder resumes from: its store's latest (or its one ``checkpoint/``
+    folder, from before the store); ``run`` may also be a store or a checkpoint folder. None
+    when there is none."""
     path = Path(run)
-    if (path / CHECKPOINT).is_dir():
-        path = path / CHECKPOINT
+    if (path / checkpoint.META).is_file():
+        return path
+    for store in (path / CHECKPOINTS, path):
+        found = checkpoint.latest(store)
+        if found is not None:
+            return found
+    legacy = path / CHECKPOINT
+    return legacy if legacy.is_dir() else None
+
+
+def load_run(run: str | Path) -> tuple[TrainState, RunConfig]:
+    """``(state, config)`` of the run folder ``run`` (or of a checkpoint folder itself)."""
+    path = checkpoint_path(run)
+    if path is None:
+        if Path(run, METRICS).is_file():
+            raise checkpoint.CheckpointError(
+                f"run folder {str(run)!r} has no checkpoint yet: it stopped before its first "
+                f"save (set train.save_every to save as it goes); remove the folder to start "
+                f"it again"
+            )
+        raise checkpoint.CheckpointError(
+            f"{str(run)!r} is not a run folder or a checkpoint: it has no {CHECKPOINTS}/"
+        )
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
@@ -124,20 +178,59 @@ def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
             )
 
 
-@contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends (in the main thread; elsewhere signals never arrive)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+class _Signals:
+    """SIGINT and SIGTERM noted, not raised, while installed (main thread only): the loop
+    stops at the end of its step. The note is process-wide, so every rank thread sees it."""
+
+    caught = 0  # the signal number, 0 for none
+    stopped = 0  # the signal the ranks stopped on
+    installed = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def held(cls) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread() or cls.installed:
+            yield
+            return
+        cls.caught = cls.stopped = 0
+
+        def note(signum: int, frame: Any) -> None:
+            cls.caught = cls.caught or signum
+            for child in multiprocessing.active_children():  # the ranks of a gloo launch
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid or 0, signum)
+
+        previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        cls.installed = True
+        try:
+            yield
+        finally:
+            cls.installed = False
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @classmethod
+    def agreed(cls, mesh: Mesh | None) -> int:
+        """The signal every rank stops on (0: go on); a collective under a mesh, so that all
+        ranks stop after the same step."""
+        if mesh is None:
+            return cls.caught
+        flag = torch.tensor([cls.caught], dtype=torch.int64)
+        return int(comm.all_reduce(flag, tuple(mesh.axis_names), "max", mesh)[0])
+
+
+def _check_finite(loss: torch.Tensor, step: int, last_saved: int | None) -> None:
+    if bool(torch.isfinite(loss)):
         return
-    caught: list[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
+    kept = (
+        f"the checkpoint of step {last_saved} is kept"
+        if last_saved is not None
+        else "nothing was saved"
+    )
+    raise ValueError(
+        f"step {step}: the training loss is {float(loss)} (not finite); the run stops without "
+        f"saving ({kept}); lower optim.lr, raise optim.warmup_steps or clip harder"
+    )
 
 
 def _check_resumable(state: Any, fresh: TrainState) -> None:
@@ -238,6 +331,11 @@ def run(
     pc = parallel.parse(cfg.parallel) if cfg.parallel else None
     lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
     if state is None and lead_process and run_dir.exists():
+        if checkpoint_path(run_dir) is None:
+            raise ValueError(
+                f"run folder {str(run_dir)!r} already exists and holds no checkpoint (the run "
+                f"stopped before its first save); remove it or pick another name (--name)"
+            )
         raise ValueError(
             f"run folder {str(run_dir)!r} already exists; pick another name (--name) or "
             f"continue it with --resume {run_dir}"
@@ -252,9 +350,17 @@ def run(
     body = functools.partial(
         _train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start, params0
     )
-    if pc is None:
-        return body(None)
-    return launch(body, mesh=pc.mesh_shape, backend=parallel.backend(pc), timeout=600.0)[0]
+    with _Signals.held():  # the rank threads' signals arrive here, in the main thread
+        if pc is None:
+            final: TrainState = body(None)
+        else:
+            final = launch(body, mesh=pc.mesh_shape, backend=parallel.backend(pc), timeout=600.0)[0]
+        signum = _Signals.stopped
+        if not signum and pc is not None and parallel.backend(pc) == "gloo":
+            signum = _Signals.caught  # forwarded to the rank processes, which stopped on it
+        if signum:
+            raise Interrupted(signum, final.step)
+    return final
 
 
 def _train(
@@ -336,55 +442,107 @@ def _train(
     losses: list[torch.Tensor] = []
     metrics: dict[str, Any] = {}
     t_interval = time.perf_counter()
+    store = run_dir / CHECKPOINTS
+    writer = checkpoint.AsyncWriter() if tc.async_save and lead else None
+    last_saved = [state.step if state.step else None]
+    keep = tc.keep_last or None
+
+    last_full: list[TrainState] = []
+
+    def save(state: TrainState) -> None:
+        full = saved(state)  # a collective under a mesh: every rank takes part
+        last_full[:] = [full]
+        if log is None:
+            return
+        bad = [p for p, x in tree.flatten_with_paths(full.params)[0] if not x.isfinite().all()]
+        if bad:
+            raise ValueError(
+                f"step {state.step}: parameter {bad[0]!r} is not finite; the run stops without "
+                f"saving, so the checkpoint of step {last_saved[0]} is kept"
+            )
+        if writer is not None:
+            writer.submit(store, full.step, full, cfg, keep_last=keep)
+        else:
+            checkpoint.commit(store, full.step, full, cfg, keep_last=keep)
+        last_saved[0] = full.step
+
+    stopped = 0
+    signals = _Signals.held()  # (a spawned rank's main thread; elsewhere run() holds them)
+    signals.__enter__()
     try:
         if state.step == 0:
             val = validation(state)
             if log is not None:
                 log.emit({"step": 0, "val_loss": val})
-        while state.step < stop:
-            batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
-            with _interrupt_after():  # a donated state is half-written until the step returns
+        in_step = [False]
+        try:
+            while state.step < stop:
+                batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
+                in_step[0] = True
                 state, metrics = step_fn(state, batch)
-            losses.append(metrics["loss"])
-            bar.update(1)
-            s = state.step
-            if s % tc.log_every and s % tc.eval_every and s != stop:
-                continue
-            seconds = time.perf_counter() - t_interval
-            record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
-            if s % tc.eval_every == 0 or s == stop:
-                record["val_loss"] = validation(state)
-            if log is not None:
-                log.emit(record)
-            shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
-            if record.get("val_loss") is not None:
-                shown["val"] = f"{record['val_loss']:.3f}"
-            bar.set_postfix(shown, refresh=False)
-            losses, t_interval = [], time.perf_counter()
-    except KeyboardInterrupt:
-        bar.close()  # before the message below, so the bar does not redraw over it
-        if log is not None and mesh is None:
-            if losses:  # the steps since the last record, so that the history is complete
+                in_step[0] = False
+                _check_finite(metrics["loss"], state.step, last_saved[0])
+                losses.append(metrics["loss"])
+                bar.update(1)
+                s = state.step
+                stopped = _Signals.agreed(mesh)
+                if not (s % tc.log_every and s % tc.eval_every and s != stop) or stopped:
+                    seconds = time.perf_counter() - t_interval
+                    record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
+                    if (s % tc.eval_every == 0 or s == stop) and not stopped:
+                        record["val_loss"] = validation(state)
+                    if log is not None:
+                        log.emit(record)
+                    shown = {
+                        "loss": f"{record['loss']:.3f}",
+                        "tok/s": f"{record['tokens_per_s']:.0f}",
+                    }
+                    if record.get("val_loss") is not None:
+                        shown["val"] = f"{record['val_loss']:.3f}"
+                    bar.set_postfix(shown, refresh=False)
+                    losses, t_interval = [], time.perf_counter()
+                if stopped:
+                    break
+                if tc.save_every and s % tc.save_every == 0 and s != stop:
+                    save(state)
+        except KeyboardInterrupt:
+            # raised by code, not a signal (those are held): outside a step the state is the
+            # last complete step's, and one device stops on it as on Ctrl-C; inside a step the
+            # donated state is half-written, and is not saved
+            if mesh is not None or in_step[0]:
+                raise
+            stopped = signal.SIGINT
+            if losses and log is not None:
                 seconds = time.perf_counter() - t_interval
                 log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
-            checkpoint.save(run_dir / CHECKPOINT, state, cfg)
-            plot(log.records, run_dir / PLOT, title=run_dir.name)
-            print(
-                f"colfunc: interrupted at step {state.step}; checkpoint saved. Continue with: "
-                f"colfunc train --resume {run_dir}",
-                file=sys.stderr,
-            )
-        raise
+        bar.close()  # before the messages below, so the bar does not redraw over them
+        save(state)
+        if writer is not None:
+            writer.wait()
     finally:
+        signals.__exit__(None, None, None)
         bar.close()
+        if writer is not None:
+            with contextlib.suppress(Exception):  # an error already on its way out wins
+                writer.wait()
         if log is not None:
             log.close()
 
-    final = saved(state)
+    if stopped:
+        _Signals.stopped = stopped
     if log is None:
         return state
-    checkpoint.save(run_dir / CHECKPOINT, final, cfg)
     plot(log.records, run_dir / PLOT, title=run_dir.name)
+    if stopped:
+        name = signal.Signals(stopped).name
+        print(
+            f"colfunc: stopped by {name} at step {state.step}; checkpoint saved. Continue with: "
+            f"colfunc train --resume {run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return state
+    final = last_full[0]
     last_val = next((r["val_loss"] for r in reversed(log.records) if "val_loss" in r), None)
     val_text = f", validation loss {last_val:.3f} nats/byte" if last_val is not None else ""
     print(

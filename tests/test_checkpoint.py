@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +199,7 @@ def test_resume_continues_exactly(corpus: Path, tmp_path: Path) -> None:
     cfg = _tiny_run(corpus)
     straight = trainer.run(cfg, tmp_path / "straight", progress=False)
     trainer.run(cfg, tmp_path / "split", stop_at=10, progress=False)
-    state, saved_cfg = checkpoint.load(tmp_path / "split" / trainer.CHECKPOINT)
+    state, saved_cfg = trainer.load_run(tmp_path / "split")
     assert state.step == 10 and saved_cfg == cfg
     resumed = trainer.run(saved_cfg, tmp_path / "split", state=state, progress=False)
 
@@ -235,12 +240,12 @@ def test_parallel_run_resumes_under_another_mesh(corpus: Path, tmp_path: Path) -
     straight = trainer.run(cfg, tmp_path / "straight", progress=False)
     first = dataclasses.replace(cfg, parallel={"data": 2, "zero": {"stage": 2}})
     trainer.run(first, tmp_path / "split", stop_at=10, progress=False)
-    state, _ = checkpoint.load(tmp_path / "split" / trainer.CHECKPOINT)
+    state, _ = trainer.load_run(tmp_path / "split")
     assert state.step == 10 and isinstance(state.opt_state, tuple) and state.opt_state
     second = dataclasses.replace(cfg, parallel={"tensor": 2, "zero": 3})
     resumed = trainer.run(second, tmp_path / "split", state=state, progress=False)
     assert resumed.step == 20
-    final, _ = checkpoint.load(tmp_path / "split" / trainer.CHECKPOINT)
+    final, _ = trainer.load_run(tmp_path / "split")
     for what in ("params", "opt_state"):
         for (p, a), (_, b) in zip(
             tree.flatten_with_paths(getattr(final, what))[0],
@@ -252,19 +257,108 @@ def test_parallel_run_resumes_under_another_mesh(corpus: Path, tmp_path: Path) -
                 assert a == b, (what, p)
 
 
-def test_ctrl_c_during_a_step_waits_for_it_to_finish() -> None:
-    """The training loop donates its state to the step, which writes it in place: an interrupt
-    must not land half-way, so it is held until the step has returned."""
-    import os
-    import signal
-    import time
+def _wait_for_step(run: Path, proc: subprocess.Popen, step: int, limit: float = 120.0) -> None:
+    """Poll the run's metrics until a record reaches ``step`` (the run is then mid-training)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        lines = (run / "metrics.jsonl").read_text().splitlines() if run.exists() else []
+        if any(json.loads(x)["step"] >= step for x in lines if x.strip()):
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the run did not reach step {step} within {limit} s")
 
-    from colfunc.train import _interrupt_after
 
-    finished = []
-    with pytest.raises(KeyboardInterrupt), _interrupt_after():
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)  # the signal arrives in here, and is held
-        finished.append(True)
-    assert finished == [True]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+@pytest.mark.parametrize(
+    ("signum", "parallel"),
+    [(signal.SIGTERM, None), (signal.SIGINT, None), (signal.SIGINT, "data=2,tensor=2")],
+)
+def test_a_signal_stops_after_the_step_saves_and_resumes_exactly(
+    corpus: Path, tmp_path: Path, signum: int, parallel: str | None
+) -> None:
+    """SIGTERM (what timeout and schedulers send) and Ctrl-C stop ``colfunc train`` after the
+    step in progress, every rank of a parallel run (threads) at the same step; the run saves,
+    says so in one line, and exits 128 + the signal. Resumed to step N + 6 it equals a run
+    straight to N + 6, bit for bit (a parallel run saves the single-device layout: resumed on
+    one device)."""
+    sets = [
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.max_seq_len=16",
+        f"data.corpus={corpus}",
+        "data.seq_len=16",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "train.steps=100000",
+        "train.log_every=1",
+        "train.eval_every=100000",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        f"train.out_dir={tmp_path}",
+        "train.name=cut",
+    ]
+    if parallel is not None:
+        sets += [f"parallel.{kv}" for kv in parallel.split(",")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "colfunc", "train", "--no-progress", "--threads", "1"]
+    proc = subprocess.Popen(
+        [*cmd, *(a for kv in sets for a in ("--set", kv))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    run = tmp_path / "cut"
+    _wait_for_step(run, proc, 3)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    name = signal.Signals(signum).name
+    m = re.search(rf"colfunc: stopped by {name} at step (\d+); checkpoint saved", err)
+    assert m is not None, err
+    assert "Traceback" not in err and "terminate called" not in err, err
+    n = int(m.group(1))
+    state, cfg = trainer.load_run(run)
+    assert state.step == n >= 3
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == n  # the steps since the last record are recorded too
+    # the schedule spans train.steps: stop both at n + 6 of the same 100000; one thread, as the
+    # run had (the key bias's zero gradient is rounding noise that depends on the thread count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed = trainer.run(cfg, run, state=state, stop_at=n + 6, progress=False)
+        straight = trainer.run(cfg, tmp_path / "straight", stop_at=n + 6, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.step == straight.step == n + 6
+    # as saved: the single-device layout, whichever mesh ran
+    resumed, straight = trainer.load_run(run)[0], trainer.load_run(tmp_path / "straight")[0]
+    assert resumed.step == n + 6
+    _assert_same(resumed.params, straight.params)
+    _assert_same(resumed.opt_state, straight.opt_state)
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_good_checkpoint(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _tiny_run(corpus, save_every=4, steps=12)
+    real = cf.Step.__call__
+
+    def poisoned(self: Any, state: Any, batch: Any) -> Any:
+        new, metrics = real(self, state, batch)
+        if new.step == 6:  # the parameters blow up at step 6
+            new.params["embed"]["tokens"].fill_(float("nan"))
+            metrics = {**metrics, "loss": torch.tensor(float("nan"))}
+        return new, metrics
+
+    monkeypatch.setattr(cf.Step, "__call__", poisoned)
+    with pytest.raises(
+        ValueError, match=r"step 6: the training loss is nan .*checkpoint of step 4 is kept"
+    ):
+        trainer.run(cfg, tmp_path / "bad", progress=False)
+    state, _ = trainer.load_run(tmp_path / "bad")
+    assert state.step == 4
+    assert all(x.isfinite().all() for x in tree.tensors(state.params))

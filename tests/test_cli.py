@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from colfunc import checkpoint, data, tree
+from colfunc import data, tree
 from colfunc import train as trainer
 from colfunc.cli import main
 from colfunc.generate import sample
@@ -74,7 +74,7 @@ def test_train_writes_metrics_plot_and_checkpoint(trained: Path, corpus: Path) -
     assert records[-1]["val_loss"] < records[0]["val_loss"] - 0.5  # it learned something
     assert (trained / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    state, cfg = checkpoint.load(trained / trainer.CHECKPOINT)
+    state, cfg = trainer.load_run(trained)
     assert state.step == 12 and cfg.data.corpus == str(corpus) and cfg.model.d_model == 32
     val = data.load_corpus(str(corpus)).val
     batches = [data.batch_at(val, 4, 32, 0, i) for i in range(2)]
@@ -126,7 +126,7 @@ def test_resume_extends_a_run(trained: Path, tmp_path: Path, capsys: pytest.Capt
     run = tmp_path / "tiny"
     shutil.copytree(trained, run)
     assert main(["train", "--resume", str(run), "--set", "train.steps=16", "--no-progress"]) == 0
-    state, cfg = checkpoint.load(run / trainer.CHECKPOINT)
+    state, cfg = trainer.load_run(run)
     assert state.step == 16 and cfg.train.steps == 16
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 4, 6, 8, 12, 16]
@@ -151,11 +151,11 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(
     monkeypatch.setattr(data, "batch_at", interrupted)
     assert main([*argv, "--name", "cut", "--no-progress"]) == 130
     monkeypatch.undo()
-    assert checkpoint.load(tmp_path / "cut" / trainer.CHECKPOINT)[0].step == 7
+    assert trainer.load_run(tmp_path / "cut")[0].step == 7
     assert main(["train", "--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
 
     def final(run: Path) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        state, _ = checkpoint.load(run / trainer.CHECKPOINT)
+        state, _ = trainer.load_run(run)
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         timeless = [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
         return tree.tensors(state.params), timeless
