@@ -1,4 +1,4 @@
-"""The ``colfunc`` command: ``train``, ``generate``, ``serve`` and ``bench``.
+"""The ``colfunc`` command: ``train``, ``generate``, ``export``, ``serve``, ``run`` and ``bench``.
 
 Bad input (a config mistake, a missing or corrupt checkpoint, an empty corpus, a run folder that
 exists already) ends with one line on stderr, ``colfunc: error: ...``, and exit status 2.
@@ -8,6 +8,7 @@ Examples:
     colfunc train examples/configs/llama_tiny.py --set train.steps=200 --set optim.lr=1e-3
     colfunc train --resume runs/gpt_tiny-20250101-120000 --set train.steps=2000
     colfunc generate --run runs/gpt_tiny-20250101-120000 --prompt "def " --max-new-tokens 200
+    colfunc export --run runs/gpt_tiny-20250101-120000 --hf exported/  # transformers can load it
     colfunc serve --run runs/gpt_tiny-20250101-120000 --port 8000   # OpenAI API on 127.0.0.1
     colfunc bench single_device
 """
@@ -105,6 +106,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(text, flush=True)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from colfunc import hf, train
+
+    state, cfg = train.load_run(args.run)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "colfunc export writes a transformers folder and needs transformers: "
+            "pip install transformers"
+        ) from None
+    tok = (
+        cfg.data.tokenizer if cfg.data.tokenizer and cfg.data.tokenizer.startswith("hf:") else None
+    )
+    out = hf.save(args.hf, cfg.model, state.params, dtype=args.dtype, tokenizer=tok)
+    note = "" if tok is not None else " (the run's tokenizer is byte-level: token id = byte value)"
+    print(f"colfunc: wrote {out}/ (step {state.step}){note}", flush=True)
     return 0
 
 
@@ -240,7 +261,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="colfunc", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="colfunc", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model from a config file (default: tiny GPT)")
@@ -269,6 +290,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("export", help="write a trained run as a Hugging Face model folder")
+    p.add_argument("--run", required=True, help="a run folder (or its checkpoint folder)")
+    p.add_argument("--hf", required=True, metavar="OUT", help="the folder to write (new or empty)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="cast the weights (default: as trained)",
+    )
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("serve", help="serve a run or a Hugging Face folder over the OpenAI API")
     p.add_argument("--run", help="a run folder (or its checkpoint folder)")
     p.add_argument("--hf", help="a Hugging Face model folder (save_pretrained layout)")
@@ -288,15 +319,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-n", "--nproc-per-node", dest="n", type=int, required=True, help="ranks per node"
     )
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr")
-    p.add_argument("--master-port", type=int)
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="machines in the job (default 1); run this on each"
+    )
+    p.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (default 0)"
+    )
+    p.add_argument(
+        "--master-addr", help="address of the machine with node rank 0 (needed with --nnodes > 1)"
+    )
+    p.add_argument(
+        "--master-port", type=int, help="a free port on that machine (needed with --nnodes > 1)"
+    )
     p.add_argument("target", help="a script.py, or a colfunc command (train)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("bench", help="run benchmarks/NAME.py with the given arguments")
+    names = sorted({f.stem for d in _benchmark_dirs() for f in d.glob("*.py") if f.stem[0] != "_"})
+    p = sub.add_parser(
+        "bench",
+        help="run benchmarks/NAME.py with the given arguments",
+        epilog=f"benchmarks: {', '.join(names)}" if names else "no benchmarks/ folder found",
+    )
     p.add_argument("name")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)

@@ -247,6 +247,13 @@ def default() -> RunConfig:
 
 
 def _load_module(path: Path) -> types.ModuleType:
+    if path.is_dir():
+        hint = (
+            f"; to continue that run use --resume {path}"
+            if (path / "metrics.jsonl").is_file()
+            else ""
+        )
+        raise ValueError(f"config file {str(path)!r} is a folder, not a Python file{hint}")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     name = "colfunc_config_" + "".join(c if c.isalnum() else "_" for c in path.stem)

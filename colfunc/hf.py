@@ -24,7 +24,7 @@ import torch
 from colfunc import nn, tree
 from colfunc.models import gpt, llama, opt
 
-__all__ = ["folder_of", "from_hf", "hf_config", "load", "read_config", "to_hf"]
+__all__ = ["folder_of", "from_hf", "hf_config", "load", "read_config", "save", "to_hf"]
 
 Config = gpt.Config | llama.Config | opt.Config
 Params = dict[str, Any]
@@ -421,3 +421,51 @@ def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]
         folder_of(source), local_files_only=True, dtype=dtype
     )
     return from_hf(hf_model)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save(
+    folder: str | Path,
+    cfg: Config,
+    params: Params,
+    *,
+    dtype: str | torch.dtype | None = None,
+    tokenizer: str | None = None,
+) -> Path:
+    """Write a Hugging Face ``save_pretrained`` folder (``config.json`` and
+    ``model.safetensors``) of ``(cfg, params)``, which ``AutoModelForCausalLM.from_pretrained``
+    loads; with the tokenizer of the folder ``tokenizer`` (``"hf:FOLDER"``) beside it.
+
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) casts the weights;
+    None keeps theirs. ``folder`` must not exist, or be empty: nothing is overwritten.
+    """
+    import transformers
+
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(
+            f"{str(folder)!r} exists and is not an empty folder; refusing to overwrite it"
+        )
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"hf.save: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    state = to_hf(cfg, params)
+    with torch.device("meta"):  # no weights made: the state dict's are assigned
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg))
+    # tied keys (the head shares the embedding) are skipped by save_pretrained
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype)
+    tok = None
+    if tokenizer is not None:
+        tok = transformers.AutoTokenizer.from_pretrained(
+            folder_of(tokenizer, "tokenizer"), local_files_only=True
+        )
+    model.save_pretrained(folder, safe_serialization=True)
+    if tok is not None:
+        tok.save_pretrained(folder)
+    return folder

@@ -213,8 +213,9 @@ def test_sigkill_at_any_moment_leaves_the_newest_complete_checkpoint(tmp_path: P
             state, _ = checkpoint.load(root / f"step-{step:08d}")
             assert state["step"] == step
             assert all(bool((w == step + k).all()) for k, w in enumerate(state["w"]))
-        if latest is not None:
-            assert checkpoint.load(latest)[0]["step"] == max(checkpoint.steps(root))
+        if latest is not None:  # the newest, or the one before when the kill came between
+            done = checkpoint.steps(root)  # the newest's rename and the pointer's
+            assert checkpoint.load(latest)[0]["step"] in done[-2:]
     assert kills_mid_write > 0  # some kills really landed inside a commit
     checkpoint.commit(root, 10**7, {"w": torch.zeros(1)})  # the next commit clears the debris
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
