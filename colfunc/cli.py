@@ -68,8 +68,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # under torchrun every rank must pick the same name: the launch's id makes it unique
         stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
         name = cfg.train.name or f"{stem}-{stamp}"
+        run_dir = Path(cfg.train.out_dir) / name
+        state = None
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # torchrun restarted the group after a rank died: go on from the last checkpoint
+            if train.checkpoint_path(run_dir) is not None:
+                state, cfg = train.load_run(run_dir)
+            print(
+                "colfunc: restarted by torchrun; "
+                + (f"resuming from step {state.step}" if state else "starting again"),
+                file=sys.stderr,
+                flush=True,
+            )
         with _threads(args.threads):
-            train.run(cfg, Path(cfg.train.out_dir) / name, progress=not args.no_progress)
+            train.run(cfg, run_dir, state=state, progress=not args.no_progress, restart=True)
         return 0
     if args.config is not None or args.name is not None:
         raise ValueError("--resume continues a run with its own config; drop CONFIG and --name")
@@ -257,6 +269,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -331,6 +344,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--master-port", type=int, help="a free port on that machine (needed with --nnodes > 1)"
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the group this many times after a rank dies (train resumes from the "
+        "latest checkpoint)",
+    )
     p.add_argument("target", help="a script.py, or a colfunc command (train)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
@@ -349,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``colfunc`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
-    from colfunc.sharding import RankFailedError
+    from colfunc.sharding import CollectiveTimeoutError, PeerLostError, RankFailedError
 
     try:
         args = _parser().parse_args(argv)
@@ -359,12 +379,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: Any = args.func(args)
     except KeyboardInterrupt as e:  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
         return 128 + getattr(e, "signum", 2)
-    except (ValueError, OSError, RankFailedError) as e:
+    except (ValueError, OSError, RankFailedError, PeerLostError, CollectiveTimeoutError) as e:
         if isinstance(e, RankFailedError):  # a parallel run: report the rank's own error
-            if not isinstance(e.__cause__, ValueError | OSError):
+            if not isinstance(
+                e.__cause__, ValueError | OSError | PeerLostError | CollectiveTimeoutError
+            ):
                 raise
             e = e.__cause__
         message = " ".join(str(e).split())  # one line, whatever the message
         print(f"colfunc: error: {message}", file=sys.stderr)
-        return 2
+        # a lost peer or a hung collective is a fault, not bad input
+        return 1 if isinstance(e, PeerLostError | CollectiveTimeoutError) else 2
     return int(status)

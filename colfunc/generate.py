@@ -17,7 +17,31 @@ import torch
 
 from colfunc.config import RunConfig, model_module
 
-__all__ = ["complete", "sample"]
+__all__ = ["check_params", "complete", "sample"]
+
+
+def check_params(model_cfg: Any, params: Any) -> None:
+    """Refuse parameters that do not fit ``model_cfg`` (the paths and shapes its init makes) or
+    hold a value that is not finite, naming the first such parameter."""
+    from colfunc import tree
+
+    want = model_module(model_cfg).param_shapes(model_cfg)
+    got = {p: tuple(x.shape) for p, x in tree.flatten_with_paths(params)[0]}
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise ValueError(
+            f"the parameters do not match the model config: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    for path, shape in want.items():
+        if got[path] != tuple(shape):
+            raise ValueError(
+                f"parameter {path!r} has shape {got[path]}, but the model config makes "
+                f"{tuple(shape)}: the checkpoint and its config disagree"
+            )
+    for path, x in tree.flatten_with_paths(params)[0]:
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"parameter {path!r} holds values that are not finite (NaN or inf)")
 
 
 @torch.no_grad()
@@ -97,6 +121,8 @@ def complete(
         raise ValueError("the prompt must not be empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_params(cfg.model, params)
+    max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len)  # the context ends it anyway
     tokenizer: Any = ByteTokenizer()
     if cfg.data.tokenizer is not None:  # the run's own tokenizer (a Hugging Face folder's)
         from colfunc import hf

@@ -33,6 +33,7 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -314,13 +315,17 @@ def run(
     state: TrainState | None = None,
     stop_at: int | None = None,
     progress: bool = True,
+    restart: bool = False,
 ) -> TrainState:
     """Train ``cfg`` into ``run_dir``; returns the final state.
 
     A fresh run needs a ``run_dir`` that does not exist yet. Passing the ``state`` of the run's
     checkpoint resumes it: training continues from ``state.step`` and appends to the run folder.
     ``stop_at`` ends the run early at that step (the learning-rate schedule still spans
-    ``train.steps``). Ctrl-C saves a checkpoint before it stops.
+    ``train.steps``). Ctrl-C and SIGTERM stop it after the step in progress, with a checkpoint
+    (see the module). ``restart``: under torchrun's restarts (``colfunc run --max-restarts``),
+    a restarted group may find the folder of its first attempt without a checkpoint, and starts
+    it again.
 
     With a ``parallel`` section the same loop runs on every rank of its mesh (threads in this
     process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder. Its
@@ -330,7 +335,16 @@ def run(
     run_dir = Path(run_dir)
     pc = parallel.parse(cfg.parallel) if cfg.parallel else None
     lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
-    if state is None and lead_process and run_dir.exists():
+    restarted = restart and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if state is None and lead_process and run_dir.exists() and restarted:
+        if checkpoint_path(run_dir) is not None:
+            raise ValueError(f"run folder {str(run_dir)!r} has a checkpoint: resume it")
+        for name in (METRICS, PLOT):  # a restart before the first save: start afresh
+            (run_dir / name).unlink(missing_ok=True)
+        if (run_dir / CHECKPOINTS).is_dir():  # (temporaries of a save cut short, at most)
+            shutil.rmtree(run_dir / CHECKPOINTS)
+        run_dir.rmdir()
+    elif state is None and lead_process and run_dir.exists():
         if checkpoint_path(run_dir) is None:
             raise ValueError(
                 f"run folder {str(run_dir)!r} already exists and holds no checkpoint (the run "

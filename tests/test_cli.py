@@ -280,3 +280,30 @@ def test_installed_entry_point(tmp_path: Path) -> None:
     assert result.returncode == 2
     _one_error_line(result.stderr, "train.steps", "'abc'")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_refuses_a_checkpoint_that_does_not_fit_or_is_not_finite(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As --resume does: tensors that disagree with the run's config, or NaN parameters, are a
+    one-line error (exit 2), not a traceback or text sampled from garbage; an absurd
+    --max-new-tokens stops at the model's context."""
+    import dataclasses
+
+    from colfunc import checkpoint
+
+    state, cfg = trainer.load_run(trained)
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=64))
+    checkpoint.commit(tmp_path / "wide" / trainer.CHECKPOINTS, state.step, state, wider)
+    assert main(["generate", "--run", str(tmp_path / "wide"), "--max-new-tokens", "5"]) == 2
+    _one_error_line(capsys.readouterr().err, "has shape", "the checkpoint and its config disagree")
+
+    nan = state._replace(params=tree.map(lambda x: x.clone(), state.params))
+    nan.params["blocks"]["mlp"]["w_in"][0, 0, 0] = float("nan")
+    checkpoint.commit(tmp_path / "nan" / trainer.CHECKPOINTS, nan.step, nan, cfg)
+    assert main(["generate", "--run", str(tmp_path / "nan"), "--max-new-tokens", "5"]) == 2
+    _one_error_line(capsys.readouterr().err, "'blocks.mlp.w_in'", "not finite")
+
+    assert main(["generate", "--run", str(trained), "--max-new-tokens", "1000000000000"]) == 0
+    out = capsys.readouterr().out  # the prompt and at most the context's worth of bytes
+    assert 0 < len(out.rstrip("\n").encode()) <= cfg.model.max_seq_len

@@ -74,6 +74,27 @@ def test_failure_while_others_compute_returns_after_the_grace() -> None:
     assert time.monotonic() - start < 2
 
 
+def test_a_rank_that_never_returns_fails_the_launch_after_the_timeout() -> None:
+    """One rank loops without ever calling a collective while the other returns: the launch
+    ends within its timeout, naming the rank still running, instead of waiting forever."""
+    stop = threading.Event()
+
+    def fn(mesh: Mesh) -> int:
+        while mesh.rank == 1 and not stop.is_set():
+            time.sleep(0.01)
+        return mesh.rank
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(
+            RankFailedError, match=r"ranks \[1\] were still running 0.5 s after rank 0"
+        ):
+            launch(fn, {"dp": 2}, timeout=0.5)
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 5.0
+
+
 def test_gloo_results_and_failure() -> None:
     assert launch(rank_sum, {"dp": 2}, backend="gloo") == [(0, [3.0]), (1, [3.0])]
     start = time.monotonic()

@@ -228,6 +228,29 @@ def test_bad_input_ids_are_refused(module: Any) -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("module", MODULES, ids=IDS)
+def test_token_ids_outside_the_vocabulary_and_missing_fields_are_named(module: Any) -> None:
+    """Not a raw IndexError or KeyError: the field, the id and vocab_size; -100 labels pass."""
+    cfg = _small(module)  # vocab_size=23
+    params = module.init(cfg)
+    loss = module.loss(cfg)
+    ok = _batch(cfg, 2, 8, seed=0)
+    assert torch.isfinite(loss(params, ok))  # (it has -100 labels)
+    for field, value in (("input_ids", 23), ("input_ids", -1), ("labels", 23), ("labels", -5)):
+        bad = {k: v.clone() for k, v in ok.items()}
+        bad[field][1, 3] = value
+        with pytest.raises(
+            ValueError,
+            match=rf"{field} holds the token id {value}, outside the vocabulary.*vocab_size=23",
+        ):
+            loss(params, bad)
+    with pytest.raises(ValueError, match=r"input_ids holds the token id 99"):
+        module.apply(params, torch.full((1, 4), 99), cfg)
+    for missing in ("input_ids", "labels"):
+        with pytest.raises(ValueError, match=rf"the batch has no '{missing}'"):
+            loss(params, {k: v for k, v in ok.items() if k != missing})
+
+
 # --- tensor-parallel plans ----------------------------------------------------------------------
 
 

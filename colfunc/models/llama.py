@@ -170,7 +170,7 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
 
 
 def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
-    nn.check_input_ids(input_ids_BT, cfg.max_seq_len)
+    nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
     return nn.embedding(input_ids_BT, params["embed"]["tokens"])
 
 
@@ -240,7 +240,7 @@ def loss(cfg: Config) -> Layered:
     """
 
     def pre(params: Params, batch: Any) -> Carry:
-        return _carry(_embed(params, batch["input_ids"], cfg), cfg)
+        return _carry(_embed(params, nn.batch_field(batch, "input_ids"), cfg), cfg)
 
     def block(layer: Params, carry: Carry) -> Carry:
         return _block(layer, carry, cfg)
@@ -249,7 +249,7 @@ def loss(cfg: Config) -> Layered:
         x_BTD = carry["h"]
         # the last position has no next token inside the sequence: drop it before the head
         logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
-        return nn.next_token_loss(logits_BSV, batch["labels"])
+        return nn.next_token_loss(logits_BSV, nn.batch_field(batch, "labels"))
 
     # the heads and the vocabulary are what the tensor-parallel plan splits
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}

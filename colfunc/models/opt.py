@@ -158,7 +158,7 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
 
 
 def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
-    nn.check_input_ids(input_ids_BT, cfg.max_seq_len)
+    nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
     T = input_ids_BT.shape[1]
     pos_T = torch.arange(POSITION_OFFSET, T + POSITION_OFFSET, device=input_ids_BT.device)
     tok_BTD = nn.embedding(input_ids_BT, params["embed"]["tokens"])
@@ -222,7 +222,7 @@ def loss(cfg: Config) -> Layered:
     """
 
     def pre(params: Params, batch: Any) -> torch.Tensor:
-        return _embed(params, batch["input_ids"], cfg)
+        return _embed(params, nn.batch_field(batch, "input_ids"), cfg)
 
     def block(layer: Params, x_BTD: torch.Tensor) -> torch.Tensor:
         return _block(layer, x_BTD, cfg)
@@ -230,7 +230,7 @@ def loss(cfg: Config) -> Layered:
     def post(params: Params, x_BTD: torch.Tensor, batch: Any) -> torch.Tensor:
         # the last position has no next token inside the sequence: drop it before the head
         logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
-        return nn.next_token_loss(logits_BSV, batch["labels"])
+        return nn.next_token_loss(logits_BSV, nn.batch_field(batch, "labels"))
 
     # the heads and the vocabulary are what the tensor-parallel plan splits
     divisors = {"n_head": cfg.n_head, "vocab_size": cfg.vocab_size}

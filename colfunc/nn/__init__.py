@@ -19,12 +19,13 @@ from colfunc.nn.attention import (
 )
 from colfunc.nn.dense import embedding, linear, unembed
 from colfunc.nn.feedforward import gelu_tanh, mlp, swiglu
-from colfunc.nn.lm import check_input_ids, nest, next_token_loss
+from colfunc.nn.lm import batch_field, check_input_ids, nest, next_token_loss
 
 __all__ = [
     "Paged",
     "PagedBatch",
     "attend",
+    "batch_field",
     "check_input_ids",
     "embedding",
     "gelu_tanh",

@@ -11,11 +11,43 @@ import torch
 
 from colfunc import ops
 
-__all__ = ["check_input_ids", "nest", "next_token_loss"]
+__all__ = ["batch_field", "check_input_ids", "nest", "next_token_loss"]
 
 
-def check_input_ids(input_ids_BT: Any, max_seq_len: int) -> torch.Tensor:
-    """``input_ids`` itself if it is a 2-D LongTensor no longer than ``max_seq_len``, else raise."""
+def batch_field(batch: Any, name: str) -> Any:
+    """``batch[name]``, or a ValueError naming the field, the keys there are and the form."""
+    if isinstance(batch, dict) and name in batch:
+        return batch[name]
+    keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+    raise ValueError(
+        f"the batch has no {name!r} (it has {keys}); a language model's batch is "
+        "{'input_ids': LongTensor [B, T], 'labels': LongTensor [B, T]} (labels = input_ids for "
+        "next-token prediction, -100 where no loss is wanted)"
+    )
+
+
+def _check_range(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | None) -> None:
+    """Token ids within ``[0, vocab_size)`` (or ``ignore``). Checked on plain CPU tensors only: on
+    an accelerator the check would wait for the device every step."""
+    if type(ids) is not torch.Tensor or ids.device.type != "cpu" or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bool(bad.any()):
+        value = int(ids[bad][0])
+        allowed = f"[0, {vocab_size})" + (f" or {ignore}" if ignore is not None else "")
+        raise ValueError(
+            f"{name} holds the token id {value}, outside the vocabulary: ids must be in "
+            f"{allowed} (model vocab_size={vocab_size}); check the tokenizer against the model"
+        )
+
+
+def check_input_ids(
+    input_ids_BT: Any, max_seq_len: int, vocab_size: int | None = None
+) -> torch.Tensor:
+    """``input_ids`` itself if it is a 2-D LongTensor no longer than ``max_seq_len`` (with ids
+    in ``[0, vocab_size)`` when given), else raise."""
     if not isinstance(input_ids_BT, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.LongTensor [B, T], got {type(input_ids_BT)}")
     if input_ids_BT.dtype != torch.long:
@@ -33,6 +65,8 @@ def check_input_ids(input_ids_BT: Any, max_seq_len: int) -> torch.Tensor:
             f"input_ids has sequence length {T}; the model takes 1 to max_seq_len={max_seq_len} "
             "tokens"
         )
+    if vocab_size is not None:
+        _check_range("input_ids", input_ids_BT, vocab_size, None)
     return input_ids_BT
 
 
@@ -52,6 +86,7 @@ def next_token_loss(logits_BSV: torch.Tensor, labels_BT: Any) -> torch.Tensor:
         raise ValueError(
             f"labels must have the shape of input_ids {(B, S + 1)}, got {tuple(labels_BT.shape)}"
         )
+    _check_range("labels", labels_BT, V, -100)
     return ops.cross_entropy(logits_BSV.reshape(B * S, V), labels_BT[:, 1:].reshape(B * S))
 
 

@@ -5,7 +5,12 @@ It knows nothing about models or training.
 
 from colfunc.sharding import comm
 from colfunc.sharding.dispatch import fallback_counts, reset_fallback_counts, strict
-from colfunc.sharding.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+from colfunc.sharding.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    RankFailedError,
+)
 from colfunc.sharding.launch import launch, run_cli
 from colfunc.sharding.ledger import Ledger, ledger, recording
 from colfunc.sharding.mesh import Mesh, current_mesh
@@ -19,6 +24,7 @@ __all__ = [
     "Ledger",
     "Mesh",
     "Partial",
+    "PeerLostError",
     "RankFailedError",
     "Replicate",
     "Shard",

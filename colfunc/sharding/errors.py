@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "RankFailedError"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError", "RankFailedError"]
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -14,6 +14,11 @@ class CollectiveMismatchError(RuntimeError):
 
 class CollectiveTimeoutError(RuntimeError):
     """Some ranks of a group did not reach a collective within the timeout; names them."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank of its group is gone (it crashed or was killed);
+    names this rank and the collective. The rank that stopped first says why."""
 
 
 class RankFailedError(RuntimeError):

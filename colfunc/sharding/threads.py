@@ -63,6 +63,7 @@ class ThreadWorld:
         self._open: dict[tuple[int, ...], _Round] = {}  # keyed by the sorted member ranks
         self._waiting: dict[int, _Round] = {}  # rank -> the round it waits to complete
         self._returned: set[int] = set()
+        self._first_return: tuple[int, float] | None = None  # (rank, time) of the first return
         self._ended: set[int] = set()
         self.failure: tuple[int | None, BaseException] | None = None
         self._ledgers = [Ledger() for _ in range(size)]
@@ -231,6 +232,8 @@ class ThreadWorld:
     # --- rank lifecycle (called by run_threads) --------------------------------------------
     def finish(self, rank: int) -> None:
         with self._cond:
+            if not self._returned:
+                self._first_return = (rank, time.monotonic())
             self._returned.add(rank)
             self._ended.add(rank)
             self._check_stuck()
@@ -254,16 +257,34 @@ class ThreadWorld:
             self._cond.notify_all()
 
     def join(self, grace: float) -> list[int]:
-        """Wait until every rank ended, or ``grace`` seconds after a failure; the ranks left."""
+        """Wait until every rank ended, or ``grace`` seconds after a failure, or ``grace``
+        seconds after the first rank returned (the others then fail: a rank that loops without
+        a collective cannot hold the launch forever); the ranks left."""
         with self._cond:
             deadline = None
             while len(self._ended) < self.size:
                 if self.failure is not None and deadline is None:
                     deadline = time.monotonic() + grace
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                first = self._first_return
+                if self.failure is None and first is not None:
+                    late = first[1] + grace - time.monotonic()
+                    if late <= 0:
+                        left = [r for r in range(self.size) if r not in self._ended]
+                        self.failure = (
+                            left[0],
+                            TimeoutError(
+                                f"ranks {left} were still running {grace} s after rank "
+                                f"{first[0]} returned (the launch's timeout); a rank that "
+                                f"loops without calling a collective never meets the others"
+                            ),
+                        )
+                        return left
+                    self._cond.wait(late)
+                    continue
+                left_s = None if deadline is None else deadline - time.monotonic()
+                if left_s is not None and left_s <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(left_s)
             return [r for r in range(self.size) if r not in self._ended]
 
 

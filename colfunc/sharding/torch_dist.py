@@ -9,6 +9,7 @@ cheap (gloo connects lazily) for meshes of a few axes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import itertools
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colfunc import core
-from colfunc.sharding.errors import RankFailedError
+from colfunc.sharding.errors import CollectiveTimeoutError, PeerLostError, RankFailedError
 from colfunc.sharding.ledger import Ledger
 from colfunc.sharding.mesh import Mesh
 from colfunc.sharding.world import Call
@@ -36,6 +37,34 @@ _RED = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_timeout = {"seconds": 0.0}  # the collective timeout the process group was made with
+_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused", "EOF")
+
+
+@contextlib.contextmanager
+def _named(rank: int, what: Callable[[], str]) -> Any:
+    """A backend error from a collective, as one that names the rank and the collective."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeoutError | PeerLostError | RankFailedError):
+            raise
+        text = str(e)
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CollectiveTimeoutError(
+                f"rank {rank}: {what()} did not complete within the collective timeout "
+                f"({_timeout['seconds']:g} s): a rank of its group never reached it (hung, or "
+                f"in another collective); raise the launch's timeout if it is only slow"
+            ) from e
+        if any(k in text for k in _GONE):
+            raise PeerLostError(
+                f"rank {rank}: {what()} failed because a rank of its group is gone "
+                f"({first[:160]}); the rank that stopped first says why"
+            ) from e
+        raise
 
 
 class TorchWorld:
@@ -78,6 +107,10 @@ class TorchWorld:
         return self._groups[tuple(ranks)]
 
     def collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
+        with _named(rank, lambda: call.describe(x)):
+            return self._collective(rank, call, x)
+
+    def _collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
         # dim 0 is the common case and the layout the single-tensor ops work in: no reshuffle
         pg, op, n = self._groups[call.group], call.op, len(call.group)
         if op == "all_reduce":
@@ -119,6 +152,12 @@ class TorchWorld:
         return out
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
+        with _named(rank, lambda: call.describe(x)):
+            request = self._start(call, x)
+        request.name = (rank, lambda: call.describe(x))
+        return request
+
+    def _start(self, call: Call, x: torch.Tensor) -> _Request:
         pg = self._groups[call.group]
         buf = x if x.is_contiguous() else x.contiguous()
         if call.op == "all_reduce":
@@ -180,10 +219,13 @@ class _Request:
     def __init__(self, work: Any, buffer: torch.Tensor, keep: Any = None) -> None:
         self.work, self.buffer = work, buffer
         self.keep = keep  # an input the transfer still reads
+        self.name: tuple[int, Callable[[], str]] | None = None  # (rank, what) for errors
 
     def wait(self) -> torch.Tensor:
         """Wait for the transfer; the received tensor (for a send, the tensor sent)."""
-        self.work.wait()
+        rank, what = self.name or (int(dist.get_rank()), lambda: "a point-to-point transfer")
+        with _named(rank, what):
+            self.work.wait()
         self.keep = None
         return self.buffer
 
@@ -202,6 +244,7 @@ def _init(backend: str, rank: int, size: int, timeout: float, store: Any = None)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     td = datetime.timedelta(seconds=timeout)
+    _timeout["seconds"] = float(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=td)
 
 
@@ -337,6 +380,24 @@ def run_processes(
     return results
 
 
+def _env_store(rank: int, size: int, timeout: float) -> Any:
+    """The rendezvous store under torchrun, its keys prefixed by the restart count: after an
+    elastic restart the agent's store still holds the addresses the dead group published, and a
+    rank that read one would connect to a process that is gone. None outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # hosted by the agent
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=not agent and rank == 0,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return dist.PrefixStore(f"colfunc/attempt_{attempt}", base)
+
+
 def run_env(fn: Callable[[Mesh], Any], shape: dict[str, int], timeout: float) -> list[Any]:
     """Run ``fn(mesh)`` as this process's rank under torchrun; every rank's result, in rank order."""
     try:
@@ -354,7 +415,13 @@ def run_env(fn: Callable[[Mesh], Any], shape: dict[str, int], timeout: float) ->
         )
     owned = not dist.is_initialized()
     if owned:
-        _init("nccl" if torch.cuda.is_available() else "gloo", rank, size, timeout)
+        _init(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            rank,
+            size,
+            timeout,
+            _env_store(rank, size, timeout),
+        )
     try:
         mesh = Mesh(shape, rank, world=TorchWorld(shape, rank))
         try:
