@@ -11,7 +11,15 @@
         remat="full",                                  # or "save_matmuls", "none"
         offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # one rank, see cf.offload
         backend="threads",                             # "threads" or "gloo"; "env" under torchrun
+        timeout=600,                                   # s a collective waits before it fails
     )
+
+A collective that waits longer than ``timeout`` for its group fails with an error naming the rank
+and the collective (:class:`~colfunc.sharding.CollectiveTimeoutError`), so a hang ends. With
+``COLFUNC_DEBUG_COLLECTIVES=1`` in the environment, every rank of a gloo or NCCL group first
+checks that all call the same collective on the same axis with the same shape and dtype, and all
+raise :class:`~colfunc.sharding.CollectiveMismatchError` naming each rank's call if not (the
+threads backend always checks).
 
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
 zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
@@ -32,7 +40,7 @@ from colfunc.step import Step
 
 __all__ = ["ParallelConfig", "build", "parse"]
 
-_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "offload", "backend")
+_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "offload", "backend", "timeout")
 _PLACEMENTS = {"cuda": "device", "cpu": "host", "auto": "auto"}  # ColossalAI's names
 
 
@@ -50,8 +58,15 @@ class ParallelConfig:
     remat: str = "none"
     offload: dict[str, Any] | None = None
     backend: str = "threads"
+    timeout: float = 600.0
 
     def __post_init__(self) -> None:
+        t = self.timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+            raise ValueError(
+                f"parallel: timeout must be a number of seconds > 0 (how long a collective waits "
+                f"for its group before failing with an error naming the rank), got {t!r}"
+            )
         for name in ("data", "tensor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,7 +116,7 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
     if unknown:
         raise ValueError(f"parallel has unknown key {unknown[0]!r}; the keys are {list(_KEYS)}")
     kw: dict[str, Any] = {
-        k: section[k] for k in ("data", "pipeline", "remat", "backend") if k in section
+        k: section[k] for k in ("data", "pipeline", "remat", "backend", "timeout") if k in section
     }
     tensor = section.get("tensor", 1)
     if isinstance(tensor, dict):

@@ -368,7 +368,8 @@ def run(
         if pc is None:
             final: TrainState = body(None)
         else:
-            final = launch(body, mesh=pc.mesh_shape, backend=parallel.backend(pc), timeout=600.0)[0]
+            backend = parallel.backend(pc)
+            final = launch(body, mesh=pc.mesh_shape, backend=backend, timeout=pc.timeout)[0]
         signum = _Signals.stopped
         if not signum and pc is not None and parallel.backend(pc) == "gloo":
             signum = _Signals.caught  # forwarded to the rank processes, which stopped on it

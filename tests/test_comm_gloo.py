@@ -94,3 +94,62 @@ def test_gloo_equals_threads_exactly(runs: dict, size: int) -> None:
             where = f"{case.op}{case.kw} over {case.axes}, rank {r}"
             assert torch.equal(a["y"], b["y"]) and torch.equal(a["grad"], b["grad"]), where
             assert a["sent"] == b["sent"], where
+
+
+def _mismatched(mesh: Any) -> str:
+    """Rank 0 calls all_reduce while rank 1 calls all_gather; each returns what it raised."""
+    from colfunc.sharding import CollectiveMismatchError, comm
+
+    x = torch.ones(4)
+    try:
+        if mesh.rank == 0:
+            comm.all_reduce(x, "dp", mesh=mesh)
+        else:
+            comm.all_gather(x, "dp", 0, mesh)
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def _one_rank_hangs(mesh: Any) -> None:
+    import time
+
+    from colfunc.sharding import comm
+
+    if mesh.rank == 0:
+        comm.all_reduce(torch.ones(4), "dp", mesh=mesh)
+    else:
+        time.sleep(6)  # never reaches the collective
+
+
+def test_debug_flag_turns_a_mismatch_into_an_error_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    monkeypatch.setenv("COLFUNC_DEBUG_COLLECTIVES", "1")
+    t0 = time.monotonic()
+    said = launch(_mismatched, {"dp": 2}, backend="gloo", timeout=20)
+    assert time.monotonic() - t0 < 10 + 5  # (process start-up included)
+    calls = (
+        "rank 0 called all_reduce(axis='dp', op='sum', shape=(4,), dtype=float32); "
+        "rank 1 called all_gather(axis='dp', dim=0, shape=(4,), dtype=float32)"
+    )
+    for r, message in enumerate(said):
+        assert message == f"rank {r}: ranks (0, 1) entered different collectives: {calls}"
+
+
+def test_without_the_flag_the_timeout_ends_a_hang_with_a_named_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from colfunc.sharding import CollectiveTimeoutError, RankFailedError
+
+    monkeypatch.delenv("COLFUNC_DEBUG_COLLECTIVES", raising=False)
+    with pytest.raises(RankFailedError) as info:
+        launch(_one_rank_hangs, {"dp": 2}, backend="gloo", timeout=2)
+    cause = info.value.__cause__
+    assert isinstance(cause, CollectiveTimeoutError)
+    assert str(cause).startswith(
+        "rank 0: all_reduce(axis='dp', op='sum', shape=(4,), dtype=float32) did not complete "
+        "within the collective timeout (2 s)"
+    )

@@ -134,3 +134,13 @@ def test_parallel_example_builds_its_mesh() -> None:
     assert pc.mesh_shape == {"dp": 2, "tp": 2}
     assert (pc.sequence_parallel, pc.zero, pc.amp, pc.remat) == (True, 2, {"dtype": "bf16"}, "full")
     assert cfg.model == config.default().model  # the default model, on a mesh
+
+
+def test_the_collective_timeout_is_configurable_and_checked() -> None:
+    from colfunc import parallel
+
+    assert parallel.parse({"data": 2}).timeout == 600.0
+    assert parallel.parse({"data": 2, "timeout": 30}).timeout == 30
+    for bad in (0, -1, float("inf"), "10", True):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            parallel.parse({"data": 2, "timeout": bad})

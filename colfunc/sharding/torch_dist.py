@@ -26,7 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colfunc import core
-from colfunc.sharding.errors import CollectiveTimeoutError, PeerLostError, RankFailedError
+from colfunc.sharding.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    RankFailedError,
+)
 from colfunc.sharding.ledger import Ledger
 from colfunc.sharding.mesh import Mesh
 from colfunc.sharding.world import Call
@@ -49,7 +54,9 @@ def _named(rank: int, what: Callable[[], str]) -> Any:
     try:
         yield
     except RuntimeError as e:
-        if isinstance(e, CollectiveTimeoutError | PeerLostError | RankFailedError):
+        if isinstance(e, CollectiveMismatchError | CollectiveTimeoutError | PeerLostError):
+            raise
+        if isinstance(e, RankFailedError):
             raise
         text = str(e)
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")
@@ -108,7 +115,24 @@ class TorchWorld:
 
     def collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
         with _named(rank, lambda: call.describe(x)):
+            self._check_same(rank, call, x)
             return self._collective(rank, call, x)
+
+    def _check_same(self, rank: int, call: Call, x: torch.Tensor) -> None:
+        """Under ``COLFUNC_DEBUG_COLLECTIVES=1``: every rank of the group says what it is about
+        to call (a small exchange of descriptions, as ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does),
+        and all raise :class:`CollectiveMismatchError` if they differ, instead of handing the
+        backend calls that hang or abort."""
+        if os.environ.get("COLFUNC_DEBUG_COLLECTIVES", "0") in ("", "0"):
+            return
+        mine = call.describe(x)
+        said: list[Any] = [None] * len(call.group)
+        dist.all_gather_object(said, (rank, mine), group=self._groups[call.group])
+        if len({what for _, what in said}) > 1:
+            calls = "; ".join(f"rank {r} called {what}" for r, what in sorted(said))
+            raise CollectiveMismatchError(
+                f"rank {rank}: ranks {call.group} entered different collectives: {calls}"
+            )
 
     def _collective(self, rank: int, call: Call, x: torch.Tensor) -> torch.Tensor:
         # dim 0 is the common case and the layout the single-tensor ops work in: no reshuffle
@@ -153,6 +177,7 @@ class TorchWorld:
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
         with _named(rank, lambda: call.describe(x)):
+            self._check_same(rank, call, x)
             request = self._start(call, x)
         request.name = (rank, lambda: call.describe(x))
         return request
