@@ -166,3 +166,34 @@ def test_sigterm_to_colfunc_run_stops_every_rank_which_save(tmp_path: Path) -> N
         )
     state, _ = trainer.load_run(run)
     assert state.step == _step(run) >= 6
+
+
+def test_two_agents_on_one_machine_stand_for_two_nodes(tmp_path: Path) -> None:
+    """``colfunc run --nnodes 2 --node-rank R --master-addr A --master-port P``: one agent per
+    "machine", one rank each; the run equals the same data=2 run started by one agent."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    steps = 8
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = _cmd(tmp_path, "nodes", steps)
+        i = cmd.index("-n")
+        cmd[i : i + 2] = ["-n", "1", "--nnodes", "2", "--node-rank", str(rank)]
+        cmd[i + 6 : i + 6] = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    agents = [node(0), node(1)]
+    for a in agents:
+        _, err = a.communicate(timeout=300)
+        assert a.returncode == 0, err
+    one = subprocess.run(
+        _cmd(tmp_path, "one", steps), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 0, one.stderr
+    _same_final(tmp_path / "nodes", tmp_path / "one")
