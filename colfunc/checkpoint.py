@@ -47,7 +47,21 @@ from typing import Any
 import safetensors.torch
 import torch
 
-__all__ = ["AsyncWriter", "CheckpointError", "commit", "latest", "load", "save", "steps"]
+__all__ = [
+    "AsyncWriter",
+    "CheckpointError",
+    "abandon_sharded",
+    "begin_sharded",
+    "commit",
+    "finish_sharded",
+    "latest",
+    "load",
+    "load_shard",
+    "save",
+    "sharded_meta",
+    "steps",
+    "write_shard",
+]
 
 TENSORS = "state.safetensors"
 META = "meta.json"
@@ -274,6 +288,13 @@ def load(path: str | Path) -> tuple[Any, Any]:
     meta_path, tensors_path = path / META, path / TENSORS
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (not a folder)")
+    sharded = sharded_meta(path) if meta_path.is_file() and not tensors_path.exists() else None
+    if sharded is not None:
+        raise CheckpointError(
+            f"{str(path)!r} is a sharded checkpoint (one file per rank of mesh "
+            f"{sharded['mesh']}); read it with colfunc.train.load_run, which lays it out for any "
+            f"mesh"
+        )
     for p in (meta_path, tensors_path):
         if not p.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {p.name} is missing")
@@ -323,7 +344,12 @@ def steps(root: str | Path) -> list[int]:
     out = []
     for p in root.iterdir():
         m = _STEP.fullmatch(p.name)
-        if m and (p / META).is_file() and (p / TENSORS).is_file():
+        # a single-file checkpoint has its tensors; a sharded one is renamed in with its index
+        if (
+            m
+            and (p / META).is_file()
+            and ((p / TENSORS).is_file() or (p / shard_name(0)).is_file())
+        ):
             out.append(int(m.group(1)))
     return sorted(out)
 
@@ -480,3 +506,158 @@ class AsyncWriter:
             error, self._error = self._error, None
             raise error
         return self.last
+
+
+# --- sharded checkpoints: one file per rank, no gathering ---------------------------------
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _shards_temp(root: Path, name: str) -> Path:
+    return root / f".tmp-{name}-shards"
+
+
+def write_shard(root: str | Path, step: int, rank: int, local_state: Any) -> Path:
+    """Write one rank's pieces of the checkpoint of ``step`` (plain local tensors: every rank's
+    own, as it holds them) into the store's temporary folder for that step, fsynced; its
+    structure and checksums in the file's metadata. The folder must exist
+    (:func:`begin_sharded`)."""
+    root = Path(root)
+    name = _step_name(step)
+    folder = _shards_temp(root, name)
+    meta, tensors = _meta(local_state, None)
+    storable = _storable(tensors)
+    header = {
+        "format": _FORMAT,
+        "rank": rank,
+        "state": meta["state"],
+        "checksums": {k: checksum(t) for k, t in storable.items()},
+    }
+    path = folder / shard_name(rank)
+    _write_synced(
+        path,
+        lambda p: safetensors.torch.save_file(
+            storable, str(p), metadata={"colfunc": json.dumps(header)}
+        ),
+    )
+    return path
+
+
+def begin_sharded(root: str | Path, step: int) -> bool:
+    """On one rank (rank 0), before the ranks write: remove stale temporaries and make the
+    step's temporary folder. False when that step is committed already (nothing to write)."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{str(root)!r} is a file, not a checkpoint store")
+    root.mkdir(parents=True, exist_ok=True)
+    name = _step_name(step)
+    if (root / name / META).is_file():
+        return False
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    folder = _shards_temp(root, name)
+    folder.mkdir()
+    folder.chmod(0o777 & ~_umask())
+    return True
+
+
+def finish_sharded(
+    root: str | Path,
+    step: int,
+    config: Any,
+    *,
+    mesh_shape: dict[str, int],
+    keep_last: int | None = None,
+) -> Path:
+    """On one rank (rank 0), once every rank's file is written: the index (``meta.json``: the
+    mesh, the files, the config) written last, the folder renamed into place, ``latest``
+    pointed at it. Raises :class:`CheckpointError` if a rank's file is missing."""
+    root = Path(root)
+    name = _step_name(step)
+    folder, final = _shards_temp(root, name), root / name
+    size = 1
+    for n in mesh_shape.values():
+        size *= n
+    files = [shard_name(r) for r in range(size)]
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise CheckpointError(f"sharded checkpoint of step {step}: {missing[0]} was not written")
+    meta = {
+        "format": _FORMAT,
+        "config": _config_json(config),
+        "sharded": {"mesh": dict(mesh_shape), "world": size, "files": files, "step": step},
+    }
+    text = json.dumps(meta, indent=1)
+    _write_synced(folder / META, lambda p: p.write_text(text))
+    _sync_dir(folder)
+    os.rename(folder, final)
+    _sync_dir(root)
+    _point(root, name)
+    if keep_last is not None:
+        _prune(root, keep_last, name)
+    return final
+
+
+def abandon_sharded(root: str | Path, step: int) -> None:
+    """Remove the temporary folder of a sharded checkpoint a rank failed to write."""
+    shutil.rmtree(_shards_temp(Path(root), _step_name(step)), ignore_errors=True)
+
+
+def sharded_meta(path: str | Path) -> dict[str, Any] | None:
+    """The ``sharded`` entry of a checkpoint's index (mesh, world size, files, step), or None
+    for a single-file checkpoint."""
+    meta = _read_meta(Path(path) / META)
+    sharded = meta.get("sharded")
+    return sharded if isinstance(sharded, dict) else None
+
+
+def load_shard(path: str | Path, rank: int) -> tuple[Any, Any]:
+    """``(local_state, config)``: rank ``rank``'s pieces of the sharded checkpoint ``path``, as
+    that rank held them (checksums verified)."""
+    from colfunc import config as config_lib
+
+    path = Path(path)
+    meta = _read_meta(path / META)
+    sharded = meta.get("sharded")
+    if not isinstance(sharded, dict):
+        raise CheckpointError(f"{str(path)!r} is not a sharded checkpoint")
+    if not 0 <= rank < int(sharded["world"]):
+        raise CheckpointError(
+            f"{str(path)!r} was written by {sharded['world']} ranks; it has no rank {rank}"
+        )
+    file = path / shard_name(rank)
+    if not file.is_file():
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} is incomplete: {file.name} is missing"
+        )
+    try:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            header = json.loads((f.metadata() or {})["colfunc"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except PermissionError as e:
+        raise CheckpointError(f"{str(file)!r} cannot be read: permission denied") from e
+    except Exception as e:
+        raise CheckpointError(f"{str(file)!r} is corrupt: {e}") from e
+    if header.get("rank") != rank:
+        raise CheckpointError(
+            f"{str(file)!r} holds rank {header.get('rank')}'s pieces, not {rank}'s"
+        )
+    sums = header.get("checksums", {})
+    for key, t in tensors.items():
+        if key in sums and sums[key] != checksum(t):
+            raise CheckpointError(
+                f"{str(file)!r} is corrupt: tensor {key!r} does not match its checksum"
+            )
+    state = _decode(header["state"], tensors)
+    stored = meta.get("config")
+    cfg = None
+    if stored is not None:
+        cfg = (
+            config_lib.from_dict(stored["run_config"]) if "run_config" in stored else stored["json"]
+        )
+    return state, cfg

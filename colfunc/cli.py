@@ -73,7 +73,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torchrun restarted the group after a rank died: go on from the last checkpoint
             if train.checkpoint_path(run_dir) is not None:
-                state, cfg = train.load_run(run_dir)
+                state, cfg = train.load_run(run_dir, gather=False)
             print(
                 "colfunc: restarted by torchrun; "
                 + (f"resuming from step {state.step}" if state else "starting again"),
@@ -89,7 +89,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if changed_model:
         raise ValueError(f"--set {changed_model[0]}: the model cannot change when resuming")
     run_dir = Path(args.resume)
-    state, saved = train.load_run(args.resume)
+    state, saved = train.load_run(args.resume, gather=False)  # each rank its own shard
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
         raise ValueError(

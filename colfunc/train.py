@@ -47,8 +47,9 @@ import torch
 from colfunc import checkpoint, data, hf, optim, parallel, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.generate import complete
-from colfunc.sharding import Mesh, comm, launch
+from colfunc.sharding import Mesh, RankFailedError, comm, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
+from colfunc.transforms.local import local_piece, rewrap, to_local
 
 __all__ = [
     "CHECKPOINT",
@@ -91,8 +92,130 @@ def checkpoint_path(run: str | Path) -> Path | None:
     return legacy if legacy.is_dir() else None
 
 
-def load_run(run: str | Path) -> tuple[TrainState, RunConfig]:
-    """``(state, config)`` of the run folder ``run`` (or of a checkpoint folder itself)."""
+def _make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
+    """The run's step on this rank: its loss and optimizer, composed as ``parallel`` says."""
+    model = model_module(cfg.model)
+    # the loop never looks at a state again once it is stepped: let the step reuse its buffers
+    step_fn = train_step(
+        model.loss(cfg.model), build_optimizer(cfg.optim, cfg.train.steps), donate=True
+    )
+    if pc is not None and mesh is not None:
+        step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
+    return step_fn
+
+
+def _layout_key(cfg: RunConfig) -> Any:
+    """What decides how a parallel run lays out its state (not how it launches)."""
+    return {k: v for k, v in cfg.parallel.items() if k not in ("backend", "timeout")}
+
+
+class ShardedRun:
+    """A sharded checkpoint (one file per rank) and the run config that wrote it: each rank
+    of the same layout reads its own file (:meth:`local`); any other layout starts from
+    :meth:`full`, which rebuilds the writing composition in this process (threads) to put the
+    pieces back together."""
+
+    def __init__(self, path: Path, cfg: RunConfig, info: dict[str, Any]) -> None:
+        self.path, self.config, self.info = path, cfg, info
+        self.step = int(info["step"])
+        self.mesh_shape = dict(info["mesh"])
+
+    def same_layout(self, cfg: RunConfig, pc: Any) -> bool:
+        return (
+            pc is not None
+            and pc.mesh_shape == self.mesh_shape
+            and _layout_key(cfg) == _layout_key(self.config)
+        )
+
+    def local(self, step_fn: Any, mesh: Mesh, cfg: RunConfig) -> TrainState:
+        """This rank's state, as the writing rank held it, under the same composition."""
+        saved, _ = checkpoint.load_shard(self.path, mesh.rank)
+        model = model_module(cfg.model)
+        # the layout only (values are replaced): abstract parameters, each rank making its own
+        # pieces; a pipeline cuts made ones
+        abstract = not cfg.parallel.get("pipeline")
+        fresh = step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+        where = f"{self.path / checkpoint.shard_name(mesh.rank)}"
+
+        def fill(fresh_part: Any, saved_part: Any, what: str) -> Any:
+            flat, treedef = tree.flatten_with_paths(fresh_part)
+            have = dict(tree.flatten_with_paths(saved_part)[0])
+            out = []
+            for path, x in flat:
+                if path not in have:
+                    raise checkpoint.CheckpointError(f"{where} has no {what} {path!r}")
+                y = have[path]
+                if not isinstance(x, torch.Tensor):
+                    out.append(y)
+                    continue
+                mine = local_piece(x)
+                if not isinstance(y, torch.Tensor) or (tuple(y.shape), y.dtype) != (
+                    tuple(mine.shape),
+                    mine.dtype,
+                ):
+                    got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y)
+                    raise checkpoint.CheckpointError(
+                        f"{where}: {what} {path!r} is {got}, but this rank's layout holds "
+                        f"{(tuple(mine.shape), mine.dtype)}"
+                    )
+                out.append(rewrap(x, y.to(mine.device)))
+            return tree.unflatten(treedef, out)
+
+        params = fill(fresh.params, saved.params, "parameter")
+        opt_state = fill(fresh.opt_state, saved.opt_state, "optimizer state")
+        extra = {
+            **saved.extra,
+            **{k: v for k, v in fresh.extra.items() if isinstance(v, StateLayout)},
+        }
+        return TrainState(params, opt_state, saved.step, extra)
+
+    def full(self) -> TrainState:
+        """The state in the single-device layout: the writing mesh's ranks, as threads here,
+        each reads its file and the composition gathers them (memory: the whole state)."""
+        cfg = self.config
+        pc = parallel.parse(cfg.parallel)
+
+        def body(mesh: Mesh) -> TrainState | None:
+            local = self.local(_make_step(cfg, mesh, pc), mesh, cfg)
+            full = _single_layout(local)
+            return full if mesh.rank == 0 else None
+
+        try:
+            out = launch(body, mesh=self.mesh_shape, backend="threads", timeout=pc.timeout)[0]
+        except RankFailedError as e:  # a damaged file: the error that names it
+            if isinstance(e.__cause__, checkpoint.CheckpointError):
+                raise e.__cause__ from None
+            raise
+        assert out is not None
+        return out
+
+
+def _single_layout(state: TrainState) -> TrainState:
+    """``full_state`` without the transforms' own entries of extra (made afresh on resuming);
+    a collective under a mesh."""
+    full = full_state(state)
+    kept = {k: v for k, v in full.extra.items() if not isinstance(v, StateLayout)}
+    return TrainState(full.params, full.opt_state, full.step, kept)
+
+
+def _local_of(state: TrainState) -> TrainState:
+    """This rank's pieces of ``state`` as plain tensors, without the transforms' own entries
+    of extra (made afresh on loading); offloaded chunks written back to their host rows."""
+    for entry in state.extra.values():
+        sync = getattr(entry, "sync_host", None)
+        if callable(sync):
+            sync()
+    extra = {k: v for k, v in state.extra.items() if not isinstance(v, StateLayout)}
+    return TrainState(
+        to_local(state.params), to_local(state.opt_state), state.step, to_local(extra)
+    )
+
+
+def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
+    """``(state, config)`` of the run folder ``run`` (or of a checkpoint folder itself), the
+    state in the single-device layout. ``gather=False`` returns a sharded checkpoint as a
+    :class:`ShardedRun` (that :func:`run` resumes, each rank reading only its own file when the
+    layout is the same)."""
     path = checkpoint_path(run)
     if path is None:
         if Path(run, METRICS).is_file():
@@ -104,6 +227,13 @@ def load_run(run: str | Path) -> tuple[TrainState, RunConfig]:
         raise checkpoint.CheckpointError(
             f"{str(run)!r} is not a run folder or a checkpoint: it has no {CHECKPOINTS}/"
         )
+    info = checkpoint.sharded_meta(path)
+    if info is not None:
+        _, cfg = checkpoint.load_shard(path, 0)
+        if not isinstance(cfg, RunConfig):
+            raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+        handle = ShardedRun(path, cfg, info)
+        return (handle if not gather else handle.full()), cfg
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
@@ -144,7 +274,8 @@ def plot(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:  # (a run resumed for no steps has nothing to draw)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
@@ -361,6 +492,8 @@ def run(
     _check_corpus(corpus, cfg)
     # weights read once, here: ranks (threads) must not import transformers side by side
     params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
+    if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc):
+        state = state.full()  # another layout: from the single-device one
     body = functools.partial(
         _train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start, params0
     )
@@ -397,12 +530,12 @@ def _train(
     tokens_per_step = dc.batch_size * dc.seq_len
     model = model_module(cfg.model)
     loss_fn = model.loss(cfg.model)
-    # the loop never looks at a state again once it is stepped: let the step reuse its buffers
-    step_fn = train_step(loss_fn, build_optimizer(cfg.optim, tc.steps), donate=True)
-    if pc is not None and mesh is not None:
-        step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
+    step_fn = _make_step(cfg, mesh, pc)
     params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
-    if state is not None:  # saved in the single-device layout, whatever the mesh was
+    if isinstance(state, ShardedRun):  # the same layout: this rank's own file, nothing else
+        assert mesh is not None
+        state = state.local(step_fn, mesh, cfg)
+    elif state is not None:  # in the single-device layout, whatever the mesh was
         _check_resumable(
             state, train_step(loss_fn, build_optimizer(cfg.optim, tc.steps)).init(params0)
         )
@@ -420,13 +553,8 @@ def _train(
         return sum(losses) / len(losses) if lead else None
 
     def saved(state: TrainState) -> TrainState:
-        if mesh is None:
-            return state
-        # the single-device layout, which any mesh can take up again; the transforms' own
-        # entries of extra (layouts) are made afresh on resuming, plain values are kept
-        full = full_state(state)
-        kept = {k: v for k, v in full.extra.items() if not isinstance(v, StateLayout)}
-        return TrainState(full.params, full.opt_state, full.step, kept)
+        # the single-device layout (a collective under a mesh)
+        return state if mesh is None else _single_layout(state)
 
     log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
     state = step_fn.init(params0) if state is None else state
@@ -462,24 +590,60 @@ def _train(
     last_saved = [state.step if state.step else None]
     keep = tc.keep_last or None
 
-    last_full: list[TrainState] = []
+    def any_rank(flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (a collective under a mesh)."""
+        if mesh is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        return bool(comm.all_reduce(t, tuple(mesh.axis_names), "max", mesh)[0])
 
     def save(state: TrainState) -> None:
-        full = saved(state)  # a collective under a mesh: every rank takes part
-        last_full[:] = [full]
-        if log is None:
-            return
-        bad = [p for p, x in tree.flatten_with_paths(full.params)[0] if not x.isfinite().all()]
+        if mesh is not None:
+            return save_shards(state)
+        bad = [p for p, x in tree.flatten_with_paths(state.params)[0] if not x.isfinite().all()]
         if bad:
             raise ValueError(
                 f"step {state.step}: parameter {bad[0]!r} is not finite; the run stops without "
                 f"saving, so the checkpoint of step {last_saved[0]} is kept"
             )
         if writer is not None:
-            writer.submit(store, full.step, full, cfg, keep_last=keep)
+            writer.submit(store, state.step, state, cfg, keep_last=keep)
         else:
-            checkpoint.commit(store, full.step, full, cfg, keep_last=keep)
-        last_saved[0] = full.step
+            checkpoint.commit(store, state.step, state, cfg, keep_last=keep)
+        last_saved[0] = state.step
+
+    def save_shards(state: TrainState) -> None:
+        """Every rank writes its own pieces, as it holds them (no gathering); rank 0 writes
+        the index once all have, and commits."""
+        assert mesh is not None
+        local = _local_of(state)
+        floats = [
+            (p, x) for p, x in tree.flatten_with_paths(local.params)[0] if x.is_floating_point()
+        ]
+        bad = [p for p, x in floats if not x.isfinite().all()]
+        if any_rank(bool(bad)):
+            raise ValueError(
+                f"step {state.step}: parameter {bad[0] if bad else '(on another rank)'!r} is not "
+                f"finite; the run stops without saving, so the checkpoint of step "
+                f"{last_saved[0]} is kept"
+            )
+        fresh = checkpoint.begin_sharded(store, state.step) if lead else False
+        if not any_rank(fresh):  # (rank 0's answer: that step is committed already)
+            return
+        error: BaseException | None = None
+        try:
+            checkpoint.write_shard(store, state.step, mesh.rank, local)
+        except Exception as e:  # every rank must learn of it, or the others would commit
+            error = e
+        if any_rank(error is not None):
+            if lead:
+                checkpoint.abandon_sharded(store, state.step)
+            raise error or checkpoint.CheckpointError(
+                f"step {state.step}: another rank failed to write its shard; nothing was committed"
+            )
+        if lead:
+            checkpoint.finish_sharded(store, state.step, cfg, mesh_shape=mesh.shape, keep_last=keep)
+        last_saved[0] = state.step
 
     stopped = 0
     signals = _Signals.held()  # (a spawned rank's main thread; elsewhere run() holds them)
@@ -545,6 +709,8 @@ def _train(
 
     if stopped:
         _Signals.stopped = stopped
+    # the end's sample needs the whole parameters (a gather under a mesh: every rank)
+    final = saved(state) if tc.sample_tokens and not stopped else state
     if log is None:
         return state
     plot(log.records, run_dir / PLOT, title=run_dir.name)
@@ -557,7 +723,6 @@ def _train(
             flush=True,
         )
         return state
-    final = last_full[0]
     last_val = next((r["val_loss"] for r in reversed(log.records) if "val_loss" in r), None)
     val_text = f", validation loss {last_val:.3f} nats/byte" if last_val is not None else ""
     print(

@@ -1,0 +1,170 @@
+"""Sharded checkpoints: every rank writes its own pieces (no gathering), and a checkpoint saved
+under one layout loads under any other, the full state (parameters and optimizer) bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from colfunc import checkpoint, config, tree
+from colfunc import train as trainer
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "one": {},
+    "dp2": {"data": 2},
+    "tp2": {"tensor": 2},
+    "pp2": {"pipeline": {"stages": 2, "microbatches": 2}},
+    "zero3": {"data": 2, "zero": 3},
+    "dp2-tp2-zero1": {"data": 2, "tensor": 2, "zero": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(30):
+        (root / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 5)
+    return root
+
+
+def _cfg(corpus: Path, parallel: dict[str, Any], **train: Any) -> config.RunConfig:
+    sets = {
+        "model.n_layer": 2,
+        "model.d_model": 32,
+        "model.n_head": 2,
+        "model.max_seq_len": 16,
+        "data.corpus": corpus,
+        "data.seq_len": 16,
+        "data.batch_size": 4,
+        "data.val_fraction": 0.1,
+        "train.steps": 6,
+        "train.log_every": 3,
+        "train.eval_every": 6,
+        "train.eval_batches": 1,
+        "train.sample_tokens": 0,
+        **{f"train.{k}": v for k, v in train.items()},
+    }
+    cfg = config.load(None, [f"{k}={v}" for k, v in sets.items()])
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+def _same(a: Any, b: Any) -> None:
+    fa, fb = tree.flatten_with_paths(a)[0], tree.flatten_with_paths(b)[0]
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (p, x), (_, y) in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), p
+        else:
+            assert x == y, p
+
+
+@pytest.fixture(scope="module")
+def saved(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three steps under each layout; its checkpoint folder."""
+    out = {}
+    for name, parallel in LAYOUTS.items():
+        run = tmp_path_factory.mktemp("runs") / name
+        trainer.run(_cfg(corpus, parallel), run, stop_at=3, progress=False)
+        out[name] = run
+    return out
+
+
+def test_each_rank_writes_its_own_file_and_an_index(saved: dict[str, Path]) -> None:
+    for name, run in saved.items():
+        path = trainer.checkpoint_path(run)
+        assert path is not None and path.name == "step-00000003"
+        files = sorted(p.name for p in path.iterdir())
+        if name == "one":
+            assert files == ["meta.json", "state.safetensors"]
+            continue
+        info = checkpoint.sharded_meta(path)
+        assert info is not None
+        world = 1
+        for n in info["mesh"].values():
+            world *= n
+        assert files == ["meta.json", *(checkpoint.shard_name(r) for r in range(world))]
+        assert info["world"] == world and info["step"] == 3
+        index = json.loads((path / "meta.json").read_text())
+        assert index["config"]["run_config"]["parallel"] == LAYOUTS[name]
+
+
+@pytest.mark.parametrize("source", sorted(LAYOUTS))
+def test_a_checkpoint_loads_under_every_other_layout(
+    saved: dict[str, Path], source: str, corpus: Path, tmp_path: Path
+) -> None:
+    """Saved under ``source``; resumed (zero more steps) under each other layout, which saves
+    it again its own way; read back, the full state equals the source's, bit for bit."""
+    want, _ = trainer.load_run(saved[source])  # the single-device layout
+    assert want.step == 3
+    for target, parallel in LAYOUTS.items():
+        if target == source:
+            continue
+        state, _ = trainer.load_run(saved[source], gather=False)
+        run = tmp_path / target
+        run.mkdir()
+        again = trainer.run(_cfg(corpus, parallel), run, state=state, stop_at=3, progress=False)
+        assert again.step == 3
+        got, _ = trainer.load_run(run)
+        _same(got.params, want.params)
+        _same(got.opt_state, want.opt_state)
+
+
+def test_the_same_layout_reads_only_its_own_file_and_saves_without_gathering(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under dp=2 x tp=2 with ZeRO-1, 3 steps, save, 3 more equal 6 straight, bit for bit; the
+    saves and the resume never gather the state (full_state is never called)."""
+    cfg = _cfg(corpus, LAYOUTS["dp2-tp2-zero1"], save_every=3)
+    straight = tmp_path / "straight"
+    trainer.run(cfg, straight, progress=False)
+
+    def no_gathering(*args: Any) -> Any:
+        raise AssertionError("the state was gathered")
+
+    monkeypatch.setattr(trainer, "full_state", no_gathering)
+    split = tmp_path / "split"
+    trainer.run(cfg, split, stop_at=3, progress=False)
+    handle, _ = trainer.load_run(split, gather=False)
+    assert isinstance(handle, trainer.ShardedRun) and handle.step == 3
+    reads: list[int] = []
+    real = checkpoint.load_shard
+
+    def counted(path: Any, rank: int) -> Any:
+        reads.append(rank)
+        return real(path, rank)
+
+    monkeypatch.setattr(checkpoint, "load_shard", counted)
+    trainer.run(cfg, split, state=handle, progress=False)
+    assert sorted(reads) == [0, 1, 2, 3]  # each rank its own file, once
+    monkeypatch.undo()
+    a, _ = trainer.load_run(split)
+    b, _ = trainer.load_run(straight)
+    assert a.step == b.step == 6
+    _same(a.params, b.params)
+    _same(a.opt_state, b.opt_state)
+
+
+def test_bad_sharded_checkpoints_are_named(saved: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    path = trainer.checkpoint_path(saved["dp2"])
+    assert path is not None
+    with pytest.raises(checkpoint.CheckpointError, match="is a sharded checkpoint"):
+        checkpoint.load(path)
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / checkpoint.shard_name(1)).unlink()
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"incomplete: rank-00001\.safetensors is missing"
+    ):
+        trainer.load_run(broken)
+    shutil.rmtree(broken)
+    shutil.copytree(path, broken)  # a rank's file that does not match what the index says
+    shutil.copy(path / checkpoint.shard_name(0), broken / checkpoint.shard_name(1))
+    with pytest.raises(checkpoint.CheckpointError, match="holds rank 0's pieces, not 1's"):
+        trainer.load_run(broken)
