@@ -21,6 +21,13 @@ any moment leaves the previous complete checkpoint loadable. Stale temporaries a
 next commit; ``keep_last`` prunes the oldest. :class:`AsyncWriter` copies a state to host memory
 and commits it in a background thread.
 
+A parallel run's checkpoint is *sharded* (:func:`begin_sharded`, :func:`write_shard`,
+:func:`finish_sharded`): each rank writes its own pieces as it holds them,
+``rank-RRRRR.safetensors`` (its structure and checksums in the file's header; no gathering, and
+no rank holds more than its own state), then rank 0 writes ``meta.json`` (the mesh, the files,
+the run config) and commits the folder by the same one rename. :func:`colfunc.train.load_run`
+lays a sharded checkpoint out for any other mesh or composition.
+
 :func:`save` writes one checkpoint folder; an existing one there is replaced (its temporaries
 removed by the next save, and :func:`load` recovers the old one if a crash came between the two
 renames a replacement takes).

@@ -13,8 +13,11 @@ A run folder ``runs/<name>/`` holds
     config) and a ``latest`` file naming the newest (:func:`colfunc.checkpoint.commit`):
     written every ``train.save_every`` steps (keeping ``train.keep_last``), at the end, and when
     the run is stopped by Ctrl-C or SIGTERM. Each commit is atomic, so a crash or a SIGKILL at
-    any moment leaves the previous checkpoint loadable. (Runs written before the store kept one
-    ``checkpoint/`` folder; they still load and resume.)
+    any moment leaves the previous checkpoint loadable. A parallel run's checkpoints are
+    sharded: each rank writes its own pieces, nothing is gathered; resumed under the same
+    layout each rank reads only its own file, under any other (or by ``generate``, ``export``,
+    ``serve``) the writing composition is rebuilt in this process to lay the state out anew.
+    (Runs written before the store kept one ``checkpoint/`` folder; they still load and resume.)
 
 Batch ``i`` is a pure function of ``(data.seed, i)`` (the step is the data position; the loop
 draws no other random numbers) and the state holds the optimizer's count, so a resumed run
@@ -459,9 +462,10 @@ def run(
     it again.
 
     With a ``parallel`` section the same loop runs on every rank of its mesh (threads in this
-    process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder. Its
-    checkpoint holds the state gathered into the single-device layout (:func:`full_state`), so a
-    run resumes under any ``parallel`` section, or none.
+    process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder and
+    every rank its own shard of each checkpoint. ``state`` may be the :class:`ShardedRun` of
+    ``load_run(..., gather=False)``: the same layout then reads only each rank's own file; a run
+    resumes under any ``parallel`` section, or none.
     """
     run_dir = Path(run_dir)
     pc = parallel.parse(cfg.parallel) if cfg.parallel else None

@@ -168,3 +168,75 @@ def test_bad_sharded_checkpoints_are_named(saved: dict[str, Path], tmp_path: Pat
     shutil.copy(path / checkpoint.shard_name(0), broken / checkpoint.shard_name(1))
     with pytest.raises(checkpoint.CheckpointError, match="holds rank 0's pieces, not 1's"):
         trainer.load_run(broken)
+
+
+@pytest.mark.parametrize(("first", "second"), [(4, 2), (2, 4)])
+def test_world_size_changes_on_gloo(corpus: Path, tmp_path: Path, first: int, second: int) -> None:
+    """Three steps on ``first`` gloo processes, saved sharded, loaded on ``second`` and saved
+    again its way: the full state is the same, bit for bit. Three more steps there equal six on
+    one device to rounding (fp32 AdamW, as the parallel training tests; eps raised so that the
+    attention key bias's zero gradient, pure rounding noise, does not become lr-sized steps)."""
+
+    def cfg(parallel: dict[str, Any]) -> config.RunConfig:
+        c = _cfg(corpus, parallel)
+        return dataclasses.replace(c, optim=dataclasses.replace(c.optim, eps=1e-3))
+
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    trainer.run(cfg({"data": first, "backend": "gloo"}), run, stop_at=3, progress=False)
+    info = checkpoint.sharded_meta(trainer.checkpoint_path(run))
+    assert info is not None and info["world"] == first
+    saved, _ = trainer.load_run(run)
+    moved.mkdir()
+    second_cfg = cfg({"data": second, "backend": "gloo"})
+    handle, _ = trainer.load_run(run, gather=False)
+    trainer.run(second_cfg, moved, state=handle, stop_at=3, progress=False)
+    info = checkpoint.sharded_meta(trainer.checkpoint_path(moved))
+    assert info is not None and info["world"] == second
+    again, _ = trainer.load_run(moved)
+    _same(again.params, saved.params)
+    _same(again.opt_state, saved.opt_state)
+
+    handle, _ = trainer.load_run(moved, gather=False)
+    trainer.run(second_cfg, moved, state=handle, progress=False)
+    got, _ = trainer.load_run(moved)
+    want = trainer.run(cfg({}), tmp_path / "one", progress=False)
+    assert got.step == want.step == 6
+    for part in ("params", "opt_state"):
+        for (p, x), (_, y) in zip(
+            tree.flatten_with_paths(getattr(got, part))[0],
+            tree.flatten_with_paths(getattr(want, part))[0],
+        ):
+            if isinstance(x, torch.Tensor):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6, msg=f"{part} {p}")
+
+
+def test_a_ranks_save_allocates_at_most_one_tensor_copy(tmp_path: Path) -> None:
+    """Writing a rank's shard under ZeRO-3 on dp=4 (threads): the peak of what the save
+    allocates (cf.memory.track) is at most the largest local tensor (a copy made for a view that
+    does not own its storage), far below the rank's own state, let alone the whole model."""
+    import colfunc as cf
+    from colfunc import models, optim
+    from colfunc.sharding import launch
+
+    cfg = models.gpt.Config(vocab_size=256, n_layer=4, n_head=2, d_model=64, max_seq_len=16)
+    params = models.gpt.init(cfg, seed=0)
+    whole = tree.size_bytes(tree.tensors(params)) * 3  # parameters and Adam moments
+    root = tmp_path / "store"
+    checkpoint.begin_sharded(root, 1)
+
+    def body(mesh: Any) -> tuple[int, int, int]:
+        step = cf.zero(
+            cf.shard(cf.train_step(models.gpt.loss(cfg), optim.adamw(1e-3)), mesh), stage=3
+        )
+        state = step.init(params)
+        local = trainer._local_of(state)
+        tensors = tree.tensors(local)
+        with cf.memory.track(tensors) as t:
+            checkpoint.write_shard(root, 1, mesh.rank, local)
+        return t.peak, tree.size_bytes(tensors), max(x.nbytes for x in tensors)
+
+    for peak, own, largest in launch(body, {"dp": 4}):
+        assert peak <= largest, (peak, largest)
+        assert own <= whole / 4 + 4 * largest  # the rank's own pieces: about a quarter
+    checkpoint.finish_sharded(root, 1, None, mesh_shape={"dp": 4})
+    assert checkpoint.steps(root) == [1]
