@@ -69,6 +69,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
         name = cfg.train.name or f"{stem}-{stamp}"
         run_dir = Path(cfg.train.out_dir) / name
+        if not cfg.train.name and "TORCHELASTIC_RUN_ID" not in os.environ:
+            run_dir = _claim(run_dir)  # two runs started in the same second get two folders
         state = None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torchrun restarted the group after a rank died: go on from the last checkpoint
@@ -99,6 +101,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     with _threads(args.threads):
         train.run(cfg, run_dir, state=state, progress=not args.no_progress)
     return 0
+
+
+def _claim(run_dir: Path) -> Path:
+    """Make ``run_dir`` (or ``run_dir-2``, ``-3``, ... when taken) as a new empty folder, by
+    ``mkdir``, which exactly one process wins."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 1000):
+        path = run_dir if k == 1 else run_dir.with_name(f"{run_dir.name}-{k}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"{str(run_dir)!r}: 999 runs of that name exist; pass --name")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

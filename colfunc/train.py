@@ -434,7 +434,7 @@ def _open_run(run_dir: Path, state: TrainState | None) -> list[dict[str, Any]]:
     """Create a fresh run's folder, or trim a resumed run's records to its checkpoint."""
     path = run_dir / METRICS
     if state is None:
-        run_dir.mkdir(parents=True)
+        run_dir.mkdir(parents=True, exist_ok=True)  # (an empty folder claimed for this run)
         return []
     # Records past the checkpoint belong to steps that will now be trained again.
     records = _read_records(path, state.step)
@@ -453,13 +453,13 @@ def run(
 ) -> TrainState:
     """Train ``cfg`` into ``run_dir``; returns the final state.
 
-    A fresh run needs a ``run_dir`` that does not exist yet. Passing the ``state`` of the run's
-    checkpoint resumes it: training continues from ``state.step`` and appends to the run folder.
-    ``stop_at`` ends the run early at that step (the learning-rate schedule still spans
-    ``train.steps``). Ctrl-C and SIGTERM stop it after the step in progress, with a checkpoint
-    (see the module). ``restart``: under torchrun's restarts (``colfunc run --max-restarts``),
-    a restarted group may find the folder of its first attempt without a checkpoint, and starts
-    it again.
+    A fresh run needs a ``run_dir`` that does not exist yet (or is empty). Passing the ``state``
+    of the run's checkpoint resumes it: training continues from ``state.step`` and appends to
+    the run folder. ``stop_at`` ends the run early at that step (the learning-rate schedule
+    still spans ``train.steps``). Ctrl-C and SIGTERM stop it after the step in progress, with a
+    checkpoint (see the module). ``restart``: under torchrun's restarts
+    (``colfunc run --max-restarts``), a restarted group may find the folder of its first attempt
+    without a checkpoint, and starts it again.
 
     With a ``parallel`` section the same loop runs on every rank of its mesh (threads in this
     process, gloo processes, or the ranks of ``colfunc run``); rank 0 writes the run folder and
@@ -479,7 +479,7 @@ def run(
         if (run_dir / CHECKPOINTS).is_dir():  # (temporaries of a save cut short, at most)
             shutil.rmtree(run_dir / CHECKPOINTS)
         run_dir.rmdir()
-    elif state is None and lead_process and run_dir.exists():
+    elif state is None and lead_process and run_dir.exists() and any(run_dir.iterdir()):
         if checkpoint_path(run_dir) is None:
             raise ValueError(
                 f"run folder {str(run_dir)!r} already exists and holds no checkpoint (the run "
@@ -590,7 +590,8 @@ def _train(
     metrics: dict[str, Any] = {}
     t_interval = time.perf_counter()
     store = run_dir / CHECKPOINTS
-    writer = checkpoint.AsyncWriter() if tc.async_save and lead else None
+    # one device: the whole state in a background commit; under a mesh, each rank's shard
+    writer = checkpoint.AsyncWriter() if tc.async_save and mesh is None else None
     last_saved = [state.step if state.step else None]
     keep = tc.keep_last or None
 
@@ -631,8 +632,23 @@ def _train(
                 f"finite; the run stops without saving, so the checkpoint of step "
                 f"{last_saved[0]} is kept"
             )
+        settle(wait=True)  # the one before first (a new one clears the store's temporaries)
         fresh = checkpoint.begin_sharded(store, state.step) if lead else False
         if not any_rank(fresh):  # (rank 0's answer: that step is committed already)
+            return
+        if tc.async_save:  # the host copy now; the file in the background; commit in settle
+            host = checkpoint.AsyncWriter.snapshot(local)
+            errors: list[BaseException] = []
+
+            def work(step: int = state.step) -> None:
+                try:
+                    checkpoint.write_shard(store, step, mesh.rank, host)
+                except BaseException as e:  # raised on every rank by settle
+                    errors.append(e)
+
+            thread = threading.Thread(target=work, name=f"colfunc-shard-{state.step}", daemon=True)
+            thread.start()
+            pending[:] = [(state.step, thread, errors)]
             return
         error: BaseException | None = None
         try:
@@ -648,6 +664,35 @@ def _train(
         if lead:
             checkpoint.finish_sharded(store, state.step, cfg, mesh_shape=mesh.shape, keep_last=keep)
         last_saved[0] = state.step
+
+    pending: list[tuple[int, threading.Thread, list[BaseException]]] = []
+
+    def settle(wait: bool) -> None:
+        """Commit the shard written in the background once every rank has written its own (a
+        collective while one is pending: the ranks save at the same steps). ``wait``: block
+        until then; otherwise commit only if all are done already."""
+        if not pending:
+            return
+        assert mesh is not None
+        step, thread, errors = pending[0]
+        if wait:
+            thread.join()
+        if any_rank(thread.is_alive()):
+            return
+        pending.clear()
+        if any_rank(bool(errors)):
+            if lead:
+                checkpoint.abandon_sharded(store, step)
+            raise (
+                errors[0]
+                if errors
+                else checkpoint.CheckpointError(
+                    f"step {step}: another rank failed to write its shard; nothing was committed"
+                )
+            )
+        if lead:
+            checkpoint.finish_sharded(store, step, cfg, mesh_shape=mesh.shape, keep_last=keep)
+        last_saved[0] = step
 
     stopped = 0
     signals = _Signals.held()  # (a spawned rank's main thread; elsewhere run() holds them)
@@ -669,6 +714,7 @@ def _train(
                 bar.update(1)
                 s = state.step
                 stopped = _Signals.agreed(mesh)
+                settle(wait=False)
                 if not (s % tc.log_every and s % tc.eval_every and s != stop) or stopped:
                     seconds = time.perf_counter() - t_interval
                     record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
@@ -700,10 +746,13 @@ def _train(
                 log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
         bar.close()  # before the messages below, so the bar does not redraw over them
         save(state)
+        settle(wait=True)
         if writer is not None:
             writer.wait()
     finally:
         signals.__exit__(None, None, None)
+        for _, thread, _ in pending:  # an error on its way out: let the write end, uncommitted
+            thread.join()
         bar.close()
         if writer is not None:
             with contextlib.suppress(Exception):  # an error already on its way out wins

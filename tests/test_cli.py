@@ -307,3 +307,19 @@ def test_generate_refuses_a_checkpoint_that_does_not_fit_or_is_not_finite(
     assert main(["generate", "--run", str(trained), "--max-new-tokens", "1000000000000"]) == 0
     out = capsys.readouterr().out  # the prompt and at most the context's worth of bytes
     assert 0 < len(out.rstrip("\n").encode()) <= cfg.model.max_seq_len
+
+
+def test_two_runs_started_in_the_same_second_get_two_folders(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    monkeypatch.setattr(time, "strftime", lambda *a: "20260101-120000")
+    argv = ["train", *_sets(*TINY_SETS, f"data.corpus={corpus}", f"train.out_dir={tmp_path}")]
+    argv += ["--set", "train.steps=2", "--set", "train.sample_tokens=0", "--no-progress"]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["gpt_tiny-20260101-120000", "gpt_tiny-20260101-120000-2"]
+    for name in names:
+        assert trainer.load_run(tmp_path / name)[0].step == 2

@@ -240,3 +240,22 @@ def test_a_ranks_save_allocates_at_most_one_tensor_copy(tmp_path: Path) -> None:
         assert own <= whole / 4 + 4 * largest  # the rank's own pieces: about a quarter
     checkpoint.finish_sharded(root, 1, None, mesh_shape={"dp": 4})
     assert checkpoint.steps(root) == [1]
+
+
+def test_async_sharded_saves_write_in_the_background_and_commit_the_same(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """``train.async_save`` under a mesh: each rank copies its pieces to host memory and writes
+    them in a thread; the checkpoint is committed once every rank has. The store holds the same
+    checkpoints, bit for bit, as synchronous saves make."""
+    layout = LAYOUTS["dp2-tp2-zero1"]
+    sync = _cfg(corpus, layout, save_every=2)
+    background = _cfg(corpus, layout, save_every=2, async_save=True)
+    trainer.run(sync, tmp_path / "sync", progress=False)
+    trainer.run(background, tmp_path / "async", progress=False)
+    stores = [tmp_path / run / trainer.CHECKPOINTS for run in ("sync", "async")]
+    assert checkpoint.steps(stores[0]) == checkpoint.steps(stores[1]) == [2, 4, 6]
+    for step in (2, 4, 6):
+        a, b = (trainer.load_run(store / f"step-{step:08d}")[0] for store in stores)
+        _same(a.params, b.params)
+        _same(a.opt_state, b.opt_state)
