@@ -259,3 +259,45 @@ def test_async_sharded_saves_write_in_the_background_and_commit_the_same(
         a, b = (trainer.load_run(store / f"step-{step:08d}")[0] for store in stores)
         _same(a.params, b.params)
         _same(a.opt_state, b.opt_state)
+
+
+def test_bad_resumes_are_one_line_and_overwrite_nothing(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From the CLI: a layout the model cannot take (n_head=2 over tensor=3), a missing shard,
+    a shard that is not the rank's: one line naming the value or file, exit code 2, and the
+    run's checkpoints untouched."""
+    import shutil
+
+    from colfunc.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(saved["dp2"], run)
+    def contents() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    before = contents()
+
+    def one_line(*needles: str) -> None:
+        err = capsys.readouterr().err
+        assert err.startswith("colfunc: error: ") and err.count("\n") == 1, err
+        for needle in needles:
+            assert needle in err, (needle, err)
+
+    capsys.readouterr()
+    args = ["train", "--resume", str(run), "--no-progress", "--set", "train.steps=9"]
+    assert main([*args, "--set", "parallel.tensor=3"]) == 2
+    one_line("n_head", "3")
+    path = trainer.checkpoint_path(run)
+    assert path is not None
+    (path / checkpoint.shard_name(1)).rename(tmp_path / "aside")
+    assert main(args) == 2
+    one_line("rank-00001.safetensors is missing")
+    assert main(["generate", "--run", str(run), "--max-new-tokens", "3"]) == 2
+    one_line("rank-00001.safetensors is missing")
+    shutil.copy(path / checkpoint.shard_name(0), path / checkpoint.shard_name(1))
+    assert main(args) == 2
+    one_line("holds rank 0's pieces, not 1's")
+    (path / checkpoint.shard_name(1)).unlink()
+    (tmp_path / "aside").rename(path / checkpoint.shard_name(1))
+    assert contents() == before
