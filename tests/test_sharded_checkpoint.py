@@ -273,6 +273,7 @@ def test_bad_resumes_are_one_line_and_overwrite_nothing(
 
     run = tmp_path / "run"
     shutil.copytree(saved["dp2"], run)
+
     def contents() -> dict[Path, bytes]:
         return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 

@@ -186,7 +186,7 @@ def with_comms(compute: list[list[Action]], ranks: int, virtual_stages: int) -> 
 def build(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``).
 
-    Example:
+    Examples:
         >>> s = build("1f1b", ranks=4, microbatches=8)
         >>> s.actions[3][:3]
         (RECV_F3.0, F3.0, B3.0)
