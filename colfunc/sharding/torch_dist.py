@@ -273,6 +273,10 @@ def _init(backend: str, rank: int, size: int, timeout: float, store: Any = None)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=td)
 
 
+def _colfunc_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("COLFUNC_")}
+
+
 def _worker(
     fn_bytes: bytes,
     shape: dict[str, int],
@@ -281,8 +285,13 @@ def _worker(
     port: int,
     timeout: float,
     results: Any,
+    env: dict[str, str] | None = None,
 ) -> None:
     size = Mesh(shape).size
+    if env is not None:
+        for key in [k for k in os.environ if k.startswith("COLFUNC_") and k not in env]:
+            del os.environ[key]
+        os.environ.update(env)
     try:
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # the ranks share this machine's cores, as torchrun assumes too
@@ -364,7 +373,9 @@ def run_processes(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn_bytes, shape, r, backend, store.port, timeout, results_q),
+            # the caller's COLFUNC_* settings as they are now: a fork server's children
+            # would otherwise see the environment the server started with
+            args=(fn_bytes, shape, r, backend, store.port, timeout, results_q, _colfunc_env()),
             name=f"colfunc-rank-{r}",
         )
         for r in range(size)
