@@ -332,8 +332,9 @@ class _Signals:
         def note(signum: int, frame: Any) -> None:
             cls.caught = cls.caught or signum
             for child in multiprocessing.active_children():  # the ranks of a gloo launch
-                with contextlib.suppress(OSError):
-                    os.kill(child.pid or 0, signum)
+                if child.name.startswith("colfunc-rank-") and child.pid:
+                    with contextlib.suppress(OSError):
+                        os.kill(child.pid, signum)
 
         previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
         cls.installed = True
