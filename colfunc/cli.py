@@ -69,8 +69,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
         name = cfg.train.name or f"{stem}-{stamp}"
         run_dir = Path(cfg.train.out_dir) / name
+        made: list[Path] = []  # what _claim made, removed again if the run never starts
         if not cfg.train.name and "TORCHELASTIC_RUN_ID" not in os.environ:
-            run_dir = _claim(run_dir)  # two runs started in the same second get two folders
+            run_dir = _claim(run_dir, made)  # two runs started in the same second: two folders
         state = None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torchrun restarted the group after a rank died: go on from the last checkpoint
@@ -82,8 +83,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        with _threads(args.threads):
-            train.run(cfg, run_dir, state=state, progress=not args.no_progress, restart=True)
+        try:
+            with _threads(args.threads):
+                train.run(cfg, run_dir, state=state, progress=not args.no_progress, restart=True)
+        except BaseException:
+            for path in made:  # (only while still empty: a run that started keeps its folder)
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
         return 0
     if args.config is not None or args.name is not None:
         raise ValueError("--resume continues a run with its own config; drop CONFIG and --name")
@@ -103,14 +110,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _claim(run_dir: Path) -> Path:
+def _claim(run_dir: Path, made: list[Path]) -> Path:
     """Make ``run_dir`` (or ``run_dir-2``, ``-3``, ... when taken) as a new empty folder, by
-    ``mkdir``, which exactly one process wins."""
+    ``mkdir``, which exactly one process wins; what it made goes to ``made``, deepest first."""
+    missing = [p for p in [run_dir.parent, *run_dir.parent.parents] if not p.exists()]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     for k in range(1, 1000):
         path = run_dir if k == 1 else run_dir.with_name(f"{run_dir.name}-{k}")
         try:
             path.mkdir()
+            made[:] = [path, *missing]
             return path
         except FileExistsError:
             continue
