@@ -95,6 +95,14 @@ def test_the_opt_example_fine_tunes_a_local_folder_under_offload(folder, tmp_pat
     assert val[0] == pytest.approx(sum(losses) / 2, abs=1e-4)
     assert val[-1] < val[0]
     assert hf.read_config(f"hf:{folder}").n_layer == 2
+    # serving the run speaks its tokenizer, not bytes
+    from colfunc.inference import Engine, SamplingParams
+
+    engine = Engine.from_run(tmp_path / "run", max_num_seqs=2)
+    text = "def f(x):\n    return x"
+    assert engine.encode_prompt(text) == tok.encode(text)
+    (out,) = engine.generate([text], SamplingParams(temperature=0, max_tokens=4))
+    assert out.prompt_token_ids == tok.encode(text) and len(out.outputs[0].token_ids) == 4
 
 
 def test_a_missing_folder_is_named(tmp_path):

@@ -200,17 +200,30 @@ class Engine:
     @staticmethod
     def load_run(run: str | Path) -> dict[str, Any]:
         """What :meth:`from_run` builds an engine from (the model module, config, parameters
-        and byte tokenizer of a ``colfunc train`` run): load once, build an engine per rank."""
-        from colfunc import config, train
+        and tokenizer of a ``colfunc train`` run: its ``data.tokenizer`` folder's, else bytes):
+        load once, build an engine per rank. Parameters that do not fit the run's model config,
+        or are not finite, are refused."""
+        from colfunc import config, hf, train
+        from colfunc.generate import check_params
 
         state, run_cfg = train.load_run(run)
+        check_params(run_cfg.model, state.params)
         model = config.model_module(run_cfg.model)
-        return {
+        out: dict[str, Any] = {
             "model": model,
             "cfg": run_cfg.model,
             "params": state.params,
             "tokenizer": ByteTokenizer(),
         }
+        if run_cfg.data.tokenizer is not None:  # the tokenizer the run was trained with
+            tok = load_hf_tokenizer(hf.folder_of(run_cfg.data.tokenizer, what="tokenizer"))
+            if tok is None:
+                raise ValueError(
+                    f"the run was trained with data.tokenizer={run_cfg.data.tokenizer!r}, which "
+                    "holds no tokenizer now"
+                )
+            out["tokenizer"] = tok
+        return out
 
     @staticmethod
     def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
