@@ -1,7 +1,8 @@
 """Hugging Face weights in and out: GPT-2, LLaMA and OPT causal language models.
 
 ``from_hf(model) -> (cfg, params)`` reads a ``transformers`` model, ``load(folder)`` and
-``read_config(folder)`` a ``save_pretrained`` folder (local files only); ``to_hf(cfg, params)`` writes
+``read_config(folder)`` a ``save_pretrained`` folder (local files only), ``load_abstract(folder)``
+its parameters described and read from the safetensors files one at a time as they are made; ``to_hf(cfg, params)`` writes
 the state dict that ``load_state_dict`` takes; ``hf_config(cfg)`` builds the matching
 ``transformers`` config. The mapping between the two layouts is a table per model: each entry
 names a Hugging Face key, the colfunc paths concatenated (along the output dim) to make it, and
@@ -24,7 +25,16 @@ import torch
 from colfunc import nn, tree
 from colfunc.models import gpt, llama, opt
 
-__all__ = ["folder_of", "from_hf", "hf_config", "load", "read_config", "save", "to_hf"]
+__all__ = [
+    "folder_of",
+    "from_hf",
+    "hf_config",
+    "load",
+    "load_abstract",
+    "read_config",
+    "save",
+    "to_hf",
+]
 
 Config = gpt.Config | llama.Config | opt.Config
 Params = dict[str, Any]
@@ -411,6 +421,96 @@ def read_config(source: str) -> Config:
             f"reads; it reads {sorted(by_type)}"
         )
     return _FROM_HF_CONFIG[name](hf_cfg)
+
+
+def _safetensors_keys(folder: Path) -> dict[str, Path]:
+    """Every tensor key of the folder's safetensors weights, with the file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: folder / f for k, f in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(
+            f"{str(folder)!r} has no model.safetensors (or index): abstract loading reads "
+            "safetensors weights; save the model with safe_serialization=True"
+        )
+    import safetensors
+
+    with safetensors.safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_abstract(source: str) -> tuple[Config, Params]:
+    """``(cfg, params)`` of a Hugging Face folder whose parameters are described, not made: each
+    is a :class:`colfunc.random.Abstract` that reads its tensors from the safetensors files when
+    it is made (one parameter at a time, as :meth:`colfunc.Step.init` makes them, so that a rank
+    keeping only its shards never holds the whole model). Made, each equals :func:`load`'s."""
+    import safetensors
+
+    from colfunc.random import abstract
+
+    folder = folder_of(source)
+    cfg = read_config(source)
+    module, top, layer = _table(cfg)
+    shapes: dict[str, tuple[int, ...]] = module.param_shapes(cfg)
+    where = _safetensors_keys(folder)
+
+    def read(key: str) -> torch.Tensor:
+        if key not in where:
+            raise ValueError(f"{source!r}: the weights have no {key!r}")
+        with safetensors.safe_open(str(where[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def piece(entry: _Entry, key: str, j: int) -> torch.Tensor:
+        x = read(key)
+        x = x.t() if entry.transpose else x
+        sizes = [shapes[p][-1] for p in entry.paths]
+        return x.split(sizes, dim=-1)[j]
+
+    made: dict[str, Any] = {}
+    for e in top:
+        for j, p in enumerate(e.paths):
+            if p in made:  # a tied alias of a weight already described
+                continue
+            key = e.key if e.key in where else None
+            if key is None:
+                continue  # (an alias the file leaves out, such as a tied head)
+            made[p] = (e, key, j, None)
+    for e in layer:
+        for j, p in enumerate(e.paths):
+            made[p] = (e, e.key, j, cfg.n_layer)
+    missing = sorted(set(shapes) - set(made))
+    if missing:
+        raise ValueError(f"{source!r}: the weights have nothing for {missing[:3]}")
+
+    dtypes = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+    }
+
+    def dtype_of(key: str) -> torch.dtype:  # from the file's header, nothing read
+        with safetensors.safe_open(str(where[key]), framework="pt") as f:
+            name = f.get_slice(key).get_dtype()
+        if name not in dtypes:
+            raise ValueError(f"{source!r}: {key!r} is stored as {name}, not a float type")
+        return dtypes[name]
+
+    def describe(path: str) -> Any:
+        e, key, j, n = made[path]
+
+        def make() -> torch.Tensor:
+            if n is None:
+                return _copy(piece(e, key, j))
+            return torch.stack([piece(e, key.format(i=i), j) for i in range(n)])
+
+        return abstract(shapes[path], make, dtype_of(key if n is None else key.format(i=0)))
+
+    return cfg, nn.nest({p: describe(p) for p in shapes})
 
 
 def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]:
