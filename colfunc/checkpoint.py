@@ -175,6 +175,17 @@ def _config_json(config: Any) -> Any:
     return {"json": config}
 
 
+def _config_of(stored: Any) -> Any:
+    """The config as :func:`_config_json` stored it (a RunConfig, a JSON value, or None)."""
+    from colfunc import config as config_lib
+
+    if stored is None:
+        return None
+    if "run_config" in stored:
+        return config_lib.from_dict(stored["run_config"])
+    return stored["json"]
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -285,7 +296,6 @@ def load(path: str | Path) -> tuple[Any, Any]:
     Tensors come back on the CPU, their checksums verified. Raises :class:`CheckpointError` (a
     ValueError) naming the file when the checkpoint is missing, incomplete, unreadable or corrupt.
     """
-    from colfunc import config as config_lib
 
     path = Path(path)
     if not path.exists():  # a crash between the two renames of a replacing save
@@ -322,13 +332,7 @@ def load(path: str | Path) -> tuple[Any, Any]:
                 )
     try:
         state = _decode(meta["state"], tensors)
-        stored = meta["config"]
-        if stored is None:
-            config = None
-        elif "run_config" in stored:
-            config = config_lib.from_dict(stored["run_config"])
-        else:
-            config = stored["json"]
+        config = _config_of(meta["config"])
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError) as e:
@@ -408,6 +412,24 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
         shutil.rmtree(dead, ignore_errors=True)
 
 
+def _open_store(root: str | Path) -> Path:
+    """The store folder ``root``, made if missing; a file there is an error."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{str(root)!r} is a file, not a checkpoint store")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _clear_temporaries(root: Path) -> None:
+    """Remove what crashed commits left in the store (``.tmp-*``)."""
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def commit(
     root: str | Path,
     step: int,
@@ -431,15 +453,8 @@ def commit(
         raise ValueError(
             f"checkpoint.commit: keep_last must be an int >= 1 or None, got {keep_last!r}"
         )
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"{str(root)!r} is a file, not a checkpoint store")
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+    root = _open_store(root)
+    _clear_temporaries(root)
     name = _step_name(step)
     final = root / name
     if not (final / META).is_file():
@@ -555,18 +570,11 @@ def write_shard(root: str | Path, step: int, rank: int, local_state: Any) -> Pat
 def begin_sharded(root: str | Path, step: int) -> bool:
     """On one rank (rank 0), before the ranks write: remove stale temporaries and make the
     step's temporary folder. False when that step is committed already (nothing to write)."""
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"{str(root)!r} is a file, not a checkpoint store")
-    root.mkdir(parents=True, exist_ok=True)
+    root = _open_store(root)
     name = _step_name(step)
     if (root / name / META).is_file():
         return False
-    for stale in root.glob(".tmp-*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+    _clear_temporaries(root)
     folder = _shards_temp(root, name)
     folder.mkdir()
     folder.chmod(0o777 & ~_umask())
@@ -626,7 +634,6 @@ def sharded_meta(path: str | Path) -> dict[str, Any] | None:
 def load_shard(path: str | Path, rank: int) -> tuple[Any, Any]:
     """``(local_state, config)``: rank ``rank``'s pieces of the sharded checkpoint ``path``, as
     that rank held them (checksums verified)."""
-    from colfunc import config as config_lib
 
     path = Path(path)
     meta = _read_meta(path / META)
@@ -660,11 +667,4 @@ def load_shard(path: str | Path, rank: int) -> tuple[Any, Any]:
             raise CheckpointError(
                 f"{str(file)!r} is corrupt: tensor {key!r} does not match its checksum"
             )
-    state = _decode(header["state"], tensors)
-    stored = meta.get("config")
-    cfg = None
-    if stored is not None:
-        cfg = (
-            config_lib.from_dict(stored["run_config"]) if "run_config" in stored else stored["json"]
-        )
-    return state, cfg
+    return _decode(header["state"], tensors), _config_of(meta.get("config"))

@@ -313,6 +313,14 @@ def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
             )
 
 
+def _max_over_ranks(value: int, mesh: Mesh | None) -> int:
+    """The largest ``value`` of all ranks (a collective over every axis under a mesh)."""
+    if mesh is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    return int(comm.all_reduce(t, tuple(mesh.axis_names), "max", mesh)[0])
+
+
 class _Signals:
     """SIGINT and SIGTERM noted, not raised, while installed (main thread only): the loop
     stops at the end of its step. The note is process-wide, so every rank thread sees it."""
@@ -349,10 +357,7 @@ class _Signals:
     def agreed(cls, mesh: Mesh | None) -> int:
         """The signal every rank stops on (0: go on); a collective under a mesh, so that all
         ranks stop after the same step."""
-        if mesh is None:
-            return cls.caught
-        flag = torch.tensor([cls.caught], dtype=torch.int64)
-        return int(comm.all_reduce(flag, tuple(mesh.axis_names), "max", mesh)[0])
+        return _max_over_ranks(cls.caught, mesh)
 
 
 def _check_finite(loss: torch.Tensor, step: int, last_saved: int | None) -> None:
@@ -598,10 +603,7 @@ def _train(
 
     def any_rank(flag: bool) -> bool:
         """Whether ``flag`` holds on some rank (a collective under a mesh)."""
-        if mesh is None:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        return bool(comm.all_reduce(t, tuple(mesh.axis_names), "max", mesh)[0])
+        return bool(_max_over_ranks(int(flag), mesh))
 
     def save(state: TrainState) -> None:
         if mesh is not None:
