@@ -34,6 +34,9 @@ frame                 pushed by                                    read by      
 ``_Remat``            ``remat``'s forward-backward                 :func:`scan_layers` (an interceptor)         call
 ``LayerGather``       ``zero`` stage 3 forward(-backward)          :func:`scan_layers` (an interceptor)         call
 ``_SequenceParallel`` ``shard(sequence_parallel=True)``            :func:`scan_layers` (an interceptor)         call
+``LongSequence``      ``shard(sequence_parallel="ulysses"`` and    :func:`scan_layers`, ``ops.attention``       call
+                      the other sequence-axis modes)               (an ``AttentionInterceptor``),
+                                                                   :func:`positions`
 ``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
                                                                    each layer's chunks)
 ``DryRun``            :func:`colfunc.memory.plan`                  ``offload`` (its state, pool and update:     call
@@ -61,6 +64,7 @@ __all__ = [
     "NormReduction",
     "P",
     "SplitBackward",
+    "SplitSequence",
     "WidenGrads",
     "context",
     "frames",
@@ -68,7 +72,9 @@ __all__ = [
     "layered",
     "loss_scale",
     "num_layers",
+    "positions",
     "scan_layers",
+    "sequence_split",
 ]
 
 PyTree = Any
@@ -138,6 +144,63 @@ class ScanInterceptor(Protocol):
         xs: PyTree,
         inner: Callable[[ScanBlock, PyTree, PyTree, PyTree], tuple[PyTree, PyTree]],
     ) -> tuple[PyTree, PyTree]: ...
+
+
+@runtime_checkable
+class AttentionInterceptor(Protocol):
+    """A frame that runs :func:`colfunc.ops.attention` itself (sequence parallelism).
+
+    ``attention(q, k, v, causal, scale)`` returns the output, or None to let the op run as usual
+    (the frame takes only what it was made for, e.g. queries split over its sequence axis).
+    """
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class PositionsInterceptor(Protocol):
+    """A frame that says which sequence position each index of a sequence dim holds."""
+
+    def positions(self, n: int, device: Any) -> torch.Tensor | None: ...
+
+
+class SplitSequence:
+    """Base of the frames under which activations are split over a sequence axis of their own
+    (the long-context sequence parallelism): :func:`colfunc.nn.linear` then keeps the batch and
+    sequence dims apart (a ``bmm``) rather than folding them, which such a split cannot follow."""
+
+
+def sequence_split() -> bool:
+    """Whether a :class:`SplitSequence` frame is active on this thread."""
+    return innermost(SplitSequence) is not None
+
+
+def positions(n: int, device: Any = None) -> torch.Tensor:
+    """The position (``[n]`` long) that each index ``0..n-1`` of a sequence dim holds.
+
+    ``arange(n)``, unless a frame reorders the sequence: zigzag ring attention stores the
+    sequence in the order that balances causal work over the ranks, and says here which position
+    each stored index is. Models take their position embeddings and rotary tables from this, and
+    the next-token targets use it to find each position's successor.
+    """
+    for frame in reversed(_STACK.frames):
+        if isinstance(frame, PositionsInterceptor):
+            p = frame.positions(n, device)
+            if p is not None:
+                return p
+    return torch.arange(n, device=device)
+
+
+def attention_frames() -> list[AttentionInterceptor]:
+    """The :class:`AttentionInterceptor` frames, innermost first."""
+    return [f for f in reversed(_STACK.frames) if isinstance(f, AttentionInterceptor)]
 
 
 class LossScale:
@@ -398,6 +461,7 @@ class Layered:
         name: str = "layered",
         divisors: Mapping[str, int | None] | None = None,
         sequence_dims: Mapping[str, int] | None = None,
+        batch_sequence_dims: Mapping[str, int] | None = None,
         xs: Callable[[PyTree, PyTree], PyTree] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
@@ -416,6 +480,14 @@ class Layered:
         self.pre, self.block, self.post, self.name = pre, block, post, name
         self.divisors = dict(divisors or {})
         self.sequence_dims = dims
+        bdims = None if batch_sequence_dims is None else dict(batch_sequence_dims)
+        for path, dim in (bdims or {}).items():
+            if not isinstance(path, str) or isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(
+                    f"layered: batch_sequence_dims maps batch entry paths (str) to dims (int), "
+                    f"got {path!r}: {dim!r}"
+                )
+        self.batch_sequence_dims = bdims
 
     def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
         if self.xs is None:
@@ -457,6 +529,7 @@ def layered(
     name: str = "layered",
     divisors: Mapping[str, int | None] | None = None,
     sequence_dims: Mapping[str, int] | None = None,
+    batch_sequence_dims: Mapping[str, int] | None = None,
     xs: Callable[[PyTree, PyTree], PyTree] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
@@ -472,6 +545,10 @@ def layered(
     ``sequence_dims`` maps the paths of the carry leaves that have a sequence dim to that dim,
     which sequence parallelism splits (default ``{"": 1}``: the carry is one ``[B, T, ...]``
     tensor); leaves not named (conditioning, rotary tables) stay whole.
+    ``batch_sequence_dims`` does the same for the batch, which the long-context modes
+    (``shard(sequence_parallel="ulysses" | "ring" | "zigzag" | "usp")``) split before the model
+    runs (default None: every batch tensor of two or more dims, on dim 1, as ``[B, T]`` token ids
+    and labels are).
 
     With ``xs(params, batch)`` (a pytree stacked on a leading layer axis: per-layer noise,
     conditioning, a cache), the scan runs with those ``xs``: ``block(layer_params, carry, x) ->
@@ -483,7 +560,14 @@ def layered(
         >>> loss = cf.layered(pre, block, post, sequence_dims={"h": 1})  # carry {"h", "cond"}
     """
     return Layered(
-        pre, block, post, name=name, divisors=divisors, sequence_dims=sequence_dims, xs=xs
+        pre,
+        block,
+        post,
+        name=name,
+        divisors=divisors,
+        sequence_dims=sequence_dims,
+        batch_sequence_dims=batch_sequence_dims,
+        xs=xs,
     )
 
 

@@ -232,7 +232,8 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
     for name in composition["order"]:
         if name == "shard":
             tp = mesh.shape.get("tp", 1) > 1
-            sp = bool(composition.get("sequence_parallel", False))
+            sp = composition.get("sequence_parallel", False)
+            sp = sp if isinstance(sp, str) else bool(sp)  # a mode name, or Megatron's on/off
             step = shard(step, mesh, plan=plan if tp else None, sequence_parallel=sp)
         elif name == "zero" and composition.get("zero") is not None:
             step = zero(step, composition["zero"], prefetch=composition.get("prefetch", 1))

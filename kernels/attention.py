@@ -22,10 +22,11 @@ import triton.language as tl
 
 from colfunc.kernels import checks
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_block", "attention_block_backward", "attention_lse"]
 
 INTERPRETED = checks.interpreting()  # how the kernels below were decorated (read once, at import)
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def _autotune(gpu_configs: list[triton.Config], key: list[str]) -> Any:
@@ -342,17 +343,53 @@ def _strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ..
     return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
 
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(o, lse2)``: the output and each row's log2-sum-exp2 of its scores times LOG2E."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_fwd_kernel[grid](q, k, v, o, lse, *_strides(q, k, v), H, H // Hkv, T, S,
+                           scale * LOG2E, **_meta(q, causal))  # fmt: skip
+    return o, lse
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``(o * do).sum(-1)`` in fp32, the softmax backward's row term."""
+    B, H, T, D = o.shape
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=o.device)
+    block_m = 16 if INTERPRETED else 64
+    _attn_bwd_delta_kernel[(triton.cdiv(T, block_m), B * H)](
+        o, do, delta, T, HEAD_DIM=D, BLOCK_D=_meta(o, False)["BLOCK_D"], BLOCK_M=block_m
+    )
+    return delta
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+              lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` from the row statistics ``lse`` (log2 units) and ``delta``."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    meta = _meta(q, causal)
+    dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)  # laid out as o, contiguous
+    dk = torch.empty((B, Hkv, S, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=v.device)
+    args = (*_strides(q, k, v), H, H // Hkv, T, S, scale * LOG2E, scale)
+    grid_kv = lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv)  # noqa: E731
+    _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, *args, **meta)
+    grid_q = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse, delta, dq, *args, **meta)
+    return dq, dk, dv
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float) -> torch.Tensor:  # fmt: skip
-        B, H, T, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-        lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _attn_fwd_kernel[grid](q, k, v, o, lse, *_strides(q, k, v), H, H // Hkv, T, S,
-                               scale * LOG2E, **_meta(q, causal))  # fmt: skip
+        o, lse = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
         return o
@@ -360,23 +397,32 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        B, H, T, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
         do = do.contiguous()
-        meta = _meta(q, ctx.causal)
-        delta = torch.empty_like(lse)
-        block_m = 16 if INTERPRETED else 64
-        _attn_bwd_delta_kernel[(triton.cdiv(T, block_m), B * H)](
-            o, do, delta, T, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=block_m
-        )
-        dq = torch.empty_like(o)
-        dk = torch.empty((B, Hkv, S, D), dtype=k.dtype, device=k.device)
-        dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=v.device)
-        args = (*_strides(q, k, v), H, H // Hkv, T, S, ctx.scale * LOG2E, ctx.scale)
-        grid_kv = lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv)  # noqa: E731
-        _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, *args, **meta)
-        grid_q = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)  # noqa: E731
-        _attn_bwd_dq_kernel[grid_q](q, k, v, do, lse, delta, dq, *args, **meta)
+        dq, dk, dv = _backward(q, k, v, do, lse, _delta(o, do), ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class _AttentionLSE(torch.autograd.Function):
+    """Attention and its natural-log log-sum-exp, both differentiable: the log-sum-exp's
+    gradient enters the softmax backward as ``delta - dlse`` (its derivative in the scores is
+    the probabilities), so the same kernels serve."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        o, lse2 = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse2)
+        ctx.causal, ctx.scale = causal, scale
+        return o, lse2 * LN2
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q, k, v, o, lse2 = ctx.saved_tensors
+        do = do.contiguous()
+        delta = _delta(o, do)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        dq, dk, dv = _backward(q, k, v, do, lse2, delta.contiguous(), ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -398,3 +444,58 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out: torch.Tensor = _Attention.apply(q, k, v, bool(causal), scale)
     return out
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    checks.attention(q, k, v, causal)
+    checks.device("attention", q, k, v, interpreted=INTERPRETED)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def attention_lse(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention and its log-sum-exp (fp32), the contract of
+    :func:`colfunc.ops.reference.attention_lse`."""
+    q, k, v, scale = _prepare(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+    out: tuple[torch.Tensor, torch.Tensor] = _AttentionLSE.apply(q, k, v, bool(causal), scale)
+    return out
+
+
+@torch.no_grad()
+def attention_block(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a blockwise attention: ``(out, lse)``, no autograd."""
+    q, k, v, scale = _prepare(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+    o, lse2 = _forward(q, k, v, bool(causal), scale)
+    return o, lse2 * LN2
+
+
+@torch.no_grad()
+def attention_block_backward(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    dout_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    delta_BHT: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key/value block's ``(dq, dk, dv)`` from the whole attention's ``lse`` and ``delta``;
+    see :func:`colfunc.ops.reference.attention_block_backward`."""
+    q, k, v, scale = _prepare(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+    lse2 = (lse_BHT.float() * LOG2E).contiguous()
+    delta = delta_BHT.float().contiguous()
+    return _backward(q, k, v, dout_BHTD.contiguous(), lse2, delta, bool(causal), scale)

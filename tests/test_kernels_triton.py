@@ -124,6 +124,55 @@ def test_attention_strided_inputs_odd_head_dim_and_scale() -> None:
     )
 
 
+@FEW
+@given(
+    G=st.sampled_from([1, 2]),
+    T=st.integers(1, 33),
+    S=st.integers(1, 33),
+    causal=st.booleans(),
+    D=st.sampled_from([16, 32]),
+)
+def test_attention_lse_and_its_gradient(G: int, T: int, S: int, causal: bool, D: int) -> None:
+    """The log-sum-exp output (natural log, fp32) and gradients through out and lse both."""
+    if causal and T > S:
+        T, S = S, T
+    q = randn(1, 2 * G, T, D, dtype=torch.float32, seed=1)
+    k = randn(1, 2, S, D, dtype=torch.float32, seed=2)
+    v = randn(1, 2, S, D, dtype=torch.float32, seed=3)
+    out, lse = attention.attention_lse(q, k, v, causal)
+    ref_out, ref_lse = reference.attention_lse(q, k, v, causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    d_out, d_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
+    want = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), (q, k, v))
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@FEW
+@given(T=st.integers(1, 24), S=st.integers(1, 24), causal=st.booleans())
+def test_attention_block_forward_and_backward(T: int, S: int, causal: bool) -> None:
+    """Ring attention's two block kernels against the reference's, with a whole attention's
+    log-sum-exp and delta."""
+    if causal and T > S:
+        T, S = S, T
+    q = randn(2, 4, T, 16, dtype=torch.float32, seed=1, grad=False)
+    k = randn(2, 2, S, 16, dtype=torch.float32, seed=2, grad=False)
+    v = randn(2, 2, S, 16, dtype=torch.float32, seed=3, grad=False)
+    out, lse = attention.attention_block(q, k, v, causal, 0.5)
+    ref_out, ref_lse = reference.attention_block(q, k, v, causal, 0.5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    dout = randn(2, 4, T, 16, dtype=torch.float32, seed=4, grad=False)
+    delta = (dout * out).sum(-1)
+    got = attention.attention_block_backward(q, k, v, dout, lse, delta, causal, 0.5)
+    want = reference.attention_block_backward(q, k, v, dout, lse, delta, causal, 0.5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
 @MORE
 @given(
     lead=st.lists(st.integers(1, 3), min_size=1, max_size=2),

@@ -1,6 +1,7 @@
 """Peak live tensor bytes, tracked per storage through a dispatch mode.
 
-Every op that runs inside :func:`track` reports its outputs; a storage not seen before is counted
+Every op that runs inside :func:`track` reports its outputs (a ShardedTensor's: the local piece
+it holds on this rank); a storage not seen before is counted
 live until its last reference dies (storages keep one Python object for their whole life, so a
 finaliser on it fires exactly when the memory is released). Views share their base's storage and
 are counted once. Storages that existed before the context are not counted: the figure is what
@@ -77,11 +78,23 @@ class _Mode(TorchDispatchMode):
         outs = (out,) if type(out) is torch.Tensor else out if type(out) is tuple else None
         for t in tree_leaves(out) if outs is None else outs:
             if isinstance(t, torch.Tensor) and (self.meta or not t.is_meta):
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self.preexisting and key not in self.tracker._ids:
-                    self.tracker._add(storage)
+                for storage in _storages(t):
+                    key = id(storage)
+                    if key not in self.preexisting and key not in self.tracker._ids:
+                        self.tracker._add(storage)
         return out
+
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages holding ``t``'s data: its own, or for a wrapper subclass (a ShardedTensor,
+    whose own storage stands for the global shape) those of the tensors inside it, this rank's
+    local pieces."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(t, name))
+    else:
+        yield t.untyped_storage()
 
 
 @contextmanager
@@ -97,7 +110,7 @@ def track(*preexisting: Any, meta: bool = False) -> Iterator[Tracker]:
         >>> t.peak  # bytes
     """
     known = {
-        id(x.untyped_storage()) for x in tree_leaves(preexisting) if isinstance(x, torch.Tensor)
+        id(s) for x in tree_leaves(preexisting) if isinstance(x, torch.Tensor) for s in _storages(x)
     }
     tracker = Tracker()
     with _Mode(tracker, known, meta):

@@ -246,10 +246,8 @@ def loss(cfg: Config) -> Layered:
         return _block(layer, carry, cfg)
 
     def post(params: Params, carry: Carry, batch: Any) -> torch.Tensor:
-        x_BTD = carry["h"]
-        # the last position has no next token inside the sequence: drop it before the head
-        logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
-        return nn.next_token_loss(logits_BSV, nn.batch_field(batch, "labels"))
+        head = lambda h: _logits(params, h, cfg)  # noqa: E731
+        return nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
 
     # the heads and the vocabulary are what the tensor-parallel plan splits
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}

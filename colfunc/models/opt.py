@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from colfunc import nn, ops, random
-from colfunc.core import Layered, P, layered, scan_layers
+from colfunc.core import Layered, P, layered, positions, scan_layers
 
 __all__ = [
     "POSITION_OFFSET",
@@ -160,7 +160,7 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
 def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
     nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
     T = input_ids_BT.shape[1]
-    pos_T = torch.arange(POSITION_OFFSET, T + POSITION_OFFSET, device=input_ids_BT.device)
+    pos_T = positions(T, input_ids_BT.device) + POSITION_OFFSET
     tok_BTD = nn.embedding(input_ids_BT, params["embed"]["tokens"])
     return tok_BTD + nn.embedding(pos_T, params["embed"]["positions"])
 
@@ -228,9 +228,8 @@ def loss(cfg: Config) -> Layered:
         return _block(layer, x_BTD, cfg)
 
     def post(params: Params, x_BTD: torch.Tensor, batch: Any) -> torch.Tensor:
-        # the last position has no next token inside the sequence: drop it before the head
-        logits_BSV = _logits(params, x_BTD[:, :-1], cfg)
-        return nn.next_token_loss(logits_BSV, nn.batch_field(batch, "labels"))
+        head = lambda h: _logits(params, h, cfg)  # noqa: E731
+        return nn.causal_lm_loss(head, x_BTD, nn.batch_field(batch, "labels"))
 
     # the heads and the vocabulary are what the tensor-parallel plan splits
     divisors = {"n_head": cfg.n_head, "vocab_size": cfg.vocab_size}

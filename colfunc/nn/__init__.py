@@ -19,13 +19,21 @@ from colfunc.nn.attention import (
 )
 from colfunc.nn.dense import embedding, linear, unembed
 from colfunc.nn.feedforward import gelu_tanh, mlp, swiglu
-from colfunc.nn.lm import batch_field, check_input_ids, nest, next_token_loss
+from colfunc.nn.lm import (
+    batch_field,
+    causal_lm_loss,
+    check_input_ids,
+    nest,
+    next_token_loss,
+    next_token_targets,
+)
 
 __all__ = [
     "Paged",
     "PagedBatch",
     "attend",
     "batch_field",
+    "causal_lm_loss",
     "check_input_ids",
     "embedding",
     "gelu_tanh",
@@ -34,6 +42,7 @@ __all__ = [
     "mlp",
     "nest",
     "next_token_loss",
+    "next_token_targets",
     "paged_scan",
     "paged_self_attention",
     "rope_tables",

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from colfunc import ops
-from colfunc.core import scan_layers
+from colfunc.core import positions, scan_layers
 from colfunc.nn.dense import linear
 
 __all__ = [
@@ -77,7 +77,8 @@ def rope_tables(
         raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
     exponent_R = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq_R = 1.0 / (theta**exponent_R)
-    angle_TR = torch.arange(seq_len, device=device).float()[:, None] * inv_freq_R[None, :]
+    # the positions a sequence dim holds (arange, unless a sequence-parallel frame reorders it)
+    angle_TR = positions(seq_len, device).float()[:, None] * inv_freq_R[None, :]
     return angle_TR.cos(), angle_TR.sin()
 
 

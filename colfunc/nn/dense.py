@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from colfunc.core import sequence_split
+
 __all__ = ["embedding", "linear", "unembed"]
 
 
@@ -18,7 +20,16 @@ def linear(
 
     ``F.linear`` on the transposed view lowers to a single ``addmm`` on the contiguous ``w``, so the
     bias add is fused and no copy of ``w`` is made.
+
+    Under long-context sequence parallelism (:func:`colfunc.core.sequence_split`), a ShardedTensor
+    with batch and sequence dims goes to a ``bmm`` against ``w`` expanded over the batch instead:
+    ``F.linear`` folds ``[B, T]`` into one dim first, which a split of ``T`` cannot follow, while
+    ``bmm`` keeps ``T`` as its row dim, so each rank multiplies only its own positions.
     """
+    if type(x_BTI) is not torch.Tensor and x_BTI.dim() == 3 and sequence_split():
+        B = x_BTI.shape[0]
+        y = torch.bmm(x_BTI, w_IO.expand(B, *w_IO.shape))
+        return y if b_O is None else y + b_O
     return F.linear(x_BTI, w_IO.t(), b_O)
 
 
@@ -28,5 +39,6 @@ def embedding(ids_BT: torch.Tensor, table_VD: torch.Tensor) -> torch.Tensor:
 
 
 def unembed(x_BTD: torch.Tensor, table_VD: torch.Tensor) -> torch.Tensor:
-    """Logits against a tied embedding table: ``x @ table.T``, ``[B, T, D] -> [B, T, V]``."""
-    return F.linear(x_BTD, table_VD)
+    """Logits against a tied embedding table: ``x @ table.T``, ``[B, T, D] -> [B, T, V]``
+    (a ``bmm`` on a ShardedTensor, as in :func:`linear`)."""
+    return linear(x_BTD, table_VD.t())

@@ -10,8 +10,16 @@ from typing import Any
 import torch
 
 from colfunc import ops
+from colfunc.core import positions, sequence_split
 
-__all__ = ["batch_field", "check_input_ids", "nest", "next_token_loss"]
+__all__ = [
+    "batch_field",
+    "causal_lm_loss",
+    "check_input_ids",
+    "nest",
+    "next_token_loss",
+    "next_token_targets",
+]
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -88,6 +96,54 @@ def next_token_loss(logits_BSV: torch.Tensor, labels_BT: Any) -> torch.Tensor:
         )
     _check_range("labels", labels_BT, V, -100)
     return ops.cross_entropy(logits_BSV.reshape(B * S, V), labels_BT[:, 1:].reshape(B * S))
+
+
+def next_token_targets(labels_BT: Any) -> torch.Tensor:
+    """Each position's target: the label of the next position, ``-100`` after the last one.
+
+    The positions come from :func:`colfunc.core.positions`, so a sequence stored out of order
+    (zigzag ring attention) still gets each position's true successor; split over a sequence
+    axis, the labels are gathered first (they are small), so targets are right across shard
+    boundaries.
+    """
+    if not isinstance(labels_BT, torch.Tensor) or labels_BT.dtype != torch.long:
+        raise ValueError(
+            f"labels must be a torch.LongTensor [B, T], got {getattr(labels_BT, 'dtype', labels_BT)}"
+        )
+    if labels_BT.dim() != 2:
+        raise ValueError(f"labels must be 2-D [B, T], got shape {tuple(labels_BT.shape)}")
+    T = labels_BT.shape[1]
+    pos_T = positions(T, labels_BT.device)
+    where_T = torch.empty_like(pos_T)
+    where_T[pos_T] = torch.arange(T, device=pos_T.device)  # the index holding each position
+    next_T = where_T[(pos_T + 1).clamp(max=T - 1)]
+    targets_BT = labels_BT[:, next_T]
+    return torch.where(pos_T == T - 1, torch.full_like(targets_BT, -100), targets_BT)
+
+
+def causal_lm_loss(head: Any, x_BTD: torch.Tensor, labels_BT: Any) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``head(hidden)`` against the shifted labels.
+
+    ``head`` maps hidden states ``[..., D]`` to logits ``[..., V]``. Labels are aligned with the
+    inputs (the Hugging Face convention); ``-100`` marks a label to ignore. The last position has
+    no next token inside the sequence, so it is dropped before the head (:func:`next_token_loss`).
+
+    Under long-context sequence parallelism (:func:`colfunc.core.sequence_split`) the sequence
+    is split, so dropping the last position would fall on one rank only: the head then runs on
+    every position, laid out sequence-major (rows of ``[T * B, D]``) so that the rows follow the split, against :func:`next_token_targets` (``-100`` after the last position). Each rank
+    computes its own positions' logits and loss; only the mean's count is summed across ranks.
+    """
+    if not sequence_split():
+        return next_token_loss(head(x_BTD[:, :-1]), labels_BT)
+    targets_BT = next_token_targets(labels_BT)
+    B, T = x_BTD.shape[0], x_BTD.shape[1]
+    if tuple(targets_BT.shape) != (B, T):
+        raise ValueError(
+            f"labels must have the shape of input_ids {(B, T)}, got {tuple(labels_BT.shape)}"
+        )
+    # sequence-major rows: the fold of [T, B] keeps T's split, and the head runs on 2-D rows
+    logits_NV = head(x_BTD.transpose(0, 1).reshape(T * B, x_BTD.shape[-1]))
+    return ops.cross_entropy(logits_NV, targets_BT.t().reshape(T * B))
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:

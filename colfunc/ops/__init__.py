@@ -12,6 +12,9 @@ from colfunc.ops.cpu_adam import cpu_adamw_
 from colfunc.ops.dispatch import (
     adamw_,
     attention,
+    attention_block,
+    attention_block_backward,
+    attention_lse,
     cross_entropy,
     layer_norm,
     paged_attention,
@@ -23,6 +26,9 @@ from colfunc.ops.dispatch import (
 __all__ = [
     "adamw_",
     "attention",
+    "attention_block",
+    "attention_block_backward",
+    "attention_lse",
     "cpu_adamw_",
     "cross_entropy",
     "layer_norm",

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from colfunc import core
 from colfunc.kernels import checks
 from colfunc.ops import cpu_attention, reference
 
@@ -36,6 +37,9 @@ __all__ = [
     "CHOICES",
     "adamw_",
     "attention",
+    "attention_block",
+    "attention_block_backward",
+    "attention_lse",
     "cross_entropy",
     "kernels_choice",
     "layer_norm",
@@ -103,12 +107,87 @@ def attention(
 
     The causal mask is aligned bottom-right when T != S: query ``i`` sees keys ``j <= i + S - T``.
     ``scale`` defaults to ``1/sqrt(D)``. The Triton kernel is flash attention (head dims 16-128).
+    Under a sequence-parallel ``shard`` (Ulysses, ring), a frame on the context stack runs it
+    across the ranks of the sequence axis (:class:`colfunc.core.AttentionInterceptor`).
     """
+    for frame in core.attention_frames():
+        handled = frame.attention(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+        if handled is not None:
+            return handled
+    return _attention(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+
+
+def _attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     qkv = (q_BHTD, k_BHSD, v_BHSD)
     if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
         out: torch.Tensor = _kernel("attention").attention(*qkv, causal, scale)
         return out
     return reference.attention(*qkv, causal, scale)
+
+
+def attention_lse(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` and each query's log-sum-exp ``lse[B,H,T]`` (natural log, fp32; fp64
+    for fp64), both differentiable: what merges attentions over disjoint key blocks."""
+    qkv = (q_BHTD, k_BHSD, v_BHSD)
+    if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
+        out: tuple[torch.Tensor, torch.Tensor] = _kernel("attention").attention_lse(
+            *qkv, causal, scale
+        )
+        return out
+    return reference.attention_lse(*qkv, causal, scale)
+
+
+def attention_block(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a blockwise attention, ``(out, lse)``, without autograd (ring attention's
+    forward step)."""
+    qkv = (q_BHTD, k_BHSD, v_BHSD)
+    if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
+        out: tuple[torch.Tensor, torch.Tensor] = _kernel("attention").attention_block(
+            *qkv, causal, scale
+        )
+        return out
+    return reference.attention_block(*qkv, causal, scale)
+
+
+def attention_block_backward(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    dout_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    delta_BHT: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+    out_BHTD: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key/value block's gradients ``(dq, dk, dv)`` given the whole attention's ``lse``,
+    ``delta = (dout * out).sum(-1)`` and (optionally) ``out`` itself (ring attention's backward
+    step)."""
+    qkv = (q_BHTD, k_BHSD, v_BHSD)
+    if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _kernel(
+            "attention"
+        ).attention_block_backward(*qkv, dout_BHTD, lse_BHT, delta_BHT, causal, scale)
+        return out
+    return reference.attention_block_backward(*qkv, dout_BHTD, lse_BHT, delta_BHT, causal, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:

@@ -13,7 +13,17 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["adamw_", "attention", "cross_entropy", "layer_norm", "rms_norm", "rope"]
+__all__ = [
+    "adamw_",
+    "attention",
+    "attention_block",
+    "attention_block_backward",
+    "attention_lse",
+    "cross_entropy",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+]
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -73,6 +83,147 @@ def attention(
     return F.scaled_dot_product_attention(
         q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_TS, scale=scale, enable_gqa=gqa
     )
+
+
+def _acc_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _grouped_scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None
+) -> tuple[torch.Tensor, float]:
+    """Scaled scores ``[B, Hkv, G, T, S]`` (G = H / Hkv query heads per key/value head) in the
+    accumulation dtype, masked to ``-inf`` above the bottom-right causal diagonal."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = 1.0 / D**0.5 if scale is None else float(scale)
+    acc = _acc_dtype(q)
+    q5 = q.to(acc).reshape(B, Hkv, H // Hkv, T, D)
+    s = q5 @ k.to(acc)[:, :, None].transpose(-1, -2) * scale
+    if causal:
+        if T > S:
+            raise ValueError(
+                f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
+            )
+        i = torch.arange(T, device=q.device)[:, None]
+        j = torch.arange(S, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (S - T), float("-inf"))
+    return s, scale
+
+
+def attention_lse(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` and the log-sum-exp of each query's scaled scores, ``lse[B,H,T]``.
+
+    The log-sum-exp is natural-log, in fp32 (fp64 for fp64 inputs); both outputs are
+    differentiable. Two attentions of one query over disjoint key sets merge into the attention
+    over their union by their log-sum-exps (ring attention):
+    ``lse = logaddexp(lse1, lse2)``, ``out = out1 * exp(lse1 - lse) + out2 * exp(lse2 - lse)``.
+    """
+    _check_attention(q_BHTD, k_BHSD, v_BHSD)
+    B, H, T, D = q_BHTD.shape
+    s, _ = _grouped_scores(q_BHTD, k_BHSD, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = p @ v_BHSD.to(s.dtype)[:, :, None]
+    return out.reshape(B, H, T, D).to(q_BHTD.dtype), lse.reshape(B, H, T)
+
+
+def _fused_cpu(q: torch.Tensor) -> bool:
+    """Whether PyTorch's fused CPU flash attention (which returns the log-sum-exp and takes it
+    back in its backward) serves: plain fp32/fp64 CPU tensors."""
+    return (
+        type(q) is torch.Tensor
+        and q.device.type == "cpu"
+        and q.dtype
+        in (
+            torch.float32,
+            torch.float64,
+        )
+    )
+
+
+def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
+    """Key/value heads repeated for their groups of query heads: ``[B, Hkv, S, D] -> [B, H, S, D]``."""
+    B, Hkv, S, D = x.shape
+    if Hkv == H:
+        return x
+    return x[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+
+
+@torch.no_grad()
+def attention_block(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_lse` without autograd: one block of a blockwise (ring) attention.
+
+    On CPU (fp32, fp64) the fused flash attention, whose memory is linear in the block's length;
+    elsewhere the scores are materialised. A causal block must be square (``T == S``)."""
+    _check_attention(q_BHTD, k_BHSD, v_BHSD)
+    if _fused_cpu(q_BHTD) and (not causal or q_BHTD.shape[2] == k_BHSD.shape[2]):
+        H = q_BHTD.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHTD, _heads(k_BHSD, H), _heads(v_BHSD, H), 0.0, causal, scale=scale
+        )
+        return out, lse
+    return attention_lse(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+
+
+@torch.no_grad()
+def attention_block_backward(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    dout_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    delta_BHT: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+    out_BHTD: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dq, dk, dv)`` of one key/value block's share of an attention.
+
+    ``lse`` is the log-sum-exp of the query's scores over *all* its keys (this block's and the
+    others'), ``delta`` is ``(dout * out).sum(-1)`` of the whole attention's output ``out``:
+    with them a block's probabilities and its part of the softmax's backward are exact (flash
+    attention's backward, block by block). On CPU (fp32, fp64, given ``out``) the fused flash
+    backward; elsewhere accumulated in fp32 (fp64 for fp64) over materialised scores.
+    """
+    B, H, T, D = q_BHTD.shape
+    Hkv = k_BHSD.shape[1]
+    G = H // Hkv
+    square = not causal or k_BHSD.shape[2] == T
+    if out_BHTD is not None and _fused_cpu(q_BHTD) and square:
+        k, v = _heads(k_BHSD, H), _heads(v_BHSD, H)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_BHTD, q_BHTD, k, v, out_BHTD, lse_BHT, 0.0, causal, scale=scale
+        )
+        if G > 1:
+            S = k.shape[2]
+            dk = dk.view(B, Hkv, G, S, D).sum(2)
+            dv = dv.view(B, Hkv, G, S, D).sum(2)
+        return dq, dk, dv
+    s, sc = _grouped_scores(q_BHTD, k_BHSD, causal, scale)
+    acc = s.dtype
+    p = torch.exp(s - lse_BHT.to(acc).reshape(B, Hkv, G, T, 1))
+    do = dout_BHTD.to(acc).reshape(B, Hkv, G, T, D)
+    v = v_BHSD.to(acc)[:, :, None]
+    dv = (p.transpose(-1, -2) @ do).sum(2)
+    dp = do @ v.transpose(-1, -2)
+    ds = p * (dp - delta_BHT.to(acc).reshape(B, Hkv, G, T, 1))
+    dq = (ds @ k_BHSD.to(acc)[:, :, None]) * sc
+    dk = (ds.transpose(-1, -2) @ q_BHTD.to(acc).reshape(B, Hkv, G, T, D)).sum(2) * sc
+    dt = q_BHTD.dtype
+    return dq.reshape(B, H, T, D).to(dt), dk.to(dt), dv.to(dt)
 
 
 def layer_norm(

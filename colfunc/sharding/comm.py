@@ -47,6 +47,7 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "ppermute",
+    "ppermute_async",
     "recv",
     "reduce_scatter",
     "reduce_scatter_async",
@@ -403,6 +404,23 @@ def all_to_all(
     return _AllToAll.apply(x, mesh, axes, split_dim, concat_dim)
 
 
+def _perm_pairs(perm: Any, n: int, axis: Axes, name: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name}: perm must be (src, dst) pairs of group indices; got {perm!r}"
+        ) from None
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if any(not 0 <= i < n for i in srcs + dsts):
+        raise ValueError(
+            f"{name}: perm {list(pairs)} has an index outside [0, {n}) of axis {axis!r}"
+        )
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"{name}: perm {list(pairs)} repeats a source or a destination")
+    return pairs
+
+
 def ppermute(
     x: torch.Tensor, axis: Axes, perm: Sequence[tuple[int, int]], mesh: Mesh | None = None
 ) -> torch.Tensor:
@@ -412,21 +430,27 @@ def ppermute(
     nothing gets zeros. ``ppermute(x, "pp", [(i, (i + 1) % n) for i in range(n)])`` is a ring shift.
     """
     mesh, axes = _prepare(x, axis, mesh, "ppermute")
-    n = mesh.axis_size(axes)
-    try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"ppermute: perm must be (src, dst) pairs of group indices; got {perm!r}"
-        ) from None
-    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
-    if any(not 0 <= i < n for i in srcs + dsts):
-        raise ValueError(
-            f"ppermute: perm {list(pairs)} has an index outside [0, {n}) of axis {axis!r}"
-        )
-    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(f"ppermute: perm {list(pairs)} repeats a source or a destination")
+    pairs = _perm_pairs(perm, mesh.axis_size(axes), axis, "ppermute")
     return _PPermute.apply(x, mesh, axes, pairs)
+
+
+def ppermute_async(
+    x: torch.Tensor, axis: Axes, perm: Sequence[tuple[int, int]], mesh: Mesh | None = None
+) -> Pending:
+    """Start :func:`ppermute` of ``x`` and return at once; ``wait()`` gives what this rank
+    receives. Ring attention sends the next key/value block while it computes on this one.
+
+    ``x`` must not be modified until ``wait()`` returns; the rest is as for
+    :func:`all_reduce_async` (on torch.distributed the transfers are in flight meanwhile).
+    """
+    mesh, axes = _prepare(x, axis, mesh, "ppermute_async")
+    pairs = _perm_pairs(perm, mesh.axis_size(axes), axis, "ppermute_async")
+    call = _group_call(mesh, "ppermute", axes, perm=pairs)
+    _record(mesh, call, x)
+    x = x.detach()
+    if len(call.group) == 1:
+        return Pending(_Done(x.clone(memory_format=torch.contiguous_format)))
+    return Pending(_world(mesh, call, x).start(mesh.rank, call, x))
 
 
 def broadcast(x: torch.Tensor, axis: Axes, src: int = 0, mesh: Mesh | None = None) -> torch.Tensor:

@@ -178,11 +178,11 @@ class TorchWorld:
     def start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
         with _named(rank, lambda: call.describe(x)):
             self._check_same(rank, call, x)
-            request = self._start(call, x)
+            request = self._start(rank, call, x)
         request.name = (rank, lambda: call.describe(x))
         return request
 
-    def _start(self, call: Call, x: torch.Tensor) -> _Request:
+    def _start(self, rank: int, call: Call, x: torch.Tensor) -> _Request:
         pg = self._groups[call.group]
         buf = x if x.is_contiguous() else x.contiguous()
         if call.op == "all_reduce":
@@ -196,9 +196,14 @@ class TorchWorld:
             out = buf.new_empty((buf.shape[0] // len(call.group), *buf.shape[1:]))
             work = _reduce_scatter_single(out, buf, group=pg, async_op=True)
             return _Request(work, out, keep=buf)
+        if call.op == "ppermute":
+            i = call.group.index(rank)
+            p2p, out = self._ppermute_ops(call, buf, i, pg)
+            works = _Works(list(dist.batch_isend_irecv(p2p)) if p2p else [])
+            return _Request(works, out, keep=buf)
         raise ValueError(
-            f"{call.describe(x)}: only all_reduce, and all_gather and reduce_scatter along dim 0, "
-            "can be started asynchronously"
+            f"{call.describe(x)}: only all_reduce, ppermute, and all_gather and reduce_scatter "
+            "along dim 0, can be started asynchronously"
         )
 
     def send(self, rank: int, dst: int, x: torch.Tensor, tag: int) -> _Request:
@@ -219,23 +224,40 @@ class TorchWorld:
         out = torch.empty(shape, dtype=dtype, device=device)
         return _Request(dist.irecv(out, src, tag=tag), out)
 
-    def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
+    def _ppermute_ops(
+        self, call: Call, xc: torch.Tensor, i: int, pg: Any
+    ) -> tuple[list[Any], torch.Tensor]:
+        """The sends and receives of group index ``i`` in a ppermute, and its output buffer."""
         out = None
         p2p = []
-        xc = x.contiguous()
         for s, d in call.perm:
             if s == i and d != i:
                 p2p.append(dist.P2POp(dist.isend, xc, call.group[d], group=pg))
             if d == i:
                 if s == i:
-                    out = x.clone(memory_format=torch.contiguous_format)
+                    out = xc.clone(memory_format=torch.contiguous_format)
                 else:
                     out = torch.empty_like(xc)
                     p2p.append(dist.P2POp(dist.irecv, out, call.group[s], group=pg))
+        return p2p, out if out is not None else torch.zeros_like(xc)
+
+    def _ppermute(self, call: Call, x: torch.Tensor, i: int, pg: Any) -> torch.Tensor:
+        p2p, out = self._ppermute_ops(call, x.contiguous(), i, pg)
         if p2p:
             for work in dist.batch_isend_irecv(p2p):
                 work.wait()
-        return out if out is not None else torch.zeros_like(xc)
+        return out
+
+
+class _Works:
+    """Several transfers in flight, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class _Request:

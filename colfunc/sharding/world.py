@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from colfunc import torch_private
 from colfunc.sharding.ledger import Ledger
 
 __all__ = ["Call", "World", "combine"]
@@ -98,6 +99,15 @@ class World(Protocol):
         ...
 
 
+def _pieces(xs: Sequence[torch.Tensor], dim: int, start: int, size: int) -> list[torch.Tensor]:
+    """Views of every member's input, taken out of sight of this thread's dispatch modes: on the
+    threads backend the other members' inputs are other ranks' memory, which a rank's
+    :func:`colfunc.memory.track` must not count as its own (on a real backend what arrives is a
+    fresh buffer, which the op's result here is too)."""
+    with torch_private.get("disable_current_modes")():
+        return [x.narrow(dim, start, size) for x in xs]
+
+
 def combine(call: Call, xs: Sequence[torch.Tensor], index: int) -> torch.Tensor:
     """The result of ``call`` on group member ``index``, from every member's input in group order.
 
@@ -121,13 +131,14 @@ def combine(call: Call, xs: Sequence[torch.Tensor], index: int) -> torch.Tensor:
         return torch.cat(list(xs), call.dim)
     if op == "reduce_scatter":
         c = xs[0].shape[call.dim] // n
-        acc = xs[0].narrow(call.dim, index * c, c).clone(memory_format=torch.contiguous_format)
-        for x in xs[1:]:
-            acc.add_(x.narrow(call.dim, index * c, c))
+        pieces = _pieces(xs, call.dim, index * c, c)
+        acc = pieces[0].clone(memory_format=torch.contiguous_format)
+        for x in pieces[1:]:
+            acc.add_(x)
         return acc
     if op == "all_to_all":
         c = xs[0].shape[call.split_dim] // n
-        return torch.cat([x.narrow(call.split_dim, index * c, c) for x in xs], call.concat_dim)
+        return torch.cat(_pieces(xs, call.split_dim, index * c, c), call.concat_dim)
     if op == "ppermute":
         for s, d in call.perm:
             if d == index:

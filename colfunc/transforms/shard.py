@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,13 @@ from colfunc.step import Step
 from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import in_placement, local_update
+from colfunc.transforms.sequence import (
+    LONG_MODES,
+    MODES,
+    LongSequence,
+    SequenceLayout,
+    split_sequence,
+)
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
@@ -61,10 +69,13 @@ def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
     return dict(plan)
 
 
-def place(params: PyTree, plan: dict[str, P], mesh: Mesh) -> PyTree:
+def place(params: PyTree, plan: dict[str, P], mesh: Mesh, *, sharded: bool = False) -> PyTree:
     """``params`` as ShardedTensors laid out by ``plan`` (path patterns to specs; replicated
-    where no pattern matches), each rank keeping its shards; no communication."""
-    if not plan:
+    where no pattern matches), each rank keeping its shards; no communication. Without a plan
+    they stay plain tensors (data parallel only) unless ``sharded`` (sequence parallelism, whose
+    activations are ShardedTensors: the parameters' gradients are then Partial sums over the
+    sequence axis, which their placements reduce)."""
+    if not plan and not sharded:
         return params  # data parallel only: plain tensors, replicated
     flat = tree.flatten_with_paths(params)[0]
     unused = [pat for pat in plan if not any(tree.match(pat, p) for p, _ in flat)]
@@ -186,12 +197,27 @@ class ShardConfig:
     mesh: Mesh
     plan: dict[str, P] = dataclasses.field(default_factory=dict)
     batch_axis: str | None = "dp"
-    sequence_parallel: bool = False
+    sequence_parallel: bool | str = False
+    sequence_axis: str | tuple[str, ...] | None = None
     bucket_mb: float = 25.0
     overlap: bool = True
 
     def __post_init__(self) -> None:
         mesh = self.mesh
+        given: Any = self.sequence_parallel
+        mode: str | None = None
+        if given is True:
+            mode = "megatron"
+        elif given is False or given is None:
+            mode = None
+        elif isinstance(given, str) and given in MODES:
+            mode = given
+        else:
+            raise ValueError(
+                f"shard: sequence_parallel must be False, True ('megatron') or one of {MODES}, "
+                f"got {given!r}"
+            )
+        object.__setattr__(self, "sequence_parallel", mode or False)
         if not isinstance(mesh, Mesh):
             raise TypeError(f"shard: mesh must be a cf.Mesh (the one launch passes), got {mesh!r}")
         if self.batch_axis is not None and self.batch_axis not in mesh.axis_names:
@@ -205,6 +231,28 @@ class ShardConfig:
         if isinstance(b, bool) or not isinstance(b, int | float) or not b > 0:
             raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {b!r}")
         object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
+        if mode in LONG_MODES:
+            layout = SequenceLayout.make(mode, mesh, self.sequence_axis)
+            clash = sorted(set(layout.axes) & ({self.batch_axis} | _plan_axes(self.plan)))
+            if clash:
+                raise ValueError(
+                    f"shard: the sequence axis {clash[0]!r} also splits the batch or the "
+                    "parameters; give sequence parallelism an axis of its own"
+                )
+        elif self.sequence_axis is not None:
+            raise ValueError(
+                f"shard: sequence_axis={self.sequence_axis!r} is for the long-context modes "
+                f"{LONG_MODES}; sequence_parallel={self.sequence_parallel!r} uses the "
+                "tensor-parallel axis"
+            )
+
+    @property
+    def sequence_layout(self) -> SequenceLayout | None:
+        """The long-context mode's layout (None for none or Megatron's)."""
+        mode = self.sequence_parallel
+        if mode not in LONG_MODES:
+            return None
+        return SequenceLayout.make(str(mode), self.mesh, self.sequence_axis)
 
     @property
     def data_axis(self) -> str | None:
@@ -225,8 +273,9 @@ def shard(
     mesh: Mesh,
     plan: dict[str, P] | None = None,
     batch_axis: str | None = "dp",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     *,
+    sequence_axis: str | tuple[str, ...] | None = None,
     bucket_mb: float = 25.0,
     overlap: bool = True,
 ) -> Step:
@@ -237,6 +286,11 @@ def shard(
     gradient buckets (DDP's ``bucket_cap_mb``); ``overlap=False`` reduces them only after the
     backward pass. Under a pipeline the reduction always follows the backward pass, since the
     microbatches' gradients are complete only then.
+
+    ``sequence_parallel``: ``True`` or ``"megatron"`` splits the sequence over the
+    tensor-parallel axis between the matmuls (Megatron-LM); ``"ulysses"``, ``"ring"``,
+    ``"zigzag"`` and ``"usp"`` split it over an axis of its own (``sequence_axis``, default
+    ``"sp"``; for ``"usp"`` ``("sp_ring", "sp_ulysses")``): see :mod:`colfunc.transforms.sequence`.
 
     Example:
         >>> def main(mesh):
@@ -250,10 +304,15 @@ def shard(
         plan=plan if plan is not None else {},
         batch_axis=batch_axis,
         sequence_parallel=sequence_parallel,
+        sequence_axis=sequence_axis,
         bucket_mb=bucket_mb,
         overlap=overlap,
     )
     return apply_transform(step, "shard", config)
+
+
+def _plan_axes(plan: dict[str, P]) -> set[str]:
+    return {a for spec in plan.values() for a in spec.axes()}
 
 
 def _check_divisors(loss_fn: Any, plan: dict[str, P], mesh: Mesh) -> None:
@@ -285,16 +344,35 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     # zero stages 1-3 hand the optimizer chunks (plain local tensors) and say themselves how
     # their norms add up; otherwise the update runs on the local pieces of sharded tensors
     chunked = comp.zero is not None and comp.zero.stage >= 1
-    update = local_update(step.update, mesh) if plan_ and not chunked else step.update
+    long_seq = cfg.sequence_layout
+    sharded = bool(plan_) or long_seq is not None
+    update = local_update(step.update, mesh) if sharded and not chunked else step.update
 
     def layout(params: PyTree) -> PyTree:
-        return place(inner_layout(params), plan_, mesh)
+        return place(inner_layout(params), plan_, mesh, sharded=long_seq is not None)
 
-    seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if cfg.sequence_parallel else None
+    megatron = cfg.sequence_parallel == "megatron"
+    seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if megatron else None
+    if long_seq is not None:
+        divisors = getattr(step.loss_fn, "divisors", {})
+        heads_axes = sorted(_plan_axes(plan_) - {dp})
+        tp = math.prod(mesh.axis_size(a) for a in heads_axes)
+        long_seq.check_heads(divisors.get("n_head"), divisors.get("n_kv_heads"), tp)
+    batch_dims = getattr(step.loss_fn, "batch_sequence_dims", None)
+    carry_dims = dict(getattr(step.loss_fn, "sequence_dims", {"": 1}))
 
-    def frames(stack: contextlib.ExitStack) -> None:
+    def prepare(batch: PyTree) -> tuple[PyTree, LongSequence | None]:
+        local = split_batch(batch, dp, mesh) if dp else batch
+        if long_seq is None:
+            return local, None
+        local, T = split_sequence(local, long_seq, batch_dims)
+        return local, LongSequence(long_seq, T, carry_dims)
+
+    def frames(stack: contextlib.ExitStack, long_frame: LongSequence | None) -> None:
         if seq is not None:
             stack.enter_context(core.context(seq))
+        if long_frame is not None:
+            stack.enter_context(core.context(long_frame))
 
     def loss_over_dp(loss: torch.Tensor) -> torch.Tensor:
         if isinstance(loss, ShardedTensor):
@@ -306,10 +384,10 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
-        local_batch = split_batch(batch, dp, mesh) if dp else batch
+        local_batch, long_frame = prepare(batch)
         buckets = GradBuckets(mesh, dp, cfg.bucket_bytes, params) if in_backward and dp else None
         with contextlib.ExitStack() as stack:
-            frames(stack)
+            frames(stack, long_frame)
             if buckets is not None:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
@@ -320,9 +398,9 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         return loss_over_dp(loss), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
-        local_batch = split_batch(batch, dp, mesh) if dp else batch
+        local_batch, long_frame = prepare(batch)
         with contextlib.ExitStack() as stack:
-            frames(stack)
+            frames(stack, long_frame)
             loss = inner_fwd(params, local_batch, extra)
         return loss_over_dp(loss)
 
