@@ -5,6 +5,8 @@
     parallel = dict(
         data=2,                                        # data-parallel ranks ("dp")
         tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan)
+        sequence=dict(mode="zigzag", size=4),          # long contexts: "ulysses", "ring",
+                                                       # "zigzag" ("sp"), "usp" with ulysses=U
         pipeline=dict(stages=2, microbatches=8, schedule="1f1b"),  # "pp"
         zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
@@ -20,6 +22,12 @@ and the collective (:class:`~colfunc.sharding.CollectiveTimeoutError`), so a han
 checks that all call the same collective on the same axis with the same shape and dtype, and all
 raise :class:`~colfunc.sharding.CollectiveMismatchError` naming each rank's call if not (the
 threads backend always checks).
+
+``sequence`` splits each sequence over an axis of its own (see
+:mod:`colfunc.transforms.sequence`): ``mode`` is ``"ulysses"``, ``"ring"`` or ``"zigzag"`` over
+``sp`` of ``size`` ranks, or ``"usp"`` over ``sp_ring`` x ``sp_ulysses`` (``ulysses=U`` of the
+``size``); ``mode="megatron"`` is the same as ``tensor=dict(sequence_parallel=True)``. The mesh's
+axes are ``dp, pp, sp (sp_ring, sp_ulysses), tp``.
 
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
 zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
@@ -40,7 +48,19 @@ from colfunc.step import Step
 
 __all__ = ["ParallelConfig", "build", "parse"]
 
-_KEYS = ("data", "tensor", "pipeline", "zero", "amp", "remat", "offload", "backend", "timeout")
+_KEYS = (
+    "data",
+    "tensor",
+    "sequence",
+    "pipeline",
+    "zero",
+    "amp",
+    "remat",
+    "offload",
+    "backend",
+    "timeout",
+)
+_SEQUENCE_MODES = ("megatron", "ulysses", "ring", "zigzag", "usp")
 _PLACEMENTS = {"cuda": "device", "cpu": "host", "auto": "auto"}  # ColossalAI's names
 
 
@@ -51,6 +71,9 @@ class ParallelConfig:
     data: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
+    sequence_mode: str | None = None
+    sequence_size: int = 1
+    sequence_ulysses: int | None = None
     pipeline: dict[str, Any] | None = None
     zero: int | None = None
     zero_prefetch: int = 1
@@ -71,6 +94,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
+        self._check_sequence()
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
             raise ValueError(f"parallel: zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
         p = self.zero_prefetch
@@ -81,6 +105,7 @@ class ParallelConfig:
 
             others = [n for n in ("pipeline", "zero") if getattr(self, n) is not None]
             others += [n for n in ("data", "tensor") if getattr(self, n) > 1]
+            others += ["sequence"] if self.long_sequence else []
             if others:
                 raise ValueError(
                     f"parallel: offload runs on one rank and does not compose with "
@@ -97,15 +122,73 @@ class ParallelConfig:
                 f"parallel: backend must be 'threads', 'gloo', 'nccl' or 'env', got {self.backend!r}"
             )
 
+    def _check_sequence(self) -> None:
+        mode, n, u = self.sequence_mode, self.sequence_size, self.sequence_ulysses
+        if mode is None:
+            return
+        if mode not in _SEQUENCE_MODES:
+            raise ValueError(
+                f"parallel['sequence']: mode must be one of {list(_SEQUENCE_MODES)}, got {mode!r}"
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"parallel['sequence']: size must be an int >= 1, got {n!r}")
+        if mode == "megatron":
+            if n not in (1, self.tensor) or self.tensor < 2:
+                raise ValueError(
+                    "parallel['sequence']: mode='megatron' splits the sequence over the "
+                    f"tensor-parallel axis; give tensor=N (N >= 2) and no other size (got "
+                    f"size={n}, tensor={self.tensor})"
+                )
+            return
+        if mode == "usp":
+            if isinstance(u, bool) or not isinstance(u, int) or u < 1 or n % u:
+                raise ValueError(
+                    f"parallel['sequence']: mode='usp' needs ulysses=U, a divisor of size={n} "
+                    f"(the Ulysses part of sp = ring x ulysses), got ulysses={u!r}"
+                )
+        elif u is not None:
+            raise ValueError(f"parallel['sequence']: ulysses= is for mode='usp', not mode={mode!r}")
+        if self.sequence_parallel:
+            raise ValueError(
+                "parallel: tensor=dict(sequence_parallel=True) is Megatron's sequence parallelism "
+                f"and sequence=dict(mode={mode!r}) another; choose one"
+            )
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """ValueError unless the long-context mode can split sequences of ``seq_len``."""
+        if not self.long_sequence:
+            return
+        n = self.sequence_size * (2 if self.sequence_mode == "zigzag" else 1)
+        if seq_len % n:
+            why = f"2 x size = {n} (zigzag's chunks)" if self.sequence_mode == "zigzag" else n
+            raise ValueError(
+                f"data.seq_len={seq_len} is not divisible by {why} of parallel['sequence'] "
+                f"(mode={self.sequence_mode!r}, size={self.sequence_size}); use a seq_len that "
+                f"is a multiple of {n}"
+            )
+
+    @property
+    def long_sequence(self) -> bool:
+        """Whether the sequence is split over an axis of its own (Ulysses, ring, ...)."""
+        return self.sequence_mode not in (None, "megatron")
+
     @property
     def stages(self) -> int:
         return int(self.pipeline.get("stages", 1)) if self.pipeline else 1
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        """``{"dp": data, "pp": stages, "tp": tensor}``; ``pp`` and ``tp`` only when above 1."""
-        shape = {"dp": self.data, "pp": self.stages, "tp": self.tensor}
-        return {a: n for a, n in shape.items() if n > 1 or a == "dp"}
+        """``{"dp": data, "pp": stages, "sp": sequence, "tp": tensor}``; ``pp`` and ``tp`` only
+        when above 1, ``sp`` (or ``sp_ring`` and ``sp_ulysses``) with a long-context mode."""
+        shape = {"dp": self.data, "pp": self.stages}
+        if self.long_sequence and self.sequence_mode == "usp":
+            u = self.sequence_ulysses or 1
+            shape.update(sp_ring=self.sequence_size // u, sp_ulysses=u)
+        elif self.long_sequence:
+            shape["sp"] = self.sequence_size
+        shape["tp"] = self.tensor
+        long = ("sp", "sp_ring", "sp_ulysses")
+        return {a: n for a, n in shape.items() if n > 1 or a == "dp" or a in long}
 
 
 def parse(section: dict[str, Any]) -> ParallelConfig:
@@ -129,6 +212,26 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
         kw["sequence_parallel"] = bool(tensor.get("sequence_parallel", False))
     else:
         kw["tensor"] = tensor
+    sequence = section.get("sequence")
+    if sequence is not None:
+        if not isinstance(sequence, dict):
+            raise ValueError(
+                f"parallel['sequence'] must be a dict like dict(mode='ring', size=4), got "
+                f"{sequence!r}"
+            )
+        extra = sorted(set(sequence) - {"mode", "size", "ulysses"})
+        if extra:
+            raise ValueError(
+                f"parallel['sequence'] has unknown key {extra[0]!r}; use mode=, size= (and "
+                "ulysses= for 'usp')"
+            )
+        if "mode" not in sequence:
+            raise ValueError(f"parallel['sequence'] needs mode=, one of {list(_SEQUENCE_MODES)}")
+        kw["sequence_mode"] = sequence["mode"]
+        kw["sequence_size"] = sequence.get("size", 1)
+        kw["sequence_ulysses"] = sequence.get("ulysses")
+        if sequence["mode"] == "megatron":
+            kw["sequence_parallel"] = True
     zero = section.get("zero")
     kw["offload"] = section.get("offload")
     if isinstance(zero, dict) and {"model_config", "optimizer_config"} & set(zero):
@@ -192,12 +295,11 @@ def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | Non
         from colfunc.transforms.pipeline import pipeline_from_config
 
         step = pipeline_from_config(step, pc.pipeline)
-    step = shard(
-        step,
-        mesh,
-        plan=plan if pc.tensor > 1 else None,
-        sequence_parallel=pc.sequence_parallel and pc.tensor > 1,
-    )
+    sp: bool | str = pc.sequence_parallel and pc.tensor > 1
+    if pc.long_sequence:
+        assert pc.sequence_mode is not None
+        sp = pc.sequence_mode
+    step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
     if pc.zero is not None:
         step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
     if pc.amp is not None:

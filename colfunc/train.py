@@ -475,6 +475,8 @@ def run(
     """
     run_dir = Path(run_dir)
     pc = parallel.parse(cfg.parallel) if cfg.parallel else None
+    if pc is not None:
+        pc.check_seq_len(cfg.data.seq_len)
     lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
     restarted = restart and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if state is None and lead_process and run_dir.exists() and restarted:

@@ -60,6 +60,10 @@ def _losses(run: Path) -> list[float]:
         {"data": 2, "zero": {"stage": 3, "prefetch": 2}},
         {"tensor": {"size": 2, "sequence_parallel": True}, "zero": 3, "remat": "full"},
         {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}, "data": 2},
+        {"sequence": {"mode": "ring", "size": 2}, "data": 2, "zero": 3},
+        {"sequence": {"mode": "zigzag", "size": 4}},
+        {"sequence": {"mode": "ulysses", "size": 2}, "tensor": 2},
+        {"sequence": {"mode": "usp", "size": 4, "ulysses": 2}, "remat": "full"},
     ],
 )
 def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, section) -> None:
@@ -111,6 +115,22 @@ def test_colfunc_run_trains_on_torchrun_ranks(tmp_path, corpus) -> None:
         ({"pipelines": 2}, "unknown key 'pipelines'"),
         ({"backend": "mpi"}, "backend must be"),
         ({"pipeline": 2}, "must be a dict like"),
+        ({"sequence": {"mode": "rings", "size": 2}}, "mode must be one of"),
+        ({"sequence": {"size": 2}}, "needs mode="),
+        ({"sequence": {"mode": "ring", "size": 0}}, "size must be an int >= 1"),
+        ({"sequence": {"mode": "usp", "size": 4}}, "needs ulysses=U"),
+        ({"sequence": {"mode": "usp", "size": 4, "ulysses": 3}}, "a divisor of size=4"),
+        ({"sequence": {"mode": "ring", "size": 2, "ulysses": 2}}, "ulysses= is for mode='usp'"),
+        ({"sequence": {"mode": "ring", "size": 2, "depth": 2}}, "unknown key 'depth'"),
+        ({"sequence": {"mode": "megatron", "size": 2}}, "splits the sequence over the tensor"),
+        (
+            {
+                "sequence": {"mode": "ring", "size": 2},
+                "tensor": {"size": 2, "sequence_parallel": True},
+            },
+            "choose one",
+        ),
+        ({"sequence": "ring"}, "must be a dict like dict"),
     ],
 )
 def test_bad_parallel_sections_are_named(section, match) -> None:
@@ -123,6 +143,36 @@ def test_bad_parallel_section_exits_2_with_one_line(tmp_path, corpus, capsys) ->
     assert main(["train", str(cfg), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "overlap" in err[0]
+
+
+def test_sequence_sections_build_their_meshes() -> None:
+    usp = parallel.parse({"data": 2, "sequence": {"mode": "usp", "size": 4, "ulysses": 2}})
+    assert usp.mesh_shape == {"dp": 2, "sp_ring": 2, "sp_ulysses": 2}
+    ring = parallel.parse({"sequence": {"mode": "ring", "size": 4}, "tensor": 2})
+    assert ring.mesh_shape == {"dp": 1, "sp": 4, "tp": 2}
+    megatron = parallel.parse({"sequence": {"mode": "megatron"}, "tensor": 2})
+    assert megatron.mesh_shape == {"dp": 1, "tp": 2} and megatron.sequence_parallel
+
+
+def test_a_seq_len_that_zigzag_cannot_split_exits_2_with_one_line(tmp_path, corpus, capsys) -> None:
+    cfg = _config(tmp_path, corpus, "zz", {"sequence": {"mode": "zigzag", "size": 3}})
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.seq_len=32 is not divisible by 2 x size = 6" in err[0]
+
+
+def test_colfunc_run_trains_with_ring_attention(tmp_path, corpus) -> None:
+    cfg = _config(tmp_path, corpus, "sp", {"sequence": {"mode": "zigzag", "size": 2}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "colfunc", "run", "-n", "2", "train", str(cfg), "--name", "sp"]
+        + ["--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mesh {'dp': 1, 'sp': 2} (gloo)" in proc.stdout
+    assert len(_losses(tmp_path / "runs" / "sp")) >= 3
 
 
 def test_parallel_example_builds_its_mesh() -> None:
