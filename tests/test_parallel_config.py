@@ -163,9 +163,9 @@ def test_a_seq_len_that_zigzag_cannot_split_exits_2_with_one_line(tmp_path, corp
 
 def test_colfunc_run_trains_with_ring_attention(tmp_path, corpus) -> None:
     cfg = _config(tmp_path, corpus, "sp", {"sequence": {"mode": "zigzag", "size": 2}})
+    command = [sys.executable, "-m", "colfunc", "run", "-n", "2", "train", str(cfg)]
     proc = subprocess.run(
-        [sys.executable, "-m", "colfunc", "run", "-n", "2", "train", str(cfg), "--name", "sp"]
-        + ["--no-progress"],
+        [*command, "--name", "sp", "--no-progress"],
         capture_output=True,
         text=True,
         timeout=200,

@@ -2,7 +2,8 @@
 
 Attention alone (forward and gradients) matches the dense reference at fp32 1e-5, causal and not,
 with grouped-query heads; whole training steps of GPT and LLaMA (GQA) match at fp64 with Adam to
-1e-9, alone and composed with data parallel, ZeRO 0-3, tensor parallel, amp and remat. The
+1e-9, alone and composed with data parallel, ZeRO 0-3, tensor parallel, pipeline, amp and
+remat. The
 ledger's bytes equal the closed forms; zigzag balances the causal work that a contiguous split
 does not; activations per rank fall as 1/P.
 """
@@ -189,6 +190,16 @@ def test_with_dp_and_zero3_equals_single_device_fp64(name: str, mode: str) -> No
     _equivalent(name, mode, sp_mesh(mode, 2 if mode != "usp" else 4, dp=2), comp)
 
 
+@pytest.mark.parametrize(
+    "mode,schedule",
+    [(m, "1f1b") for m in LONG] + [("zigzag", "gpipe"), ("ring", "zero_bubble")],
+)
+def test_with_pipeline_equals_single_device_fp64(mode: str, schedule: str) -> None:
+    """The carry's ShardedTensors cross between the stages with their sequence split."""
+    comp = {"pipeline": {"schedule": schedule, "microbatches": 2}, "order": ("shard",)}
+    _equivalent("llama", mode, sp_mesh(mode, 2, pp=2), comp)
+
+
 @settings(max_examples=6)
 @given(
     name=st.sampled_from(["gpt", "llama"]),
@@ -205,12 +216,8 @@ def test_drawn_compositions_equal_single_device_fp64(
 ) -> None:
     n = 4 if mode == "usp" else 2
     mesh = sp_mesh(mode, n, dp=dp)
-    if tp > 1:
-        if mode == "usp" or dp > 1:  # at most 8 threads
-            mesh = sp_mesh(mode, n, dp=dp) if mode == "usp" else {"dp": 1, "sp": 2, "tp": 2}
-            tp = 1 if mode == "usp" else tp
-        if tp > 1:
-            mesh["tp"] = tp
+    if tp > 1 and mode != "usp":  # at most 8 threads; heads split over tp, then over sp
+        mesh["tp"] = tp
     comp = {"zero": zero, "prefetch": 1, "remat": remat, "amp": amp, "order": tuple(order)}
     _equivalent(name, mode, mesh, comp)
 

@@ -137,9 +137,8 @@ class SequenceLayout:
 
     def placements(self, x: torch.Tensor, dim: int) -> tuple[Placement, ...]:
         """``x``'s placements with ``dim`` split over the sequence axes (others kept)."""
-        old = x.placements if isinstance(x, ShardedTensor) else (Replicate(),) * len(self.axes)
-        if not isinstance(x, ShardedTensor):
-            old = tuple(Replicate() for _ in self.mesh.axis_names)
+        names = self.mesh.axis_names
+        old = x.placements if isinstance(x, ShardedTensor) else (Replicate(),) * len(names)
         return tuple(Shard(dim) if a in self.axes else p for a, p in zip(self.mesh.axis_names, old))
 
     def check_heads(self, n_head: int | None, n_kv_heads: int | None, tp: int = 1) -> None:
@@ -534,8 +533,3 @@ def split_sequence(
             x = distribute(x, layout.mesh, layout.placements(x, d))
         out.append(x)
     return tree.unflatten(treedef, out), T
-
-
-def attention_frame(layout: SequenceLayout, T: int, loss_fn: Any) -> LongSequence:
-    dims = dict(getattr(loss_fn, "sequence_dims", {"": 1}))
-    return LongSequence(layout, T, dims)
