@@ -61,6 +61,7 @@ def _job(mesh: Any, lengths: list[int], modes: list[str], steps: int) -> dict[st
         states = {m: s.init(params) for m, s in steps_by_mode.items()}
         for m, s in steps_by_mode.items():  # warm-up, and the bytes of one step
             with cf.sharding.recording(mesh) as led:
+                led.reset()
                 states[m], _ = s(states[m], batch)
             out[(T, m, "bytes")] = led.as_dict()
         times: dict[str, list[float]] = {m: [] for m in modes}

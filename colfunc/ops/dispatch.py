@@ -187,7 +187,9 @@ def attention_block_backward(
             "attention"
         ).attention_block_backward(*qkv, dout_BHTD, lse_BHT, delta_BHT, causal, scale)
         return out
-    return reference.attention_block_backward(*qkv, dout_BHTD, lse_BHT, delta_BHT, causal, scale)
+    return reference.attention_block_backward(
+        *qkv, dout_BHTD, lse_BHT, delta_BHT, causal, scale, out_BHTD
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
