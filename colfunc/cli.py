@@ -1,4 +1,5 @@
-"""The ``colfunc`` command: ``train``, ``generate``, ``export``, ``serve``, ``run`` and ``bench``.
+"""The ``colfunc`` command: ``train``, ``generate``, ``sample``, ``export``, ``serve``, ``run`` and
+``bench``.
 
 Bad input (a config mistake, a missing or corrupt checkpoint, an empty corpus, a run folder that
 exists already) ends with one line on stderr, ``colfunc: error: ...``, and exit status 2.
@@ -8,6 +9,8 @@ Examples:
     colfunc train examples/configs/llama_tiny.py --set train.steps=200 --set optim.lr=1e-3
     colfunc train --resume runs/gpt_tiny-20250101-120000 --set train.steps=2000
     colfunc generate --run runs/gpt_tiny-20250101-120000 --prompt "def " --max-new-tokens 200
+    colfunc train examples/configs/dit_video_tiny.py  # a video DiT; writes samples.gif
+    colfunc sample --run runs/dit_video_tiny-20250101-120000 --prompt "red square moving right"
     colfunc export --run runs/gpt_tiny-20250101-120000 --hf exported/  # transformers can load it
     colfunc serve --run runs/gpt_tiny-20250101-120000 --port 8000   # OpenAI API on 127.0.0.1
     colfunc bench single_device
@@ -143,6 +146,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(text, flush=True)
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from colfunc import tasks, train, video_sample
+
+    state, cfg = train.load_run(args.run)
+    if type(cfg.model).__module__ != "colfunc.models.dit":
+        raise ValueError(
+            f"--run {args.run}: colfunc sample draws videos from a DiT run; this run trains "
+            f"{type(cfg.model).__module__.rsplit('.', 1)[-1]} (use colfunc generate)"
+        )
+    if args.num < 1 or args.steps < 1:
+        raise ValueError("--num and --steps must be at least 1")
+    prompts = [args.prompt] * args.num
+    clips = video_sample.sample(
+        cfg.model, state.params, prompts, seed=args.seed, steps=args.steps, guidance=args.guidance
+    )
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(args.run) / tasks.SAMPLES.replace(".gif", "-prompt.gif")
+    )
+    video_sample.write_gif(clips, out, labels=prompts)
+    print(f"colfunc: wrote {args.num} clips of {args.prompt!r} to {out}", flush=True)
     return 0
 
 
@@ -327,6 +355,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("sample", help="sample video clips from a trained DiT run")
+    p.add_argument("--run", required=True, help="the run folder (colfunc train's output)")
+    p.add_argument("--prompt", required=True, help="a caption, e.g. 'red square moving right'")
+    p.add_argument("--num", type=int, default=4, help="clips to sample (default 4)")
+    p.add_argument("--steps", type=int, default=30, help="Euler steps (default 30)")
+    p.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance (4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="the GIF to write (default RUN/samples-prompt.gif)")
+    p.set_defaults(func=_cmd_sample)
 
     p = sub.add_parser("export", help="write a trained run as a Hugging Face model folder")
     p.add_argument("--run", required=True, help="a run folder (or its checkpoint folder)")

@@ -208,6 +208,8 @@ class RunConfig:
                 )
         if not isinstance(self.parallel, dict):
             raise ValueError(f"parallel must be a dict, got {type(self.parallel).__name__}")
+        if not hasattr(self.model, "max_seq_len"):
+            return  # not a language model (the DiT): its task checks its own data
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is longer than the model's context "

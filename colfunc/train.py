@@ -47,9 +47,8 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, data, hf, optim, parallel, tree
+from colfunc import checkpoint, hf, optim, parallel, tasks, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
-from colfunc.generate import complete
 from colfunc.sharding import Mesh, RankFailedError, comm, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
 from colfunc.transforms.local import local_piece, rewrap, to_local
@@ -258,7 +257,9 @@ def evaluate(loss_fn: Any, params: Any, batches: list[dict[str, torch.Tensor]]) 
     return sum(float(loss_fn(params, b)) for b in batches) / len(batches)
 
 
-def plot(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def plot(
+    records: list[dict[str, Any]], path: Path, title: str = "", unit: str = "nats/byte"
+) -> None:
     """Training and validation loss against step, written to ``path`` (PNG)."""
     # The object API needs no pyplot and no global backend: safe inside any host program.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -274,43 +275,13 @@ def plot(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if val:
         ax.plot(*zip(*val), "o-", label="validation", markersize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel(f"loss ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if train or val:  # (a run resumed for no steps has nothing to draw)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-
-
-def _tokenized(corpus: data.Corpus, cfg: RunConfig) -> data.Corpus:
-    """The corpus cut into the tokens of ``data.tokenizer`` (a Hugging Face folder's)."""
-    from colfunc.inference.tokenizers import load_hf_tokenizer
-
-    assert cfg.data.tokenizer is not None
-    tok = load_hf_tokenizer(hf.folder_of(cfg.data.tokenizer, what="tokenizer"))
-    if tok is None:
-        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: the folder holds no tokenizer")
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
-            f"data.tokenizer={cfg.data.tokenizer!r} has {tok.vocab_size} tokens, more than "
-            f"model.vocab_size={cfg.model.vocab_size}"
-        )
-
-    def encode(text_bytes: torch.Tensor) -> torch.Tensor:
-        text = bytes(text_bytes.numpy()).decode("utf-8", errors="replace")
-        return torch.tensor(tok.encode(text), dtype=torch.int32)
-
-    return corpus._replace(train=encode(corpus.train), val=encode(corpus.val))
-
-
-def _check_corpus(corpus: data.Corpus, cfg: RunConfig) -> None:
-    for side, tokens in (("training", corpus.train), ("validation", corpus.val)):
-        if tokens.numel() < cfg.data.seq_len:
-            raise ValueError(
-                f"data.corpus={cfg.data.corpus!r}: its {side} split has {tokens.numel()} bytes, "
-                f"fewer than data.seq_len={cfg.data.seq_len}; use more text or a shorter seq_len"
-            )
 
 
 def _max_over_ranks(value: int, mesh: Mesh | None) -> int:
@@ -498,16 +469,13 @@ def run(
             f"continue it with --resume {run_dir}"
         )
     t_start = time.perf_counter()
-    corpus = data.load_corpus(cfg.data.corpus, cfg.data.val_fraction)
-    if cfg.data.tokenizer is not None:
-        corpus = _tokenized(corpus, cfg)
-    _check_corpus(corpus, cfg)
+    task = tasks.for_run(cfg)  # the corpus (or the video set) read once, here
     # weights read once, here: ranks (threads) must not import transformers side by side
     params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
     if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc):
         state = state.full()  # another layout: from the single-device one
     body = functools.partial(
-        _train, cfg, run_dir, corpus, state, stop_at, progress, pc, t_start, params0
+        _train, cfg, run_dir, task, state, stop_at, progress, pc, t_start, params0
     )
     with _Signals.held():  # the rank threads' signals arrive here, in the main thread
         if pc is None:
@@ -526,7 +494,7 @@ def run(
 def _train(
     cfg: RunConfig,
     run_dir: Path,
-    corpus: data.Corpus,
+    task: tasks.LanguageTask | tasks.VideoTask,
     state: TrainState | None,
     stop_at: int | None,
     progress: bool,
@@ -537,9 +505,9 @@ def _train(
 ) -> TrainState:
     """The loop on one rank (``mesh`` None: the single-device run); rank 0 does all the I/O."""
     lead = mesh is None or mesh.rank == 0
-    tc, dc = cfg.train, cfg.data
+    tc = cfg.train
     stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
-    tokens_per_step = dc.batch_size * dc.seq_len
+    tokens_per_step = task.per_step
     model = model_module(cfg.model)
     loss_fn = model.loss(cfg.model)
     step_fn = _make_step(cfg, mesh, pc)
@@ -553,10 +521,7 @@ def _train(
         )
         if mesh is not None:
             state = step_fn.place_state(state)
-    val_batches = [
-        data.batch_at(corpus.val, dc.batch_size, dc.seq_len, dc.seed, i)
-        for i in range(tc.eval_batches)
-    ]
+    val_batches = task.validation()
 
     def validation(state: TrainState) -> float | None:
         # the composition's own forward pass on every rank (a collective under a mesh), which
@@ -579,8 +544,7 @@ def _train(
     if lead:
         print(
             f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
-            f"({n_params / 1e6:.2f}M parameters) on {dc.corpus!r} ({corpus.train.numel() / 1e6:.1f} "
-            f"MB train, {corpus.val.numel() / 1e6:.2f} MB validation) on {where} into {run_dir}/",
+            f"({n_params / 1e6:.2f}M parameters) {task.describe()} on {where} into {run_dir}/",
             flush=True,
         )
 
@@ -710,7 +674,7 @@ def _train(
         in_step = [False]
         try:
             while state.step < stop:
-                batch = data.batch_at(corpus.train, dc.batch_size, dc.seq_len, dc.seed, state.step)
+                batch = task.batch(state.step)
                 in_step[0] = True
                 state, metrics = step_fn(state, batch)
                 in_step[0] = False
@@ -729,7 +693,7 @@ def _train(
                         log.emit(record)
                     shown = {
                         "loss": f"{record['loss']:.3f}",
-                        "tok/s": f"{record['tokens_per_s']:.0f}",
+                        f"{task.unit}/s": f"{record['tokens_per_s']:.0f}",
                     }
                     if record.get("val_loss") is not None:
                         shown["val"] = f"{record['val_loss']:.3f}"
@@ -771,7 +735,7 @@ def _train(
     final = saved(state) if tc.sample_tokens and not stopped else state
     if log is None:
         return state
-    plot(log.records, run_dir / PLOT, title=run_dir.name)
+    plot(log.records, run_dir / PLOT, title=run_dir.name, unit=task.loss_unit)
     if stopped:
         name = signal.Signals(stopped).name
         print(
@@ -782,12 +746,12 @@ def _train(
         )
         return state
     last_val = next((r["val_loss"] for r in reversed(log.records) if "val_loss" in r), None)
-    val_text = f", validation loss {last_val:.3f} nats/byte" if last_val is not None else ""
+    val_text = f", validation loss {last_val:.3f} {task.loss_unit}" if last_val is not None else ""
     print(
         f"colfunc: step {state.step}{val_text}, {log.elapsed():.1f} s; wrote {run_dir}/",
         flush=True,
     )
-    if tc.sample_tokens:
-        text = complete(cfg, final.params, tc.sample_prompt, tc.sample_tokens)
-        print(f"--- sample (temperature 0.8, top-k 40) ---\n{text}\n---", flush=True)
+    message = task.finish(final.params, run_dir)
+    if message is not None:
+        print(message, flush=True)
     return state

@@ -40,9 +40,7 @@ HALF = 2.5  # the shape's half side (square) or radius (circle), pixels
 
 def captions() -> list[str]:
     """Every caption of the set, ``"<colour> <shape> moving <direction>"`` (24 of them)."""
-    return [
-        f"{c} {s} moving {d}" for c, s, d in itertools.product(COLORS, SHAPES, DIRECTIONS)
-    ]
+    return [f"{c} {s} moving {d}" for c, s, d in itertools.product(COLORS, SHAPES, DIRECTIONS)]
 
 
 def encode(caption: str, cond_len: int = 3) -> torch.Tensor:
@@ -133,9 +131,7 @@ def training_batch(
 
 def validation_batches(cfg: Any, batch_size: int, seed: int, n: int) -> list[dict[str, Any]]:
     """``n`` fixed batches drawn apart from the training ones, no condition dropped."""
-    return [
-        training_batch(cfg, batch_size, seed + 7919, -(i + 1), cond_drop=0.0) for i in range(n)
-    ]
+    return [training_batch(cfg, batch_size, seed + 7919, -(i + 1), cond_drop=0.0) for i in range(n)]
 
 
 def direction_of(video_CFHW: torch.Tensor) -> str | None:

@@ -109,10 +109,16 @@ class Config:
 # Megatron's layout per attention and MLP: q/k/v and the MLP input column-parallel, the output
 # projections row-parallel; the modulation, the embeddings and the final layer stay whole.
 tp_plan: dict[str, P] = {
-    **{f"blocks.{a}.{w}": P(None, None, "tp") for a in ("s_attn", "t_attn", "x_attn")
-       for w in ("wq", "wk", "wv")},  # fmt: skip
-    **{f"blocks.{a}.{b}": P(None, "tp") for a in ("s_attn", "t_attn", "x_attn")
-       for b in ("bq", "bk", "bv")},  # fmt: skip
+    **{
+        f"blocks.{a}.{w}": P(None, None, "tp")
+        for a in ("s_attn", "t_attn", "x_attn")
+        for w in ("wq", "wk", "wv")
+    },
+    **{
+        f"blocks.{a}.{b}": P(None, "tp")
+        for a in ("s_attn", "t_attn", "x_attn")
+        for b in ("bq", "bk", "bv")
+    },
     **{f"blocks.{a}.wo": P(None, "tp", None) for a in ("s_attn", "t_attn", "x_attn")},
     "blocks.mlp.w_in": P(None, None, "tp"),
     "blocks.mlp.b_in": P(None, "tp"),
@@ -246,7 +252,9 @@ def _attention(
     return nn.linear(nn.merge_heads(y), p["wo"], p["bo"])
 
 
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+def _modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
     return ops.layer_norm(x, None, None, eps) * (1 + scale) + shift
 
 
@@ -290,13 +298,15 @@ def _check_batch(video: Any, t: Any, cond: Any, cfg: Config) -> None:
         or cond.dtype != torch.long
         or tuple(cond.shape) != (B, cfg.cond_len)
     ):
-        got = (cond.dtype, tuple(cond.shape)) if isinstance(cond, torch.Tensor) else cond
+        shown = (cond.dtype, tuple(cond.shape)) if isinstance(cond, torch.Tensor) else cond
         raise ValueError(
             f"dit: cond must be a LongTensor [B, cond_len] = [{B}, {cfg.cond_len}] of word ids "
-            f"(0: none), got {got}"
+            f"(0: none), got {shown}"
         )
-    if type(cond) is torch.Tensor and cond.numel() and not (
-        0 <= int(cond.min()) and int(cond.max()) < cfg.vocab_size
+    if (
+        type(cond) is torch.Tensor
+        and cond.numel()
+        and not (int(cond.min()) >= 0 and int(cond.max()) < cfg.vocab_size)
     ):
         raise ValueError(
             f"dit: cond holds a word id outside [0, vocab_size={cfg.vocab_size}); check the "
@@ -304,7 +314,9 @@ def _check_batch(video: Any, t: Any, cond: Any, cfg: Config) -> None:
         )
 
 
-def _carry(params: Params, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, cfg: Config) -> Carry:
+def _carry(
+    params: Params, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, cfg: Config
+) -> Carry:
     _check_batch(x_t, t, cond, cfg)
     tokens = nn.linear(patchify(x_t, cfg), params["patch"]["weight"], params["patch"]["bias"])
     pos = spatial_positions(cfg, x_t.device).to(tokens.dtype)
