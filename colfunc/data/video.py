@@ -1,7 +1,7 @@
 """A synthetic video set every machine can make: coloured shapes moving over a few frames.
 
-Each clip shows one shape (a square or a circle) in one colour (red, green or blue) moving one pixel
-per frame in one direction (left, right, up or down) over a black background, values in [-1, 1]
+Each clip shows one shape (a square or a circle) in one colour (red, green or blue) moving two
+pixels per frame in one direction (left, right, up or down) over a black background, values in [-1, 1]
 (``[C, F, H, W]``). Its caption names the three, e.g. ``"red square moving right"``; the model sees
 the caption as the ids of its three words (:func:`encode`, 0 meaning none, for classifier-free
 guidance). Everything is a pure function of ``(seed, step)``, so a run's batches are the same on
@@ -35,7 +35,8 @@ SHAPES = ("square", "circle")
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (row, col) / frame
 WORDS = ("<none>", *COLORS, *SHAPES, *DIRECTIONS)  # id 0: no condition
 _FILLER = {"moving", "a", "the"}
-HALF = 2.5  # the shape's half side (square) or radius (circle), pixels
+HALF = 2.0  # the shape's half side (square) or radius (circle), pixels
+SPEED = 2  # pixels per frame
 
 
 def captions() -> list[str]:
@@ -66,14 +67,14 @@ def clip(
     color: str, shape: str, direction: str, start: tuple[float, float], frames: int, size: int
 ) -> torch.Tensor:
     """One clip ``[3, F, H, W]``: the shape centred at ``start`` (row, column) in the first
-    frame, moving one pixel per frame towards ``direction``."""
+    frame, moving :data:`SPEED` pixels per frame towards ``direction``."""
     dr, dc = DIRECTIONS[direction]
     rows = torch.arange(size).float()[:, None]
     cols = torch.arange(size).float()[None, :]
     out = torch.full((3, frames, size, size), -1.0)
     rgb = torch.tensor(COLORS[color])[:, None, None]
     for f in range(frames):
-        r, c = start[0] + dr * f, start[1] + dc * f
+        r, c = start[0] + SPEED * dr * f, start[1] + SPEED * dc * f
         if shape == "square":
             inside = ((rows - r).abs() <= HALF) & ((cols - c).abs() <= HALF)
         else:
@@ -86,7 +87,7 @@ def _random_clip(g: torch.Generator, frames: int, size: int) -> tuple[torch.Tens
     color = list(COLORS)[int(torch.randint(len(COLORS), (1,), generator=g))]
     shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
     direction = list(DIRECTIONS)[int(torch.randint(len(DIRECTIONS), (1,), generator=g))]
-    travel = frames - 1
+    travel = SPEED * (frames - 1)
     lo, hi = HALF + 0.5, size - 1 - HALF - 0.5  # the shape stays whole on every frame
     dr, dc = DIRECTIONS[direction]
 

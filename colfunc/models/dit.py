@@ -1,7 +1,7 @@
 """A spatial-temporal diffusion transformer (Open-Sora's STDiT) as a pure function over a pytree.
 
 A video ``[B, C, F, H, W]`` is cut into patches of ``(1, p, p)`` (``S = H/p * W/p`` tokens per
-frame, ``N = F * S`` in all) with a fixed 2-D sin-cos position per patch. Each block runs, each
+frame, ``N = F * S`` in all) with fixed sin-cos positions: 2-D per patch, and the frame's. Each block runs, each
 modulated adaLN-zero style by the timestep embedding (shift, scale and a gate that starts at zero):
 
 1. spatial self-attention over the ``S`` tokens of each frame,
@@ -54,7 +54,7 @@ class Config:
     id 0 the empty condition (classifier-free guidance's unconditional branch)."""
 
     channels: int = 3
-    frames: int = 6
+    frames: int = 4
     size: int = 16
     patch: int = 2
     n_layer: int = 4
@@ -89,7 +89,7 @@ class Config:
 
     @classmethod
     def tiny(cls) -> Config:
-        """6 frames of 16 x 16 RGB in 2 x 2 patches (384 tokens), 4 layers of width 64."""
+        """4 frames of 16 x 16 RGB in 2 x 2 patches (256 tokens), 4 layers of width 64."""
         return cls()
 
     @property
@@ -319,9 +319,10 @@ def _carry(
 ) -> Carry:
     _check_batch(x_t, t, cond, cfg)
     tokens = nn.linear(patchify(x_t, cfg), params["patch"]["weight"], params["patch"]["bias"])
-    pos = spatial_positions(cfg, x_t.device).to(tokens.dtype)
+    pos = spatial_positions(cfg, x_t.device).to(tokens.dtype)[None]  # [1, S, D]
+    when = _sincos(cfg.frames, cfg.d_model, x_t.device).to(tokens.dtype)[:, None]  # [F, 1, D]
     B, N, D = tokens.shape
-    x = (tokens.reshape(B, cfg.frames, -1, D) + pos).reshape(B, N, D)
+    x = (tokens.reshape(B, cfg.frames, -1, D) + pos + when).reshape(B, N, D)
     te = params["t_embed"]
     freq = timestep_embedding(t, cfg.d_freq).to(tokens.dtype)
     c = nn.linear(F.silu(nn.linear(freq, te["w_in"], te["b_in"])), te["w_out"], te["b_out"])
