@@ -44,6 +44,7 @@ from colfunc.sharding.placement import Placement, Replicate, Shard
 __all__ = [
     "LONG_MODES",
     "MODES",
+    "CarrySplitter",
     "LongSequence",
     "SequenceLayout",
     "attention_work",
@@ -401,14 +402,47 @@ def _default_batch_dims(batch: PyTree) -> dict[str, int]:
     }
 
 
-class LongSequence(SplitSequence):
+class CarrySplitter:
+    """Base of the frames that keep the declared carry leaves (``dims``: path -> sequence dim)
+    split over a sequence axis between layers: a :class:`~colfunc.core.ScanInterceptor` that
+    splits the carry before the first layer and after each one (``_split_leaf`` says how)."""
+
+    dims: dict[str, int]
+
+    def _split_leaf(self, path: str, x: torch.Tensor, dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def split(self, carry: PyTree) -> PyTree:
+        flat, treedef = tree.flatten_with_paths(carry)
+        paths = {p for p, _ in flat}
+        missing = sorted(set(self.dims) - paths)
+        if missing:
+            raise ValueError(
+                f"shard: sequence_dims names the carry leaf {missing[0]!r}, which the carry "
+                f"lacks; its leaves are {sorted(paths)} (declare them in cf.layered(..., "
+                "sequence_dims=...))"
+            )
+        leaves = [self._split_leaf(p, x, self.dims[p]) if p in self.dims else x for p, x in flat]
+        return tree.unflatten(treedef, leaves)
+
+    def scan_layers(
+        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any
+    ) -> tuple[PyTree, PyTree]:
+        def split_block(layer: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+            c, y = block(layer, c, x)
+            return self.split(c), y
+
+        return inner(split_block, self.split(carry), blocks, xs)
+
+
+class LongSequence(SplitSequence, CarrySplitter):
     """The frame of a long-context mode for one step call on a batch of sequence length ``T``:
     splits the declared carry leaves between layers, runs attention across the sequence axes
     (:class:`~colfunc.core.AttentionInterceptor`) and says which position each stored index holds
     (:class:`~colfunc.core.PositionsInterceptor`)."""
 
     def __init__(self, layout: SequenceLayout, T: int, carry_dims: dict[str, int]) -> None:
-        self.layout, self.T, self.carry_dims = layout, T, carry_dims
+        self.layout, self.T, self.dims = layout, T, carry_dims
         self._order: torch.Tensor | None = None
 
     def order(self, device: Any = None) -> torch.Tensor:
@@ -457,43 +491,18 @@ class LongSequence(SplitSequence):
             out = local(ql, kl, vl)
         return from_local(out, lay.mesh, q.placements, tuple(q.shape))
 
-    # ScanInterceptor
-    def split(self, carry: PyTree) -> PyTree:
-        flat, treedef = tree.flatten_with_paths(carry)
-        paths = {p for p, _ in flat}
-        missing = sorted(set(self.carry_dims) - paths)
-        if missing:
+    # ScanInterceptor (CarrySplitter)
+    def _split_leaf(self, path: str, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() <= dim or x.shape[dim] != self.T:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
-                f"shard: sequence_dims names the carry leaf {missing[0]!r}, which the carry "
-                f"lacks; its leaves are {sorted(paths)} (declare them in cf.layered(..., "
-                "sequence_dims=...))"
+                f"shard: the carry leaf {path!r} (shape {shape}) has no sequence dim "
+                f"{dim} of the batch's length {self.T}; fix cf.layered(..., sequence_dims=...)"
             )
-        out = []
-        for p, x in flat:
-            if p in self.carry_dims and isinstance(x, torch.Tensor):
-                dim = self.carry_dims[p]
-                if x.dim() <= dim or x.shape[dim] != self.T:
-                    raise ValueError(
-                        f"shard: the carry leaf {p!r} (shape {tuple(x.shape)}) has no sequence "
-                        f"dim {dim} of the batch's length {self.T}; fix cf.layered(..., "
-                        "sequence_dims=...)"
-                    )
-                want = self.layout.placements(x, dim)
-                if not isinstance(x, ShardedTensor):
-                    x = distribute(x, self.layout.mesh, want)
-                elif x.placements != want:
-                    x = x.redistribute(want)
-            out.append(x)
-        return tree.unflatten(treedef, out)
-
-    def scan_layers(
-        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any
-    ) -> tuple[PyTree, PyTree]:
-        def split_block(layer: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            c, y = block(layer, c, x)
-            return self.split(c), y
-
-        return inner(split_block, self.split(carry), blocks, xs)
+        want = self.layout.placements(x, dim)
+        if not isinstance(x, ShardedTensor):
+            return distribute(x, self.layout.mesh, want)
+        return x if x.placements == want else x.redistribute(want)
 
 
 def split_sequence(

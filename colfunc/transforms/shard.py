@@ -37,6 +37,7 @@ from colfunc.transforms.local import in_placement, local_update
 from colfunc.transforms.sequence import (
     LONG_MODES,
     MODES,
+    CarrySplitter,
     LongSequence,
     SequenceLayout,
     split_sequence,
@@ -123,7 +124,7 @@ def split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
     return tree.map_with_path(split, batch)
 
 
-class _SequenceParallel:
+class _SequenceParallel(CarrySplitter):
     """Frame: the carry leaves with a sequence dim are split on it over ``axis`` between layers.
 
     Megatron-LM's sequence parallelism (Korthikanti et al. 2022): outside the tensor-parallel
@@ -153,28 +154,6 @@ class _SequenceParallel:
             for a, pl in zip(self.mesh.axis_names, h.placements)
         ]
         return h.redistribute(placements)
-
-    def split(self, carry: PyTree) -> PyTree:
-        flat, treedef = tree.flatten_with_paths(carry)
-        paths = {p for p, _ in flat}
-        missing = sorted(set(self.dims) - paths)
-        if missing:
-            raise ValueError(
-                f"shard: sequence_dims names the carry leaf {missing[0]!r}, which the carry "
-                f"lacks; its leaves are {sorted(paths)} (declare them in cf.layered(..., "
-                "sequence_dims=...))"
-            )
-        leaves = [self._split_leaf(p, x, self.dims[p]) if p in self.dims else x for p, x in flat]
-        return tree.unflatten(treedef, leaves)
-
-    def scan_layers(
-        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any
-    ) -> tuple[PyTree, PyTree]:
-        def split_block(layer: PyTree, c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
-            c, y = block(layer, c, x)
-            return self.split(c), y
-
-        return inner(split_block, self.split(carry), blocks, xs)
 
 
 def _sequence_frame(
