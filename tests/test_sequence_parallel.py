@@ -226,6 +226,7 @@ def test_drawn_compositions_equal_single_device_fp64(
 
 
 def _one_pass(name: str, mode: str, n: int, backward: bool) -> tuple[dict, Any, Any]:
+    """The bytes one rank sends per (op, axis) in one forward (and backward) pass."""
     model, cfg, params, batches = _problem(name)
     ref = cf.train_step(model.loss(cfg), optim.sgd(0.1))
 
@@ -244,19 +245,32 @@ def _one_pass(name: str, mode: str, n: int, backward: bool) -> tuple[dict, Any, 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_ulysses_ledger_is_four_all_to_alls_per_layer(name: str, n: int) -> None:
-    """Per layer and direction, all-to-alls of q, k, v and the output: each sends (P-1)/P of
-    its local ``N/P x width`` (DeepSpeed-Ulysses' 4Nh/P per link; with GQA the key/value
-    ones carry K/H of the width)."""
+def test_ulysses_ledger_is_two_all_to_alls_per_layer(
+    name: str, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per layer and direction, one all-to-all of q, k and v together and one of the output:
+    each sends (P-1)/P of its local ``N/P x width`` (DeepSpeed-Ulysses' 4Nh/P per link; with
+    GQA the key/value part carries K/H of the width)."""
+    calls = [0]
+    real = cf.sharding.comm.all_to_all
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if cf.sharding.current_mesh().rank == 0:
+            calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cf.sharding.comm, "all_to_all", counting)
     for backward in (False, True):
+        calls[0] = 0
         sent, cfg, (B, T) = _one_pass(name, "ulysses", n, backward)
         H = cfg.n_head
         K = getattr(cfg, "n_kv_heads", H)
         E = cfg.d_model // H
         q_bytes, kv_bytes = (B * (T // n) * heads * E * 8 for heads in (H, K))  # local, fp64
-        layer = 2 * ((n - 1) * q_bytes // n) + 2 * ((n - 1) * kv_bytes // n)
-        want = cfg.n_layer * layer * (2 if backward else 1)
-        assert sent[("all_to_all", "sp")] == want
+        layer = (n - 1) * (q_bytes + 2 * kv_bytes) // n + (n - 1) * q_bytes // n
+        directions = 2 if backward else 1
+        assert sent[("all_to_all", "sp")] == cfg.n_layer * layer * directions
+        assert calls[0] == cfg.n_layer * 2 * directions
         assert ("ppermute", "sp") not in sent
 
 

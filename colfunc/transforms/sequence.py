@@ -5,8 +5,9 @@
 - ``"megatron"`` (or ``True``): Megatron-LM's, on the tensor-parallel axis (in :mod:`shard`).
 - ``"ulysses"`` (DeepSpeed-Ulysses, Jacobs et al. 2023): around attention, one all-to-all turns
   the queries, keys and values from sequence shards into head shards, every rank attends over the
-  whole sequence for its heads, and one all-to-all turns the output back. Four all-to-alls per
-  layer forward (q, k, v, out), four backward; the axis must divide the heads and key/value heads.
+  whole sequence for its heads, and one all-to-all turns the output back: two all-to-alls per
+  layer forward (q, k and v together; out), two backward; the axis must divide the heads and
+  key/value heads.
 - ``"ring"`` (Liu et al. 2023): each rank keeps its queries; the key/value blocks travel round
   the ring by ``ppermute``, each block's partial attention merged into the output by its
   log-sum-exp; the backward sends them round again with their gradients. The next block's
@@ -228,7 +229,8 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """All-to-all ``q, k, v [B, H, T/P, E]`` (sequence shards) into ``[B, H/P, T, E]`` (head
     shards), ``inner`` attention, and the output back: differentiable (the all-to-all's backward
-    is the reverse all-to-all)."""
+    is the reverse all-to-all). The queries, keys and values travel in one all-to-all (each
+    member's heads of all three side by side), so a layer makes two all-to-alls each way."""
     n = mesh.axis_size(axis)
     for name, t in (("query", q), ("key/value", k)):
         if t.shape[1] % n:
@@ -236,7 +238,12 @@ def ulysses_attention(
                 f"ulysses attention: the {t.shape[1]} {name} heads on this rank are not "
                 f"divisible by the {axis!r} axis size {n}; use ring attention or usp"
             )
-    q, k, v = (comm.all_to_all(t, axis, 1, 2, mesh) for t in (q, k, v))
+    B, H, Tl, E = q.shape
+    K = k.shape[1]
+    # [B, P, heads/P, Tl, E] per tensor, member j's heads of q, k, v together in row j
+    packed = torch.cat([t.reshape(B, n, -1, Tl, E) for t in (q, k, v)], dim=2)
+    whole = comm.all_to_all(packed, axis, 1, 3, mesh)  # [B, 1, (H + 2K)/P, T, E]
+    q, k, v = whole[:, 0].split([H // n, K // n, K // n], dim=1)
     out = inner(q, k, v)
     return comm.all_to_all(out, axis, 2, 1, mesh)
 
