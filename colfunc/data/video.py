@@ -1,7 +1,8 @@
 """A synthetic video set every machine can make: coloured shapes moving over a few frames.
 
 Each clip shows one shape (a square or a circle) in one colour (red, green or blue) moving two
-pixels per frame in one direction (left, right, up or down) over a black background, values in [-1, 1]
+pixels per frame in one direction (left, right, up or down) along a path centred in the frame
+(give or take a pixel and a half) over a black background, values in [-1, 1]
 (``[C, F, H, W]``). Its caption names the three, e.g. ``"red square moving right"``; the model sees
 the caption as the ids of its three words (:func:`encode`, 0 meaning none, for classifier-free
 guidance). Everything is a pure function of ``(seed, step)``, so a run's batches are the same on
@@ -37,6 +38,7 @@ WORDS = ("<none>", *COLORS, *SHAPES, *DIRECTIONS)  # id 0: no condition
 _FILLER = {"moving", "a", "the"}
 HALF = 2.0  # the shape's half side (square) or radius (circle), pixels
 SPEED = 2  # pixels per frame
+JITTER = 1.5  # pixels either way of the centred path where a clip starts
 
 
 def captions() -> list[str]:
@@ -88,12 +90,12 @@ def _random_clip(g: torch.Generator, frames: int, size: int) -> tuple[torch.Tens
     shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
     direction = list(DIRECTIONS)[int(torch.randint(len(DIRECTIONS), (1,), generator=g))]
     travel = SPEED * (frames - 1)
-    lo, hi = HALF + 0.5, size - 1 - HALF - 0.5  # the shape stays whole on every frame
     dr, dc = DIRECTIONS[direction]
 
     def start(d: int) -> float:
-        a, b = (lo, hi - travel) if d > 0 else (lo + travel, hi) if d < 0 else (lo, hi)
-        return a + float(torch.rand(1, generator=g)) * max(b - a, 0.0)
+        # the path is centred in the frame, give or take JITTER pixels
+        centre = (size - 1) / 2 - d * travel / 2
+        return centre + (2 * float(torch.rand(1, generator=g)) - 1) * JITTER
 
     return clip(color, shape, direction, (start(dr), start(dc)), frames, size), (
         f"{color} {shape} moving {direction}"
