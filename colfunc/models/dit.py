@@ -327,7 +327,9 @@ def _carry(
     freq = timestep_embedding(t, cfg.d_freq).to(tokens.dtype)
     c = nn.linear(F.silu(nn.linear(freq, te["w_in"], te["b_in"])), te["w_out"], te["b_out"])
     y = nn.embedding(cond, params["y_embed"]["words"]) + params["y_embed"]["positions"]
-    return {"x": x, "c": c, "y": y}
+    # the pooled caption joins the timestep in the modulation (DiT's class conditioning), besides
+    # the per-token cross-attention
+    return {"x": x, "c": c + y.mean(dim=1), "y": y}
 
 
 def _velocity(params: Params, carry: Carry, cfg: Config) -> torch.Tensor:
