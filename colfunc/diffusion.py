@@ -45,8 +45,10 @@ def velocity(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def flow_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of the predicted velocity, over every element, in fp32."""
-    return (predicted.float() - target.float()).pow(2).mean()
+    """Mean squared error of the predicted velocity, over every element, in fp32 at least (fp64
+    stays fp64)."""
+    dtype = torch.promote_types(predicted.dtype, torch.float32)
+    return (predicted.to(dtype) - target.to(dtype)).pow(2).mean()
 
 
 def shift_ratio(
