@@ -153,7 +153,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from colfunc import tasks, train, video_sample
 
     state, cfg = train.load_run(args.run)
-    if type(cfg.model).__module__ != "colfunc.models.dit":
+    if not tasks.is_video_model(cfg.model):
         raise ValueError(
             f"--run {args.run}: colfunc sample draws videos from a DiT run; this run trains "
             f"{type(cfg.model).__module__.rsplit('.', 1)[-1]} (use colfunc generate)"

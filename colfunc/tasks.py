@@ -151,13 +151,13 @@ def _tokenized(corpus: data.Corpus, cfg: RunConfig) -> data.Corpus:
     return corpus._replace(train=encode(corpus.train), val=encode(corpus.val))
 
 
-def is_language_model(model_cfg: Any) -> bool:
-    """Whether a model config is a language model's (it has a context and a vocabulary)."""
-    return hasattr(model_cfg, "max_seq_len")
+def is_video_model(model_cfg: Any) -> bool:
+    """Whether a model config is the video DiT's (trained and sampled as video)."""
+    return type(model_cfg).__module__ == "colfunc.models.dit"
 
 
 def for_run(cfg: RunConfig) -> LanguageTask | VideoTask:
     """The task of ``cfg``'s model: video for the DiT, language for the rest."""
-    if type(cfg.model).__module__ == "colfunc.models.dit":
+    if is_video_model(cfg.model):
         return VideoTask(cfg)
     return LanguageTask(cfg)

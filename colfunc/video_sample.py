@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from colfunc import diffusion
+from colfunc import diffusion, tree
 from colfunc.data import video
 
 __all__ = ["sample", "write_gif"]
@@ -36,7 +36,7 @@ def sample(
     if not prompts:
         raise ValueError("sample: give at least one prompt, e.g. 'red square moving right'")
     cond = torch.stack([video.encode(p, cfg.cond_len) for p in prompts])
-    dtype = next(x for x in _leaves(params)).dtype
+    dtype = next(iter(tree.tensors(params))).dtype
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((len(prompts), *cfg.video_shape), generator=g).to(dtype)
     ratio = diffusion.shift_ratio(cfg.frames, cfg.size, cfg.size, base_resolution=cfg.size**2)
@@ -54,12 +54,6 @@ def sample(
         null_cond=torch.zeros_like(cond),
     )
     return out.clamp(-1, 1)
-
-
-def _leaves(tree_: Any) -> Any:
-    from colfunc import tree
-
-    return iter(tree.tensors(tree_))
 
 
 def write_gif(

@@ -438,16 +438,15 @@ def attention(
     Head dims 16 to 128; fp16, bf16 or fp32; any strides with a contiguous last dim (others are
     copied). Raises ValueError for inputs the kernel does not take, before launching.
     """
-    checks.attention(q_BHTD, k_BHSD, v_BHSD, causal)
-    checks.device("attention", q_BHTD, k_BHSD, v_BHSD, interpreted=INTERPRETED)
-    q, k, v = (_last_dim_contiguous(t) for t in (q_BHTD, k_BHSD, v_BHSD))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q, k, v, scale = _prepare(q_BHTD, k_BHSD, v_BHSD, causal, scale)
     out: torch.Tensor = _Attention.apply(q, k, v, bool(causal), scale)
     return out
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    """The checks every attention entry point makes, inputs with a contiguous last dim, and the
+    scale (``1/sqrt(D)`` by default)."""
     checks.attention(q, k, v, causal)
     checks.device("attention", q, k, v, interpreted=INTERPRETED)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))

@@ -9,6 +9,7 @@ Legend: B batch, H query heads, Hkv key/value heads, T query length, S key lengt
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,13 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
 
 
+def _causal_mask(T: int, S: int, device: Any) -> torch.Tensor:
+    """``[T, S]``: query ``i`` sees key ``j`` where ``j <= i + S - T`` (aligned bottom-right)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    return j <= i + (S - T)
+
+
 def attention(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
@@ -77,9 +85,7 @@ def attention(
         raise ValueError(
             f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
         )
-    i = torch.arange(T, device=q_BHTD.device)[:, None]
-    j = torch.arange(S, device=q_BHTD.device)[None, :]
-    mask_TS = j <= i + (S - T)
+    mask_TS = _causal_mask(T, S, q_BHTD.device)
     return F.scaled_dot_product_attention(
         q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_TS, scale=scale, enable_gqa=gqa
     )
@@ -105,9 +111,7 @@ def _grouped_scores(
             raise ValueError(
                 f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
             )
-        i = torch.arange(T, device=q.device)[:, None]
-        j = torch.arange(S, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (S - T), float("-inf"))
+        s = s.masked_fill(~_causal_mask(T, S, q.device), float("-inf"))
     return s, scale
 
 

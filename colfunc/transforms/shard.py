@@ -159,7 +159,7 @@ class _SequenceParallel(CarrySplitter):
 def _sequence_frame(
     plan: dict[str, P], mesh: Mesh, dp: str | None, loss_fn: Any
 ) -> _SequenceParallel:
-    axes = sorted({a for spec in plan.values() for a in spec.axes()} - {dp})
+    axes = sorted(_plan_axes(plan) - {dp})
     if len(axes) != 1:
         raise ValueError(
             "shard: sequence_parallel=True needs a plan that splits parameters over exactly one "
@@ -296,7 +296,7 @@ def _plan_axes(plan: dict[str, P]) -> set[str]:
 
 def _check_divisors(loss_fn: Any, plan: dict[str, P], mesh: Mesh) -> None:
     divisors = getattr(loss_fn, "divisors", {})
-    for axis in sorted({a for spec in plan.values() for a in spec.axes()}):
+    for axis in sorted(_plan_axes(plan)):
         n = mesh.axis_size(axis)
         for field, value in divisors.items():
             if value is not None and value % n:
