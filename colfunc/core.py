@@ -37,6 +37,8 @@ frame                 pushed by                                    read by      
 ``LongSequence``      ``shard(sequence_parallel="ulysses"`` and    :func:`scan_layers`, ``ops.attention``       call
                       the other sequence-axis modes)               (an ``AttentionInterceptor``),
                                                                    :func:`positions`
+``GridLinear``        ``shard(tensor_mode="2d"`` and ``"2.5d"``,     ``nn.linear`` (a ``LinearInterceptor``:      call
+                      ``"3d"``)                                    the mode's matmul on the grid)
 ``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
                                                                    each layer's chunks)
 ``DryRun``            :func:`colfunc.memory.plan`                  ``offload`` (its state, pool and update:     call
@@ -60,6 +62,7 @@ __all__ = [
     "DryRun",
     "LayerGrads",
     "Layered",
+    "LinearInterceptor",
     "LossScale",
     "NormReduction",
     "P",
@@ -70,6 +73,7 @@ __all__ = [
     "frames",
     "innermost",
     "layered",
+    "linear_frames",
     "loss_scale",
     "num_layers",
     "positions",
@@ -165,6 +169,19 @@ class AttentionInterceptor(Protocol):
 
 
 @runtime_checkable
+class LinearInterceptor(Protocol):
+    """A frame that runs :func:`colfunc.nn.linear` itself (2D, 2.5D and 3D tensor parallelism).
+
+    ``linear(x, w, b)`` returns ``x @ w + b``, or None to let the layer run as usual (the frame
+    takes only the weights laid out for it).
+    """
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    ) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
 class PositionsInterceptor(Protocol):
     """A frame that says which sequence position each index of a sequence dim holds."""
 
@@ -201,6 +218,11 @@ def positions(n: int, device: Any = None) -> torch.Tensor:
 def attention_frames() -> list[AttentionInterceptor]:
     """The :class:`AttentionInterceptor` frames, innermost first."""
     return [f for f in reversed(_STACK.frames) if isinstance(f, AttentionInterceptor)]
+
+
+def linear_frames() -> list[LinearInterceptor]:
+    """The :class:`LinearInterceptor` frames, innermost first."""
+    return [f for f in reversed(_STACK.frames) if isinstance(f, LinearInterceptor)]
 
 
 class LossScale:

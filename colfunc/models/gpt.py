@@ -19,7 +19,16 @@ import torch
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, positions, scan_layers
 
-__all__ = ["Config", "apply", "init", "loss", "paged_forward", "param_shapes", "tp_plan"]
+__all__ = [
+    "Config",
+    "apply",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+    "tp_plans",
+]
 
 Params = dict[str, Any]
 
@@ -63,19 +72,20 @@ class Config:
 # parallel), the attention and MLP output projections their input dim (row parallel), so each
 # block needs one reduction per sub-layer; the tied embedding splits the vocabulary. Parameters
 # not named here are replicated.
-tp_plan: dict[str, P] = {
-    "embed.tokens": P("tp", None),
-    "blocks.attn.wq": P(None, None, "tp"),
-    "blocks.attn.wk": P(None, None, "tp"),
-    "blocks.attn.wv": P(None, None, "tp"),
-    "blocks.attn.bq": P(None, "tp"),
-    "blocks.attn.bk": P(None, "tp"),
-    "blocks.attn.bv": P(None, "tp"),
-    "blocks.attn.wo": P(None, "tp", None),
-    "blocks.mlp.w_in": P(None, None, "tp"),
-    "blocks.mlp.b_in": P(None, "tp"),
-    "blocks.mlp.w_out": P(None, "tp", None),
-}
+tp_plans: dict[str, dict[str, P]] = nn.tensor_plans(
+    column=("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv", "blocks.mlp.w_in"),
+    row=("blocks.attn.wo", "blocks.mlp.w_out"),
+    column_bias=("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv", "blocks.mlp.b_in"),
+    hidden=(
+        "blocks.attn.bo",
+        "blocks.mlp.b_out",
+        "blocks.ln1.*",
+        "blocks.ln2.*",
+        "final_norm.*",
+    ),
+    vocab=("embed.tokens",),
+)
+tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

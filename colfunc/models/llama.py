@@ -20,7 +20,16 @@ import torch
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 
-__all__ = ["Config", "apply", "init", "loss", "paged_forward", "param_shapes", "tp_plan"]
+__all__ = [
+    "Config",
+    "apply",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+    "tp_plans",
+]
 
 Params = dict[str, Any]
 Carry = dict[str, Any]  # {"h": x_BTD, "rope": (cos_TR, sin_TR)}
@@ -103,17 +112,20 @@ class Config:
 # (column parallel, whole heads per rank, so n_kv_heads must be divisible by the degree), the
 # attention and MLP output projections their input dim (row parallel); the embedding and the head
 # split the vocabulary. Parameters not named here are replicated.
-tp_plan: dict[str, P] = {
-    "embed.tokens": P("tp", None),
-    "blocks.attn.wq": P(None, None, "tp"),
-    "blocks.attn.wk": P(None, None, "tp"),
-    "blocks.attn.wv": P(None, None, "tp"),
-    "blocks.attn.wo": P(None, "tp", None),
-    "blocks.mlp.w_gate": P(None, None, "tp"),
-    "blocks.mlp.w_up": P(None, None, "tp"),
-    "blocks.mlp.w_down": P(None, "tp", None),
-    "head.weight": P(None, "tp"),
-}
+tp_plans: dict[str, dict[str, P]] = nn.tensor_plans(
+    column=(
+        "blocks.attn.wq",
+        "blocks.attn.wk",
+        "blocks.attn.wv",
+        "blocks.mlp.w_gate",
+        "blocks.mlp.w_up",
+    ),
+    row=("blocks.attn.wo", "blocks.mlp.w_down"),
+    hidden=("blocks.ln1.weight", "blocks.ln2.weight", "final_norm.weight"),
+    vocab=("embed.tokens",),
+    head=("head.weight",),
+)
+tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

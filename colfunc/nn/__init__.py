@@ -27,6 +27,7 @@ from colfunc.nn.lm import (
     next_token_loss,
     next_token_targets,
 )
+from colfunc.nn.plans import tensor_plans
 
 __all__ = [
     "Paged",
@@ -49,5 +50,6 @@ __all__ = [
     "self_attention",
     "split_heads",
     "swiglu",
+    "tensor_plans",
     "unembed",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from colfunc.core import sequence_split
+from colfunc.core import linear_frames, sequence_split
 
 __all__ = ["embedding", "linear", "unembed"]
 
@@ -25,7 +25,15 @@ def linear(
     with batch and sequence dims goes to a ``bmm`` against ``w`` expanded over the batch instead:
     ``F.linear`` folds ``[B, T]`` into one dim first, which a split of ``T`` cannot follow, while
     ``bmm`` keeps ``T`` as its row dim, so each rank multiplies only its own positions.
+
+    Under 2D, 2.5D and 3D tensor parallelism a :class:`~colfunc.core.LinearInterceptor` frame
+    runs the mode's matmul (SUMMA's broadcasts, 3D's gathers) on the weights laid out for it.
     """
+    if type(w_IO) is not torch.Tensor:
+        for frame in linear_frames():
+            out = frame.linear(x_BTI, w_IO, b_O)
+            if out is not None:
+                return out
     if type(x_BTI) is not torch.Tensor and x_BTI.dim() == 3 and sequence_split():
         B = x_BTI.shape[0]
         y = torch.bmm(x_BTI, w_IO.expand(B, *w_IO.shape))

@@ -20,6 +20,7 @@ forward                            backward
 ``all_to_all(split, concat)``      ``all_to_all(concat, split)``
 ``ppermute(perm)``                 ``ppermute`` by the inverse permutation
 ``broadcast(src)``                 sum of the grads into ``src``, zeros elsewhere
+``reduce(dst)``                    ``broadcast(dst)`` of the grad
 =================================  =============================================================
 
 (Megatron's identity-forward / all-reduce-backward pair is the case where the forward input is
@@ -49,6 +50,7 @@ __all__ = [
     "ppermute",
     "ppermute_async",
     "recv",
+    "reduce",
     "reduce_scatter",
     "reduce_scatter_async",
     "send",
@@ -245,7 +247,7 @@ class _Broadcast(_Collective):
 
 
 class _Reduce(_Collective):
-    """Sum into group index ``dst``, zeros elsewhere: broadcast's transpose (not public)."""
+    """Sum into group index ``dst``; the other ranks' outputs are zeros (broadcast's transpose)."""
 
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], dst: int) -> torch.Tensor:
@@ -462,6 +464,16 @@ def broadcast(x: torch.Tensor, axis: Axes, src: int = 0, mesh: Mesh | None = Non
             f"broadcast: src={src!r} is not a group index in [0, {n}) of axis {axis!r}"
         )
     return _Broadcast.apply(x, mesh, axes, src)
+
+
+def reduce(x: torch.Tensor, axis: Axes, dst: int = 0, mesh: Mesh | None = None) -> torch.Tensor:
+    """Group index ``dst`` gets the sum of every rank's ``x``; the others get zeros (all ranks
+    pass tensors of the same shape). SUMMA's matmuls reduce each partial product to its owner."""
+    mesh, axes = _prepare(x, axis, mesh, "reduce")
+    n = mesh.axis_size(axes)
+    if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < n:
+        raise ValueError(f"reduce: dst={dst!r} is not a group index in [0, {n}) of axis {axis!r}")
+    return _Reduce.apply(x, mesh, axes, dst)
 
 
 # --- point to point (not differentiable: a pipeline schedule drives its own backward) ----------

@@ -11,6 +11,8 @@ all_reduce        ``2 * (n-1)/n * S`` (a reduce_scatter then an all_gather), flo
 all_to_all        ``(n-1)/n * S``, S = the input: every chunk but the one kept goes out.
 broadcast         ``S`` on every rank but the one just before ``src`` on the ring: the
                   pipelined chain broadcast src -> src+1 -> ... (total (n-1) * S).
+reduce            ``S`` on every rank but ``dst``: the chain reduce towards dst, each rank
+                  adding its tensor to what it received and passing it on (total (n-1) * S).
 ppermute          ``S`` on a rank that sends to another rank, else 0 (self-pairs are free).
 ================  ====================================================================
 
@@ -78,7 +80,7 @@ def ring_bytes(op: str, nbytes: int, n: int, *, sends: bool = True) -> int:
         return (n - 1) * nbytes // n
     if op == "all_reduce":
         return 2 * (n - 1) * nbytes // n
-    if op in ("broadcast", "ppermute"):
+    if op in ("broadcast", "reduce", "ppermute"):
         return nbytes if sends else 0
     raise ValueError(f"ring_bytes: unknown collective {op!r}")
 

@@ -31,6 +31,7 @@ from colfunc.random import Abstract
 from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
+from colfunc.transforms import grid
 from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import in_placement, local_update
@@ -180,6 +181,7 @@ class ShardConfig:
     sequence_axis: str | tuple[str, ...] | None = None
     bucket_mb: float = 25.0
     overlap: bool = True
+    tensor_mode: str = "1d"
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -210,6 +212,7 @@ class ShardConfig:
         if isinstance(b, bool) or not isinstance(b, int | float) or not b > 0:
             raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {b!r}")
         object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
+        self._check_tensor_mode(mode)
         if mode in LONG_MODES:
             layout = SequenceLayout.make(mode, mesh, self.sequence_axis)
             clash = sorted(set(layout.axes) & ({self.batch_axis} | _plan_axes(self.plan)))
@@ -224,6 +227,39 @@ class ShardConfig:
                 f"{LONG_MODES}; sequence_parallel={self.sequence_parallel!r} uses the "
                 "tensor-parallel axis"
             )
+
+    def _check_tensor_mode(self, sequence_mode: str | None) -> None:
+        tm = self.tensor_mode
+        if tm not in grid.MODES:
+            raise ValueError(f"shard: tensor_mode must be one of {grid.MODES}, got {tm!r}")
+        if tm == "1d":
+            return
+        grid.GridLayout.make(tm, self.mesh)  # the mesh has the mode's axes
+        others = {name for axes in grid.AXES.values() for name in axes} - set(grid.AXES[tm])
+        wrong = sorted(_plan_axes(self.plan) & others)
+        if wrong:
+            raise ValueError(
+                f"shard: tensor_mode={tm!r} lays weights out over {grid.AXES[tm]}, but the plan "
+                f"uses axis {wrong[0]!r}; pass the model's plan for the mode, e.g. "
+                f"gpt.tp_plans[{tm!r}]"
+            )
+        if sequence_mode is not None:
+            raise ValueError(
+                f"shard: tensor_mode={tm!r} splits activations itself; it does not combine with "
+                f"sequence_parallel={sequence_mode!r}"
+            )
+        if self.batch_axis is not None and self.batch_axis in grid.AXES[tm]:
+            raise ValueError(
+                f"shard: batch_axis {self.batch_axis!r} is one of tensor mode {tm!r}'s axes; "
+                "give data parallelism an axis of its own"
+            )
+
+    @property
+    def grid_layout(self) -> grid.GridLayout | None:
+        """The 2D, 2.5D or 3D mode's layout (None for 1D)."""
+        if self.tensor_mode == "1d":
+            return None
+        return grid.GridLayout.make(self.tensor_mode, self.mesh)
 
     @property
     def sequence_layout(self) -> SequenceLayout | None:
@@ -257,6 +293,7 @@ def shard(
     sequence_axis: str | tuple[str, ...] | None = None,
     bucket_mb: float = 25.0,
     overlap: bool = True,
+    tensor_mode: str = "1d",
 ) -> Step:
     """Data parallel over ``batch_axis`` and tensor parallel by ``plan``; see the module docs.
 
@@ -270,6 +307,11 @@ def shard(
     tensor-parallel axis between the matmuls (Megatron-LM); ``"ulysses"``, ``"ring"``,
     ``"zigzag"`` and ``"usp"`` split it over an axis of its own (``sequence_axis``, default
     ``"sp"``; for ``"usp"`` ``("sp_ring", "sp_ulysses")``): see :mod:`colfunc.transforms.sequence`.
+
+    ``tensor_mode``: ``"1d"`` (Megatron-LM), or ``"2d"``, ``"2.5d"``, ``"3d"``, which split the
+    activations as well as the weights over the mode's mesh axes and run each of ``plan``'s
+    weights through the mode's matmul; ``plan`` is then the model's plan for the mode
+    (``gpt.tp_plans["2d"]``). See :mod:`colfunc.transforms.grid`.
 
     Example:
         >>> def main(mesh):
@@ -286,6 +328,7 @@ def shard(
         sequence_axis=sequence_axis,
         bucket_mb=bucket_mb,
         overlap=overlap,
+        tensor_mode=tensor_mode,
     )
     return apply_transform(step, "shard", config)
 
@@ -328,7 +371,8 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     update = local_update(step.update, mesh) if sharded and not chunked else step.update
 
     def layout(params: PyTree) -> PyTree:
-        return place(inner_layout(params), plan_, mesh, sharded=long_seq is not None)
+        split_acts = long_seq is not None or grid_layout is not None
+        return place(inner_layout(params), plan_, mesh, sharded=split_acts)
 
     megatron = cfg.sequence_parallel == "megatron"
     seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if megatron else None
@@ -339,15 +383,21 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         long_seq.check_heads(divisors.get("n_head"), divisors.get("n_kv_heads"), tp)
     batch_dims = getattr(step.loss_fn, "batch_sequence_dims", None)
     carry_dims = dict(getattr(step.loss_fn, "sequence_dims", {"": 1}))
+    grid_layout = cfg.grid_layout
+    grid_frame = grid.GridLinear(grid_layout) if grid_layout is not None else None
 
     def prepare(batch: PyTree) -> tuple[PyTree, LongSequence | None]:
         local = split_batch(batch, dp, mesh) if dp else batch
+        if grid_layout is not None:
+            return grid.split_batch(local, grid_layout), None
         if long_seq is None:
             return local, None
         local, T = split_sequence(local, long_seq, batch_dims)
         return local, LongSequence(long_seq, T, carry_dims)
 
     def frames(stack: contextlib.ExitStack, long_frame: LongSequence | None) -> None:
+        if grid_frame is not None:
+            stack.enter_context(core.context(grid_frame))
         if seq is not None:
             stack.enter_context(core.context(seq))
         if long_frame is not None:
