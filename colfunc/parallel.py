@@ -4,10 +4,13 @@
 
     parallel = dict(
         data=2,                                        # data-parallel ranks ("dp")
-        tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan)
+        tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan);
+                                                       # dict(mode="2d", size=4), "2.5d" with
+                                                       # depth=, "3d" (colfunc.transforms.grid)
         sequence=dict(mode="zigzag", size=4),          # long contexts: "ulysses", "ring",
                                                        # "zigzag" ("sp"), "usp" with ulysses=U
-        pipeline=dict(stages=2, microbatches=8, schedule="1f1b"),  # "pp"
+        pipeline=dict(stages=2, microbatches=8, schedule="1f1b"),  # "pp"; pipeline=2 is
+                                                       # ColossalAI's: 2 stages, 2 microbatches
         zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
         remat="full",                                  # or "save_matmuls", "none"
@@ -29,6 +32,12 @@ threads backend always checks).
 ``size``); ``mode="megatron"`` is the same as ``tensor=dict(sequence_parallel=True)``. The mesh's
 axes are ``dp, pp, sp (sp_ring, sp_ulysses), tp``.
 
+``tensor=dict(mode=MODE, size=N)`` chooses the tensor-parallel layout: ``"1d"`` (Megatron-LM,
+the default, over ``tp``), ``"2d"`` (N = q², over ``tp_row`` x ``tp_col``), ``"2.5d"`` (N = depth ·
+q², ``depth=`` d, over ``tp_dep`` x ``tp_row`` x ``tp_col``) or ``"3d"`` (N = q³, over ``tp_z`` x
+``tp_y`` x ``tp_x``), with the model's plan for the mode (``model.tp_plans[MODE]``). ColossalAI's
+``dict(mode='2.5d', depth=1, size=4)`` reads the same.
+
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
 zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
 
@@ -46,7 +55,7 @@ from typing import Any
 from colfunc.sharding import Mesh
 from colfunc.step import Step
 
-__all__ = ["ParallelConfig", "build", "parse"]
+__all__ = ["ParallelConfig", "build", "model_plan", "parse"]
 
 _KEYS = (
     "data",
@@ -70,6 +79,8 @@ class ParallelConfig:
 
     data: int = 1
     tensor: int = 1
+    tensor_mode: str = "1d"
+    tensor_depth: int | None = None
     sequence_parallel: bool = False
     sequence_mode: str | None = None
     sequence_size: int = 1
@@ -94,6 +105,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
+        self._check_tensor_mode()
         self._check_sequence()
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
             raise ValueError(f"parallel: zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -120,6 +132,23 @@ class ParallelConfig:
         if self.backend not in ("threads", "gloo", "nccl", "env"):
             raise ValueError(
                 f"parallel: backend must be 'threads', 'gloo', 'nccl' or 'env', got {self.backend!r}"
+            )
+
+    def _check_tensor_mode(self) -> None:
+        from colfunc.nn.plans import MODES, grid_axes
+
+        mode = self.tensor_mode
+        if mode not in MODES:
+            raise ValueError(f"parallel['tensor']: mode must be one of {list(MODES)}, got {mode!r}")
+        grid_axes(mode, self.tensor, self.tensor_depth)  # ValueError naming the nearest sizes
+        if mode == "1d":
+            return
+        clash = "sequence_parallel=True" if self.sequence_parallel else None
+        clash = f"sequence=dict(mode={self.sequence_mode!r})" if self.long_sequence else clash
+        if clash:
+            raise ValueError(
+                f"parallel['tensor']: mode={mode!r} splits the activations itself; it does not "
+                f"combine with {clash}"
             )
 
     def _check_sequence(self) -> None:
@@ -179,16 +208,20 @@ class ParallelConfig:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """``{"dp": data, "pp": stages, "sp": sequence, "tp": tensor}``; ``pp`` and ``tp`` only
-        when above 1, ``sp`` (or ``sp_ring`` and ``sp_ulysses``) with a long-context mode."""
+        when above 1, ``sp`` (or ``sp_ring`` and ``sp_ulysses``) with a long-context mode; the
+        tensor mode's axes in place of ``tp`` for 2D, 2.5D and 3D."""
         shape = {"dp": self.data, "pp": self.stages}
         if self.long_sequence and self.sequence_mode == "usp":
             u = self.sequence_ulysses or 1
             shape.update(sp_ring=self.sequence_size // u, sp_ulysses=u)
         elif self.long_sequence:
             shape["sp"] = self.sequence_size
-        shape["tp"] = self.tensor
-        long = ("sp", "sp_ring", "sp_ulysses")
-        return {a: n for a, n in shape.items() if n > 1 or a == "dp" or a in long}
+        from colfunc.nn.plans import grid_axes
+
+        grid = grid_axes(self.tensor_mode, self.tensor, self.tensor_depth)
+        shape.update(grid)
+        keep = ("sp", "sp_ring", "sp_ulysses") + (tuple(grid) if self.tensor_mode != "1d" else ())
+        return {a: n for a, n in shape.items() if n > 1 or a == "dp" or a in keep}
 
 
 def parse(section: dict[str, Any]) -> ParallelConfig:
@@ -203,13 +236,16 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
     }
     tensor = section.get("tensor", 1)
     if isinstance(tensor, dict):
-        extra = sorted(set(tensor) - {"size", "sequence_parallel"})
+        extra = sorted(set(tensor) - {"size", "sequence_parallel", "mode", "depth"})
         if extra:
             raise ValueError(
-                f"parallel['tensor'] has unknown key {extra[0]!r}; use size= and sequence_parallel="
+                f"parallel['tensor'] has unknown key {extra[0]!r}; use size=, mode=, depth= "
+                "(for '2.5d') and sequence_parallel="
             )
         kw["tensor"] = tensor.get("size", 1)
         kw["sequence_parallel"] = bool(tensor.get("sequence_parallel", False))
+        kw["tensor_mode"] = tensor.get("mode", "1d")
+        kw["tensor_depth"] = tensor.get("depth")
     else:
         kw["tensor"] = tensor
     sequence = section.get("sequence")
@@ -248,6 +284,10 @@ def parse(section: dict[str, Any]) -> ParallelConfig:
     kw["amp"] = {"dtype": amp} if isinstance(amp, str) else amp
     if kw["amp"] is not None and not isinstance(kw["amp"], dict):
         raise ValueError(f"parallel['amp'] must be a dtype name or a dict, got {amp!r}")
+    stages = kw.get("pipeline")
+    if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1:
+        # ColossalAI's pipeline=N: N stages, as many microbatches (each stage busy in 1F1B)
+        kw["pipeline"] = {"stages": stages, "microbatches": stages}
     if kw.get("pipeline") is not None and not isinstance(kw["pipeline"], dict):
         raise ValueError(
             f"parallel['pipeline'] must be a dict like dict(stages=2, microbatches=8), got "
@@ -284,8 +324,25 @@ def backend(pc: ParallelConfig) -> str:
     return pc.backend
 
 
+def model_plan(model: Any, pc: ParallelConfig) -> dict[str, Any] | None:
+    """The plan of ``model`` (a model module) for the tensor mode of ``pc``; ValueError when the
+    model has none for it."""
+    if pc.tensor_mode == "1d":
+        return getattr(model, "tp_plan", None)
+    plans = getattr(model, "tp_plans", None) or {}
+    if pc.tensor_mode not in plans:
+        name = getattr(model, "__name__", type(model).__name__)
+        raise ValueError(
+            f"parallel['tensor']: mode={pc.tensor_mode!r} needs the model's plan for it "
+            f"(tp_plans[{pc.tensor_mode!r}]), which {name} lacks; use mode='1d' or a model "
+            "that describes its layers with colfunc.nn.tensor_plans"
+        )
+    return dict(plans[pc.tensor_mode])
+
+
 def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
-    """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh."""
+    """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh
+    (``plan``: the model's plan for the tensor mode, :func:`model_plan`)."""
     from colfunc.transforms import amp, offload, remat, shard, zero
 
     if pc.offload is not None:  # one rank: no shard (parse refuses the rest)
@@ -299,7 +356,10 @@ def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | Non
     if pc.long_sequence:
         assert pc.sequence_mode is not None
         sp = pc.sequence_mode
-    step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
+    if pc.tensor_mode != "1d":
+        step = shard(step, mesh, plan=plan, tensor_mode=pc.tensor_mode)
+    else:
+        step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
     if pc.zero is not None:
         step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
     if pc.amp is not None:

@@ -224,13 +224,18 @@ def compositions(
 
 
 def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None) -> Step:
-    """Apply the transforms of a drawn ``composition`` to ``step`` on this rank's ``mesh``."""
+    """Apply the transforms of a drawn ``composition`` to ``step`` on this rank's ``mesh``.
+
+    A composition with ``"tensor_mode"`` (``"2d"``, ``"2.5d"``, ``"3d"``) shards by that mode,
+    ``plan`` being the model's plan for it."""
     from colfunc.transforms import amp, pipeline, remat, shard, zero
 
     if composition.get("pipeline") is not None:  # innermost: it replaces the whole backward
         step = pipeline(step, mesh.shape.get("pp", 1), **composition["pipeline"])
     for name in composition["order"]:
-        if name == "shard":
+        if name == "shard" and composition.get("tensor_mode", "1d") != "1d":
+            step = shard(step, mesh, plan=plan, tensor_mode=composition["tensor_mode"])
+        elif name == "shard":
             tp = mesh.shape.get("tp", 1) > 1
             sp = composition.get("sequence_parallel", False)
             sp = sp if isinstance(sp, str) else bool(sp)  # a mode name, or Megatron's on/off

@@ -102,7 +102,7 @@ def _make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
         model.loss(cfg.model), build_optimizer(cfg.optim, cfg.train.steps), donate=True
     )
     if pc is not None and mesh is not None:
-        step_fn = parallel.build(step_fn, mesh, pc, getattr(model, "tp_plan", None))
+        step_fn = parallel.build(step_fn, mesh, pc, parallel.model_plan(model, pc))
     return step_fn
 
 

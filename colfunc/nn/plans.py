@@ -14,7 +14,7 @@ from typing import Any
 
 from colfunc.core import P
 
-__all__ = ["AXES", "MODES", "check_mode", "grid_axes", "tensor_plans"]
+__all__ = ["AXES", "MODES", "check_mode", "fitting_sizes", "grid_axes", "tensor_plans"]
 
 MODES = ("1d", "2d", "2.5d", "3d")
 AXES: dict[str, tuple[str, ...]] = {
@@ -36,6 +36,15 @@ def _nearest(valid: list[int], size: int) -> str:
     above = [v for v in valid if v > size]
     near = ([max(below)] if below else []) + ([min(above)] if above else [])
     return " or ".join(map(str, near))
+
+
+def fitting_sizes(mode: str, size: int, depth: int | None, fits: Any) -> str:
+    """The sizes of ``mode`` nearest to ``size`` whose q (the grid's side) satisfies
+    ``fits(q)``, as text ("4 or 16"), for errors."""
+    d = depth or 1
+    side = {"1d": lambda q: q, "2d": lambda q: q * q, "2.5d": lambda q: d * q * q}
+    total = side.get(mode, lambda q: q**3)
+    return _nearest([total(q) for q in range(1, 65) if fits(q)], size) or "none"
 
 
 def grid_axes(mode: str, size: int, depth: int | None = None) -> dict[str, int]:

@@ -8,21 +8,14 @@ matmul the layout needs, which :class:`GridLinear` runs in place of :func:`colfu
 for the weights laid out for it. Every other op (norms, attention, embeddings, the loss) goes
 through the propagation rules on the same placements, so no model code changes.
 
-====== ===================================== =========================================== ==========
-mode   axes (mesh order)                     activations ``[B, T, D]``                   weights
-====== ===================================== =========================================== ==========
-``1d`` ``tp`` (P)                            whole                                       in or out
-                                                                                         over tp
-``2d`` ``tp_row``, ``tp_col`` (q x q)        B over row, D over col                      in over
-                                                                                         row, out
-                                                                                         over col
-``2.5d`` ``tp_dep``, ``tp_row``, ``tp_col``  B over (dep, row), D over col               as 2d,
-       (d x q x q)                                                                       on every
-                                                                                         depth
-``3d`` ``tp_z``, ``tp_y``, ``tp_x``          B over (y, x), D over z; after a            see below
-       (q x q x q)                           column-parallel layer B over (z, x), D over
-                                             y
-====== ===================================== =========================================== ==========
+- ``1d``: ``tp`` (P ranks); activations whole; weights split by in or out features.
+- ``2d``: ``tp_row`` x ``tp_col`` (q x q); the batch over row, the width over col; weights' in
+  features over row, out features over col.
+- ``2.5d``: ``tp_dep`` x ``tp_row`` x ``tp_col`` (d x q x q); the batch over (dep, row), the width
+  over col; weights as 2D, held whole on every depth.
+- ``3d``: ``tp_z`` x ``tp_y`` x ``tp_x`` (q x q x q); the batch over (y, x) and the width over z,
+  inside attention and the MLP the batch over (z, x) and the width over y; column-parallel
+  weights' in features over (z, x) and out over y, row-parallel ones' in over (y, x), out over z.
 
 **2D (Optimus; SUMMA, arXiv 2104.05343).** Rank (i, j) of the q x q grid holds block (i, j) of the
 activation ``X`` (rows: the batch) and of each weight ``W`` (rows: in-features). ``Y = X W`` is q
@@ -44,7 +37,10 @@ the output axis. The output's layout is the next layer's input layout with the i
 axes swapped (ColossalAI's ``swap_in_out_group``), so a block's column-parallel layers (q, k, v,
 the MLP's first) run with input axis ``tp_y`` and output axis ``tp_z``, its row-parallel layers
 (the attention and MLP outputs) the other way round, and the residual stream keeps one layout:
-no redistribution between layers. Parameters and activations both take 1/q³.
+no redistribution between layers. Parameters and activations both take 1/q³: the backward
+gathers the input and the weight again (all-gathers the output's gradient, reduce-scatters the
+input's and the weight's) rather than keeping them gathered, as ColossalAI's ``_Linear3D`` does
+at q times the memory.
 
 The rank layout of each mode's groups is ColossalAI's (``colossalai/legacy/context/
 process_group_initializer``): on a mesh ``{..., "tp_row": q, "tp_col": q}`` the ``tp_col`` groups
@@ -244,28 +240,32 @@ class _Cube:
 
 
 class _CubeMatmul(torch.autograd.Function):
+    """Saves only the local blocks (1/q³ of each activation) and gathers them again in the
+    backward, which ColossalAI's ``_Linear3D`` saves gathered (q times the memory, two
+    all_gathers fewer)."""
+
     @staticmethod
-    def forward(x: torch.Tensor, w: torch.Tensor, cube: _Cube) -> tuple[torch.Tensor, ...]:
+    def forward(x: torch.Tensor, w: torch.Tensor, cube: _Cube) -> torch.Tensor:
         xg = comm.all_gather(x, cube.inp, 0, cube.mesh)
         wg = comm.all_gather(w, cube.weight, 0, cube.mesh)
-        return comm.reduce_scatter(xg @ wg, cube.out, 0, "sum", cube.mesh), xg, wg
+        return comm.reduce_scatter(xg @ wg, cube.out, 0, "sum", cube.mesh)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.cube = inputs[2]
-        _, xg, wg = output
-        ctx.save_for_backward(xg, wg)
-        ctx.mark_non_differentiable(xg, wg)
+        x, w, ctx.cube = inputs
+        ctx.save_for_backward(x, w)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        xg, wg = ctx.saved_tensors
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
         cube: _Cube = ctx.cube
         gg = comm.all_gather(g.contiguous(), cube.out, 0, cube.mesh)
         dx = dw = None
         if ctx.needs_input_grad[0]:
+            wg = comm.all_gather(w, cube.weight, 0, cube.mesh)
             dx = comm.reduce_scatter(gg @ wg.t(), cube.inp, 0, "sum", cube.mesh)
         if ctx.needs_input_grad[1]:
+            xg = comm.all_gather(x, cube.inp, 0, cube.mesh)
             dw = comm.reduce_scatter(xg.t() @ gg, cube.weight, 0, "sum", cube.mesh)
         return dx, dw, None
 
@@ -338,7 +338,7 @@ class GridLinear:
                 cube = _Cube(mesh, inp="tp_y", weight="tp_x", out="tp_z")
             else:
                 cube = _Cube(mesh, inp="tp_z", weight="tp_x", out="tp_y")
-            y2 = _CubeMatmul.apply(x2, wl, cube)[0]
+            y2 = _CubeMatmul.apply(x2, wl, cube)
         else:
             y2 = _SummaMatmul.apply(x2, wl, self._summa)
         # 3D's output rows are another block of the batch, as many as the input's

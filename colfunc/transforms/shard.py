@@ -27,6 +27,7 @@ import torch
 
 from colfunc import core, tree
 from colfunc.core import P
+from colfunc.nn.plans import fitting_sizes
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
 from colfunc.sharding.placement import Shard
@@ -71,7 +72,14 @@ def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
     return dict(plan)
 
 
-def place(params: PyTree, plan: dict[str, P], mesh: Mesh, *, sharded: bool = False) -> PyTree:
+def place(
+    params: PyTree,
+    plan: dict[str, P],
+    mesh: Mesh,
+    *,
+    sharded: bool = False,
+    layout: grid.GridLayout | None = None,
+) -> PyTree:
     """``params`` as ShardedTensors laid out by ``plan`` (path patterns to specs; replicated
     where no pattern matches), each rank keeping its shards; no communication. Without a plan
     they stay plain tensors (data parallel only) unless ``sharded`` (sequence parallelism, whose
@@ -96,6 +104,22 @@ def place(params: PyTree, plan: dict[str, P], mesh: Mesh, *, sharded: bool = Fal
         # gradients and optimizer states have one type and the rules see every operand's placement
         spec = next((s for pat, s in plan.items() if tree.match(pat, path)), P())
         placements = placements_from_spec(mesh, spec, x.dim())
+        for d in range(x.dim()):
+            axes = tuple(a for a, pl in zip(mesh.axis_names, placements) if pl == Shard(d))
+            n = mesh.axis_size(axes) if axes else 1
+            if layout is not None and x.shape[d] % n:
+                per_q = round(math.log(n, layout.q)) if layout.q > 1 else 1
+                sizes = fitting_sizes(
+                    layout.mode,
+                    layout.size,
+                    layout.depth,
+                    lambda q, n=x.shape[d], k=per_q: n % q**k == 0,
+                )
+                raise ValueError(
+                    f"shard: {path} has size {x.shape[d]} on dim {d}, not divisible by the {n} "
+                    f"ranks of {axes} that split it in tensor mode {layout.mode!r}; the nearest "
+                    f"sizes that divide it: {sizes}"
+                )
         for axis, pl in zip(mesh.axis_names, placements):
             if isinstance(pl, Shard) and x.shape[pl.dim] % mesh.axis_size(axis):
                 raise ValueError(
@@ -211,8 +235,8 @@ class ShardConfig:
         b = self.bucket_mb
         if isinstance(b, bool) or not isinstance(b, int | float) or not b > 0:
             raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {b!r}")
-        object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
         self._check_tensor_mode(mode)
+        object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
         if mode in LONG_MODES:
             layout = SequenceLayout.make(mode, mesh, self.sequence_axis)
             clash = sorted(set(layout.axes) & ({self.batch_axis} | _plan_axes(self.plan)))
@@ -236,7 +260,10 @@ class ShardConfig:
             return
         grid.GridLayout.make(tm, self.mesh)  # the mesh has the mode's axes
         others = {name for axes in grid.AXES.values() for name in axes} - set(grid.AXES[tm])
-        wrong = sorted(_plan_axes(self.plan) & others)
+        plan = self.plan if isinstance(self.plan, dict) else {}
+        wrong = sorted(
+            {a for spec in plan.values() if isinstance(spec, P) for a in spec.axes()} & others
+        )
         if wrong:
             raise ValueError(
                 f"shard: tensor_mode={tm!r} lays weights out over {grid.AXES[tm]}, but the plan "
@@ -337,8 +364,23 @@ def _plan_axes(plan: dict[str, P]) -> set[str]:
     return {a for spec in plan.values() for a in spec.axes()}
 
 
-def _check_divisors(loss_fn: Any, plan: dict[str, P], mesh: Mesh) -> None:
+def _check_divisors(
+    loss_fn: Any, plan: dict[str, P], mesh: Mesh, layout: grid.GridLayout | None = None
+) -> None:
     divisors = getattr(loss_fn, "divisors", {})
+    if layout is not None:  # heads split over one grid axis of q ranks
+        q = layout.q
+        for field, value in divisors.items():
+            if value is not None and value % q:
+                sizes = fitting_sizes(
+                    layout.mode, layout.size, layout.depth, lambda n, v=value: v % n == 0
+                )
+                raise ValueError(
+                    f"shard: {getattr(loss_fn, 'name', 'the model')} has {field}={value}, not "
+                    f"divisible by q={q} of tensor mode {layout.mode!r} ({layout.size} ranks); "
+                    f"the nearest sizes that divide it: {sizes}"
+                )
+        return
     for axis in sorted(_plan_axes(plan)):
         n = mesh.axis_size(axis)
         for field, value in divisors.items():
@@ -352,7 +394,8 @@ def _check_divisors(loss_fn: Any, plan: dict[str, P], mesh: Mesh) -> None:
 
 def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     mesh, plan_, dp = cfg.mesh, cfg.plan, cfg.data_axis
-    _check_divisors(step.loss_fn, plan_, mesh)
+    grid_layout = cfg.grid_layout
+    _check_divisors(step.loss_fn, plan_, mesh, grid_layout)
     # zero above owns the data-parallel reduction; else it starts inside the backward pass
     # unless a pipeline beneath differentiates microbatch by microbatch, and is the sync piece
     reduces = dp is not None and not comp.zero_reduces
@@ -372,7 +415,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
 
     def layout(params: PyTree) -> PyTree:
         split_acts = long_seq is not None or grid_layout is not None
-        return place(inner_layout(params), plan_, mesh, sharded=split_acts)
+        return place(inner_layout(params), plan_, mesh, sharded=split_acts, layout=grid_layout)
 
     megatron = cfg.sequence_parallel == "megatron"
     seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if megatron else None
@@ -383,7 +426,6 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         long_seq.check_heads(divisors.get("n_head"), divisors.get("n_kv_heads"), tp)
     batch_dims = getattr(step.loss_fn, "batch_sequence_dims", None)
     carry_dims = dict(getattr(step.loss_fn, "sequence_dims", {"": 1}))
-    grid_layout = cfg.grid_layout
     grid_frame = grid.GridLinear(grid_layout) if grid_layout is not None else None
 
     def prepare(batch: PyTree) -> tuple[PyTree, LongSequence | None]:

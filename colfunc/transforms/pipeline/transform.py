@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
+from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
+from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState
 from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.composition import apply_transform
@@ -177,8 +178,25 @@ def _microbatches(batch: PyTree, m: int) -> list[PyTree]:
                 f"pipeline: batch entry {path!r} has {x.shape[0]} rows, not divisible by "
                 f"microbatches={m}; use a batch size that is a multiple of {m}"
             )
-        pieces.append(list(x.chunk(m, 0)))
+        pieces.append(_chunk_rows(x, m))
     return [tree.unflatten(treedef, [pc[j] for pc in pieces]) for j in range(m)]
+
+
+def _chunk_rows(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``x.chunk(m, 0)``; a ShardedTensor split on dim 0 (2D, 2.5D and 3D tensor parallelism
+    split the batch) is chunked rank by rank, as data parallelism's ranks chunk their own rows:
+    microbatch j holds every rank's j-th chunk, so the microbatches together hold the batch."""
+    if not isinstance(x, ShardedTensor) or Shard(0) not in x.placements:
+        return list(x.chunk(m, 0))
+    local = x.to_local()
+    if local.shape[0] % m:
+        raise ValueError(
+            f"pipeline: each rank holds {local.shape[0]} rows of the batch, not divisible by "
+            f"microbatches={m}; use a batch size that is a multiple of {m} times the ranks that "
+            "split it"
+        )
+    shape = (x.shape[0] // m, *x.shape[1:])
+    return [from_local(c, x._mesh, x.placements, shape) for c in local.chunk(m, 0)]
 
 
 def pipeline(
