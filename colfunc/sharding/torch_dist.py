@@ -80,29 +80,37 @@ class TorchWorld:
     def __init__(self, shape: Mapping[str, int], rank: int) -> None:
         self.name = str(dist.get_backend())
         self.size = dist.get_world_size()
-        layout = Mesh(shape, rank)
+        self._ledger = Ledger()
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._created: set[tuple[int, ...]] = set()
+        self._rank = rank
+        self.add_layout(shape)
+
+    def add_layout(self, shape: Mapping[str, int]) -> None:
+        """Create the process groups of another mesh shape over this world, so that a
+        ``Mesh(shape, rank, world=this)`` runs collectives here too (a benchmark comparing
+        layouts in one set of processes). Every rank must call it, with the same shapes in the
+        same order."""
+        layout = Mesh(shape, self._rank)
         if layout.size != self.size:
             raise ValueError(
                 f"mesh {dict(shape)} has {layout.size} ranks but the torch.distributed world has "
                 f"{self.size}; make the product of the axis sizes equal the world size"
             )
-        self._ledger = Ledger()
-        self._groups: dict[tuple[int, ...], Any] = {}
         everyone = tuple(range(self.size))
-        created: set[tuple[int, ...]] = set()
         names = layout.axis_names
         # Every rank walks the same sequence: new_group must be called by all ranks in one order.
         for k in range(1, len(names) + 1):
             for axes in itertools.permutations(names, k):
                 for group in layout.groups(axes):
-                    if len(group) == 1 or group in created:
+                    if len(group) == 1 or group in self._created:
                         continue
-                    created.add(group)
+                    self._created.add(group)
                     if group == everyone:
                         pg = dist.group.WORLD
                     else:
                         pg = dist.new_group(list(group), sort_ranks=False)
-                    if rank in group:
+                    if self._rank in group:
                         self._groups[group] = pg
 
     def ledger(self, rank: int) -> Ledger:
