@@ -185,6 +185,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # SIGKILLs a saving run at many moments: about 55 s
 def test_sigkill_at_any_moment_leaves_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     """20 trials: a process commits 8 MB checkpoints in a loop (keeping 3) and is SIGKILLed at
     a random moment; after each, the latest checkpoint loads with its checksums, every

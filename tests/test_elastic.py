@@ -97,6 +97,7 @@ def _same_final(a: Path, b: Path) -> None:
             assert x.equal(y) if hasattr(x, "equal") else x == y, (part, p)
 
 
+@pytest.mark.slow  # kills a rank, torchrun restarts the group: about 20 s
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(
     tmp_path: Path,
@@ -168,6 +169,7 @@ def test_sigterm_to_colfunc_run_stops_every_rank_which_save(tmp_path: Path) -> N
     assert state.step == _step(run) >= 6
 
 
+@pytest.mark.slow  # two torchrun agents and a training run: about 15 s
 def test_two_agents_on_one_machine_stand_for_two_nodes(tmp_path: Path) -> None:
     """``colfunc run --nnodes 2 --node-rank R --master-addr A --master-port P``: one agent per
     "machine", one rank each; the run equals the same data=2 run started by one agent."""

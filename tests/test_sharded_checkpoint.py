@@ -348,6 +348,7 @@ launch(body, {"dp": 2})
 """
 
 
+@pytest.mark.slow  # SIGKILLs sharded commits: about 20 s
 def test_sigkill_during_sharded_commits_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
     """Eight trials: two ranks commit sharded checkpoints in a loop and the process is
     SIGKILLed at a random moment; every committed step folder has both ranks' files, right."""

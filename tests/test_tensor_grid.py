@@ -129,7 +129,10 @@ def test_one_linear_forward_and_backward_match_dense(mode, size, depth, kind) ->
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize(("mode", "size", "depth"), MODES)
 def test_every_mode_equals_single_device_fp64(name, mode, size, depth) -> None:
-    _equivalent(name, mode, _mesh(mode, size, depth), {})
+    # 2.5D at depth 1 is 2D's maths: run it under selective remat, which caches the matmuls'
+    # outputs inside SUMMA's steps and refuses any that are modified in place
+    selective = {"remat": "save_matmuls", "order": ("shard", "remat")}
+    _equivalent(name, mode, _mesh(mode, size, depth), selective if depth == 1 else {})
 
 
 @st.composite
@@ -146,7 +149,7 @@ def _grid_compositions(draw: Any) -> tuple[str, dict[str, int], dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(drawn=_grid_compositions())
 def test_grid_modes_compose_in_any_order(name, drawn) -> None:
     """Data parallel, ZeRO 0-3, remat and amp, applied in a drawn order around each mode."""
