@@ -52,6 +52,7 @@ import dataclasses
 import os
 from typing import Any
 
+from colfunc.nn.plans import MODES, grid_axes
 from colfunc.sharding import Mesh
 from colfunc.step import Step
 
@@ -135,8 +136,6 @@ class ParallelConfig:
             )
 
     def _check_tensor_mode(self) -> None:
-        from colfunc.nn.plans import MODES, grid_axes
-
         mode = self.tensor_mode
         if mode not in MODES:
             raise ValueError(f"parallel['tensor']: mode must be one of {list(MODES)}, got {mode!r}")
@@ -216,8 +215,6 @@ class ParallelConfig:
             shape.update(sp_ring=self.sequence_size // u, sp_ulysses=u)
         elif self.long_sequence:
             shape["sp"] = self.sequence_size
-        from colfunc.nn.plans import grid_axes
-
         grid = grid_axes(self.tensor_mode, self.tensor, self.tensor_depth)
         shape.update(grid)
         keep = ("sp", "sp_ring", "sp_ulysses") + (tuple(grid) if self.tensor_mode != "1d" else ())

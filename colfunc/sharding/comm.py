@@ -458,21 +458,22 @@ def ppermute_async(
 def broadcast(x: torch.Tensor, axis: Axes, src: int = 0, mesh: Mesh | None = None) -> torch.Tensor:
     """Every rank gets group index ``src``'s ``x`` (all ranks pass tensors of the same shape)."""
     mesh, axes = _prepare(x, axis, mesh, "broadcast")
-    n = mesh.axis_size(axes)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-        raise ValueError(
-            f"broadcast: src={src!r} is not a group index in [0, {n}) of axis {axis!r}"
-        )
+    _group_index(src, mesh.axis_size(axes), axis, "broadcast", "src")
     return _Broadcast.apply(x, mesh, axes, src)
+
+
+def _group_index(index: Any, n: int, axis: Axes, name: str, what: str) -> None:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+        raise ValueError(
+            f"{name}: {what}={index!r} is not a group index in [0, {n}) of axis {axis!r}"
+        )
 
 
 def reduce(x: torch.Tensor, axis: Axes, dst: int = 0, mesh: Mesh | None = None) -> torch.Tensor:
     """Group index ``dst`` gets the sum of every rank's ``x``; the others get zeros (all ranks
     pass tensors of the same shape). SUMMA's matmuls reduce each partial product to its owner."""
     mesh, axes = _prepare(x, axis, mesh, "reduce")
-    n = mesh.axis_size(axes)
-    if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < n:
-        raise ValueError(f"reduce: dst={dst!r} is not a group index in [0, {n}) of axis {axis!r}")
+    _group_index(dst, mesh.axis_size(axes), axis, "reduce", "dst")
     return _Reduce.apply(x, mesh, axes, dst)
 
 

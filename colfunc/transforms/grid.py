@@ -56,7 +56,7 @@ vocabulary) and gets a plan per mode.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -183,28 +183,33 @@ class _Summa:
         assert out is not None
         return out
 
-    def abt(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``dX = dY W^T``: block (i, l) = sum_j dY(i, j) W(l, j)^T, reduced to column l."""
-        mine = self.mesh.axis_index(self.col)
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w`` on the grid's local blocks, differentiable."""
+        out: torch.Tensor = _SummaMatmul.apply(x, w, self)
+        return out
+
+    def _to_owners(self, along: str, part: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """Step l reduces ``part(l)`` along ``along`` to index l; this rank keeps its own."""
+        mine = self.mesh.axis_index(along)
         out = None
         for l in range(self.q):  # noqa: E741
-            b = comm.broadcast(w, self.row, l, self.mesh)
-            part = comm.reduce(g @ b.t(), self.col, l, self.mesh)
+            reduced = comm.reduce(part(l), along, l, self.mesh)
             if l == mine:
-                out = part
+                out = reduced
         assert out is not None
         return out
 
+    def abt(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``dX = dY W^T``: block (i, l) = sum_j dY(i, j) W(l, j)^T, reduced to column l."""
+        return self._to_owners(
+            self.col, lambda step: g @ comm.broadcast(w, self.row, step, self.mesh).t()
+        )
+
     def atb(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """``dW = X^T dY``: block (l, j) = sum_i X(i, l)^T dY(i, j), reduced to row l."""
-        mine = self.mesh.axis_index(self.row)
-        out = None
-        for l in range(self.q):  # noqa: E741
-            a = comm.broadcast(x, self.col, l, self.mesh)
-            part = comm.reduce(a.t() @ g, self.row, l, self.mesh)
-            if l == mine:
-                out = part
-        assert out is not None
+        out = self._to_owners(
+            self.row, lambda step: comm.broadcast(x, self.col, step, self.mesh).t() @ g
+        )
         if self.depth is not None and self.mesh.axis_size(self.depth) > 1:
             out = comm.all_reduce(out, self.depth, "sum", self.mesh)
         return out
@@ -239,6 +244,11 @@ class _Cube:
     weight: str
     out: str
 
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w`` on the cube's local blocks, differentiable."""
+        y: torch.Tensor = _CubeMatmul.apply(x, w, self)
+        return y
+
 
 class _CubeMatmul(torch.autograd.Function):
     """Saves only the local blocks (1/q³ of each activation) and gathers them again in the
@@ -271,6 +281,18 @@ class _CubeMatmul(torch.autograd.Function):
         return dx, dw, None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Role:
+    """How a linear with one weight layout runs: the input's and the output's layouts (batch
+    axes, width axis) and the matmul."""
+
+    batch_in: tuple[str, ...]
+    hidden_in: str
+    batch_out: tuple[str, ...]
+    hidden_out: str
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class GridLinear:
     """Frame (a :class:`~colfunc.core.LinearInterceptor`): :func:`colfunc.nn.linear` with a weight
     laid out by the mode's plan runs the mode's matmul on the local blocks; any other weight is
@@ -279,13 +301,24 @@ class GridLinear:
     def __init__(self, layout: GridLayout) -> None:
         self.layout = layout
         mesh = layout.mesh
+        self._roles: dict[tuple[Any, ...], _Role] = {}
         if layout.mode == "3d":
-            self._column = self._weight_placements(("tp_z", "tp_x"), "tp_y")
-            self._row = self._weight_placements(("tp_y", "tp_x"), "tp_z")
+            # column-parallel layers take the width over z and give it over y; row ones back
+            for ins, out, b_in, b_out in (
+                ("tp_z", "tp_y", ("tp_y", "tp_x"), ("tp_z", "tp_x")),
+                ("tp_y", "tp_z", ("tp_z", "tp_x"), ("tp_y", "tp_x")),
+            ):
+                cube = _Cube(mesh, inp=b_in[0], weight="tp_x", out=b_out[0])
+                self._roles[self._weight_placements((ins, "tp_x"), out)] = _Role(
+                    b_in, ins, b_out, out, cube
+                )
         else:
-            self._column = self._row = self._weight_placements(("tp_row",), "tp_col")
-            self._summa = _Summa(
+            summa = _Summa(
                 mesh, "tp_row", "tp_col", layout.q, "tp_dep" if layout.depth > 1 else None
+            )
+            batch = layout.batch_axes
+            self._roles[self._weight_placements(("tp_row",), "tp_col")] = _Role(
+                batch, "tp_col", batch, "tp_col", summa
             )
 
     def _weight_placements(self, ins: tuple[str, ...], out: str) -> tuple[Any, ...]:
@@ -297,53 +330,22 @@ class GridLinear:
     def linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     ) -> torch.Tensor | None:
-        if not isinstance(w, ShardedTensor) or w.dim() != 2 or w._mesh is not self.layout.mesh:
-            return None
-        kind = w.placements
         lay = self.layout
-        batch_in: tuple[str, ...]
-        batch_out: tuple[str, ...]
-        if kind == self._column and lay.mode == "3d":
-            batch_in, hidden_in, batch_out, hidden_out = (
-                ("tp_y", "tp_x"),
-                "tp_z",
-                ("tp_z", "tp_x"),
-                "tp_y",
-            )
-        elif kind == self._row and lay.mode == "3d":
-            batch_in, hidden_in, batch_out, hidden_out = (
-                ("tp_z", "tp_x"),
-                "tp_y",
-                ("tp_y", "tp_x"),
-                "tp_z",
-            )
-        elif kind == self._column:
-            batch_in = batch_out = lay.batch_axes
-            hidden_in = hidden_out = "tp_col"
-        else:
+        if not isinstance(w, ShardedTensor) or w.dim() != 2 or w._mesh is not lay.mesh:
             return None
-        if x.dim() < 2:
+        role = self._roles.get(w.placements)
+        if role is None or x.dim() < 2:
             return None
-        mesh = lay.mesh
-        want = lay.placements(x.dim(), batch_in, hidden_in)
+        want = lay.placements(x.dim(), role.batch_in, role.hidden_in)
         if not isinstance(x, ShardedTensor):
-            x = distribute(x, mesh)
+            x = distribute(x, lay.mesh)
         if x.placements != want:
             x = x.redistribute(want)
         xl = x.to_local()
-        lead = xl.shape[:-1]
-        wl = w.to_local()
-        x2 = xl.reshape(-1, xl.shape[-1])
-        if lay.mode == "3d":
-            if hidden_in == "tp_z":
-                cube = _Cube(mesh, inp="tp_y", weight="tp_x", out="tp_z")
-            else:
-                cube = _Cube(mesh, inp="tp_z", weight="tp_x", out="tp_y")
-            y2 = _CubeMatmul.apply(x2, wl, cube)
-        else:
-            y2 = _SummaMatmul.apply(x2, wl, self._summa)
+        y2 = role.matmul(xl.reshape(-1, xl.shape[-1]), w.to_local())
         # 3D's output rows are another block of the batch, as many as the input's
         shape = (*x.shape[:-1], w.shape[1])
-        y_local = y2.reshape(*lead, y2.shape[-1])
-        y = from_local(y_local, mesh, lay.placements(len(shape), batch_out, hidden_out), shape)
+        y_local = y2.reshape(*xl.shape[:-1], y2.shape[-1])
+        out = lay.placements(len(shape), role.batch_out, role.hidden_out)
+        y = from_local(y_local, lay.mesh, out, shape)
         return y if b is None else y + b
