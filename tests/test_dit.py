@@ -300,8 +300,9 @@ def test_colfunc_sample_refuses_bad_prompts_and_language_runs(tmp_path: Path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_trained_tiny_dit_follows_its_condition(tmp_path: Path) -> None:
-    """Trained by the example config (about 10 minutes on 2 cores), at least 80% of the clips
+    """Trained by the example config (about 7 minutes on 2 cores), at least 80% of the clips
     sampled for each caption move in the asked direction; an untrained model about 25%."""
     config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "dit_video_tiny.py"
     args = ["train", str(config), "--name", "v", "--no-progress"]

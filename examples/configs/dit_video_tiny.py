@@ -14,4 +14,4 @@ from colfunc.models import dit
 model = dit.Config.tiny()
 optim = OptimConfig(lr=2e-3, weight_decay=0.0, warmup_steps=100, final_lr=1e-4, clip_norm=1.0)
 data = DataConfig(corpus="moving-shapes", batch_size=16)
-train = TrainConfig(steps=2500, log_every=50, eval_every=250, eval_batches=2, sample_tokens=1)
+train = TrainConfig(steps=2000, log_every=50, eval_every=250, eval_batches=2, sample_tokens=1)
