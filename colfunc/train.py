@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, hf, optim, parallel, tasks, tree
+from colfunc import checkpoint, hf, optim, parallel, random, reshard, tasks, tree
 from colfunc.config import OptimConfig, RunConfig, model_module
 from colfunc.sharding import Mesh, RankFailedError, comm, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
-from colfunc.transforms.local import local_piece, rewrap, to_local
+from colfunc.transforms.local import local_piece, rewrap
 
 __all__ = [
     "CHECKPOINT",
@@ -113,14 +113,35 @@ def _layout_key(cfg: RunConfig) -> Any:
 
 class ShardedRun:
     """A sharded checkpoint (one file per rank) and the run config that wrote it: each rank
-    of the same layout reads its own file (:meth:`local`); any other layout starts from
-    :meth:`full`, which rebuilds the writing composition in this process (threads) to put the
-    pieces back together."""
+    of the same layout reads its own file (:meth:`local`); any other layout, one device
+    included, reads on each rank just the slices of the files that hold its own pieces
+    (:meth:`resharded`, through the index's table of which file holds which elements).
+    Checkpoints written before that table load through :meth:`full`, which rebuilds the
+    writing composition in this process (threads) to put the pieces back together."""
 
     def __init__(self, path: Path, cfg: RunConfig, info: dict[str, Any]) -> None:
         self.path, self.config, self.info = path, cfg, info
         self.step = int(info["step"])
         self.mesh_shape = dict(info["mesh"])
+        self.partial = bool(checkpoint.ShardReader(path).tensors)
+        self.bytes_read: dict[int, dict[int, int]] = {}  # loading rank -> file rank -> bytes
+
+    def resharded(self, step_fn: Any, mesh: Mesh | None, cfg: RunConfig) -> TrainState:
+        """This rank's state under ``step_fn``'s layout (any composition, mesh or world size;
+        ``mesh`` None for one device), reading from each file only the blocks that hold the
+        elements of this rank's pieces."""
+        model = model_module(cfg.model)
+        described = model.init(cfg.model, seed=cfg.train.seed, abstract=True)
+        opt_like = build_optimizer(cfg.optim, cfg.train.steps).init(random.as_meta(described))
+        pieces = reshard.element_runs(step_fn, described, opt_like)
+        # the layout only (values are replaced): abstract parameters, each rank making its own
+        # pieces; a pipeline cuts made ones
+        abstract = not cfg.parallel.get("pipeline")
+        fresh = step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+        reader = checkpoint.ShardReader(self.path)
+        state = reshard.read_local(reader, fresh, pieces)
+        self.bytes_read[0 if mesh is None else mesh.rank] = dict(reader.bytes_read)
+        return state
 
     def same_layout(self, cfg: RunConfig, pc: Any) -> bool:
         return (
@@ -172,9 +193,12 @@ class ShardedRun:
         return TrainState(params, opt_state, saved.step, extra)
 
     def full(self) -> TrainState:
-        """The state in the single-device layout: the writing mesh's ranks, as threads here,
-        each reads its file and the composition gathers them (memory: the whole state)."""
+        """The state in the single-device layout (memory: the whole state). Each piece is read
+        once from the file that holds it; a checkpoint written before the index's table is put
+        together by the writing mesh's ranks, as threads here, and its composition."""
         cfg = self.config
+        if self.partial:
+            return self.resharded(_make_step(cfg, None, None), None, cfg)
         pc = parallel.parse(cfg.parallel)
 
         def body(mesh: Mesh) -> TrainState | None:
@@ -200,24 +224,12 @@ def _single_layout(state: TrainState) -> TrainState:
     return TrainState(full.params, full.opt_state, full.step, kept)
 
 
-def _local_of(state: TrainState) -> TrainState:
-    """This rank's pieces of ``state`` as plain tensors, without the transforms' own entries
-    of extra (made afresh on loading); offloaded chunks written back to their host rows."""
-    for entry in state.extra.values():
-        sync = getattr(entry, "sync_host", None)
-        if callable(sync):
-            sync()
-    extra = {k: v for k, v in state.extra.items() if not isinstance(v, StateLayout)}
-    return TrainState(
-        to_local(state.params), to_local(state.opt_state), state.step, to_local(extra)
-    )
-
-
 def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
     """``(state, config)`` of the run folder ``run`` (or of a checkpoint folder itself), the
-    state in the single-device layout. ``gather=False`` returns a sharded checkpoint as a
-    :class:`ShardedRun` (that :func:`run` resumes, each rank reading only its own file when the
-    layout is the same)."""
+    state in the single-device layout. ``gather=False`` returns the checkpoint as a
+    :class:`ShardedRun` instead, read by :func:`run` on each rank: its own file under the same
+    layout, or only the slices that hold its own pieces under any other (a single-device
+    checkpoint too)."""
     path = checkpoint_path(run)
     if path is None:
         if Path(run, METRICS).is_file():
@@ -231,11 +243,17 @@ def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
         )
     info = checkpoint.sharded_meta(path)
     if info is not None:
-        _, cfg = checkpoint.load_shard(path, 0)
+        cfg = checkpoint.ShardReader(path).config  # (the index's, no tensor read)
         if not isinstance(cfg, RunConfig):
             raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
         handle = ShardedRun(path, cfg, info)
         return (handle if not gather else handle.full()), cfg
+    if not gather:  # one file: each rank of any layout reads the slices of its own pieces
+        reader = checkpoint.ShardReader(path)
+        cfg = reader.config
+        if isinstance(cfg, RunConfig) and reader.tensors:
+            step, _ = reader.step_and_extra()
+            return ShardedRun(path, cfg, {"step": step, "mesh": {}}), cfg
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
@@ -472,8 +490,8 @@ def run(
     task = tasks.for_run(cfg)  # the corpus (or the video set) read once, here
     # weights read once, here: ranks (threads) must not import transformers side by side
     params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
-    if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc):
-        state = state.full()  # another layout: from the single-device one
+    if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc) and not state.partial:
+        state = state.full()  # another layout, an old checkpoint: from the single-device one
     body = functools.partial(
         _train, cfg, run_dir, task, state, stop_at, progress, pc, t_start, params0
     )
@@ -512,9 +530,11 @@ def _train(
     loss_fn = model.loss(cfg.model)
     step_fn = _make_step(cfg, mesh, pc)
     params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
-    if isinstance(state, ShardedRun):  # the same layout: this rank's own file, nothing else
-        assert mesh is not None
-        state = state.local(step_fn, mesh, cfg)
+    if isinstance(state, ShardedRun):
+        if mesh is not None and state.same_layout(cfg, pc):  # this rank's own file, no other
+            state = state.local(step_fn, mesh, cfg)
+        else:  # another layout: the slices of each file that hold this rank's pieces
+            state = state.resharded(step_fn, mesh, cfg)
     elif state is not None:  # in the single-device layout, whatever the mesh was
         _check_resumable(
             state, train_step(loss_fn, build_optimizer(cfg.optim, tc.steps)).init(params0)
@@ -586,11 +606,23 @@ def _train(
             checkpoint.commit(store, state.step, state, cfg, keep_last=keep)
         last_saved[0] = state.step
 
+    def pieces() -> dict[str, reshard.Piece]:
+        """Which global elements each of this rank's tensors holds (the layout's, found once,
+        at the first save: every rank saves at the same steps)."""
+        if not layout_pieces:
+            described = model.init(cfg.model, seed=tc.seed, abstract=True)
+            opt_like = build_optimizer(cfg.optim, tc.steps).init(random.as_meta(described))
+            layout_pieces.append(reshard.element_runs(step_fn, described, opt_like))
+        return layout_pieces[0]
+
+    layout_pieces: list[dict[str, reshard.Piece]] = []
+
     def save_shards(state: TrainState) -> None:
-        """Every rank writes its own pieces, as it holds them (no gathering); rank 0 writes
-        the index once all have, and commits."""
+        """Every rank writes its own pieces, as it holds them (no gathering), with which
+        global elements they hold; rank 0 writes the index once all have, and commits."""
         assert mesh is not None
-        local = _local_of(state)
+        local = reshard.local_pieces(state)
+        described = pieces()
         floats = [
             (p, x) for p, x in tree.flatten_with_paths(local.params)[0] if x.is_floating_point()
         ]
@@ -611,7 +643,7 @@ def _train(
 
             def work(step: int = state.step) -> None:
                 try:
-                    checkpoint.write_shard(store, step, mesh.rank, host)
+                    checkpoint.write_shard(store, step, mesh.rank, host, described)
                 except BaseException as e:  # raised on every rank by settle
                     errors.append(e)
 
@@ -621,7 +653,7 @@ def _train(
             return
         error: BaseException | None = None
         try:
-            checkpoint.write_shard(store, state.step, mesh.rank, local)
+            checkpoint.write_shard(store, state.step, mesh.rank, local, described)
         except Exception as e:  # every rank must learn of it, or the others would commit
             error = e
         if any_rank(error is not None):

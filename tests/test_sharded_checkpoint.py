@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as hst
 import pytest
 import torch
 
-from colfunc import checkpoint, config, tree
+from colfunc import checkpoint, config, reshard, tree
 from colfunc import train as trainer
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -21,6 +23,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": {"pipeline": {"stages": 2, "microbatches": 2}},
     "zero3": {"data": 2, "zero": 3},
     "dp2-tp2-zero1": {"data": 2, "tensor": 2, "zero": 1},
+    "dp2-tp2-zero3": {"data": 2, "tensor": 2, "zero": 3},
 }
 
 
@@ -149,6 +152,121 @@ def test_the_same_layout_reads_only_its_own_file_and_saves_without_gathering(
     _same(a.opt_state, b.opt_state)
 
 
+def test_the_index_says_which_file_holds_which_elements(saved: dict[str, Path]) -> None:
+    """Every tensor's global shape and dtype are in the index, with the span each rank's file
+    holds; the runs in the files cover every element of every tensor, each exactly as many
+    times as the layout keeps copies of it (twice for a replica on dp=2, once for a shard)."""
+    for name, run in saved.items():
+        if name == "one":
+            continue
+        path = trainer.checkpoint_path(run)
+        assert path is not None
+        reader = checkpoint.ShardReader(path)
+        assert "params.blocks.attn.wq" in reader.tensors
+        for key, entry in reader.tensors.items():
+            numel = 1
+            for d in entry["shape"]:
+                numel *= d
+            counts = torch.zeros(numel, dtype=torch.int64)
+            for rank, (lo, hi) in entry["files"].items():
+                _, g = reshard.expand_runs(reader.runs(rank, key))
+                assert lo == int(g.min()) and hi == int(g.max()) + 1, (name, key, rank)
+                counts += torch.bincount(g, minlength=numel)
+            copies = set(counts.tolist())
+            assert len(copies) == 1 and copies != {0}, (name, key, copies)
+            replicas = {"dp2": 2, "dp2-tp2-zero1": 2}.get(name, 1)
+            if name == "dp2-tp2-zero1" and key.startswith("opt_state"):
+                replicas = 1  # ZeRO-1 cuts the moments over dp
+            if name == "dp2-tp2-zero1" and ".ln" in key:
+                replicas = 4  # norms are replicated over tp too
+            if name in ("tp2", "dp2-tp2-zero3") and key.startswith(("params", "opt_state")):
+                split = {"params.blocks.attn.wq", "opt_state.1.exp_avg.blocks.attn.wq"}
+                if key in split:
+                    assert copies == {1}, (name, key, copies)
+                continue
+            if key in ("params.blocks.attn.wq", "opt_state.1.exp_avg.blocks.attn.wq"):
+                assert copies == {replicas}, (name, key, copies)
+
+
+@pytest.mark.parametrize("source", ["dp2-tp2-zero3", "one"])
+def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """dp=2 x tp=2 with ZeRO-3 saved (4 files), or one device (1 file), loaded as pp=2, as
+    tp=2, as dp=2 x tp=2 with ZeRO-1 and as the other: nothing is gathered and the writing
+    composition is not rebuilt; each loading rank reads from the files at most its own pieces'
+    bytes plus the partial blocks at the ends of each read; the state equals the source's bit
+    for bit (as the writing composition, rebuilt, puts it together, or as the single file
+    holds it)."""
+    block = 64  # half a row of the weights: a tensor-parallel rank's half rows are whole blocks
+    monkeypatch.setattr(checkpoint, "BLOCK_BYTES", block)
+    run = tmp_path / "saved"
+    trainer.run(_cfg(corpus, LAYOUTS[source]), run, stop_at=3, progress=False)
+    handle, _ = trainer.load_run(run, gather=False)
+    assert handle.partial
+    if source == "one":
+        want, _ = trainer.load_run(run)  # the single file, read whole
+    else:
+        handle.partial = False
+        want = handle.full()  # the writing composition rebuilt, gathered
+    original = trainer.ShardedRun.resharded
+
+    def no_gathering(*args: Any) -> Any:
+        raise AssertionError("the state was gathered")
+
+    others = ("pp2", "tp2", "dp2-tp2-zero1", "dp2-tp2-zero3", "one")
+    for target in [t for t in others if t != source]:
+        handle, _ = trainer.load_run(run, gather=False)
+        own: dict[int, int] = {}
+        reads: dict[int, int] = {}
+
+        def resharded(
+            self: Any, step_fn: Any, mesh: Any, cfg: Any, own: dict[int, int] = own
+        ) -> Any:
+            state = original(self, step_fn, mesh, cfg)
+            rank = 0 if mesh is None else mesh.rank
+            own[rank] = sum(x.nbytes for x in tree.tensors(reshard.local_pieces(state)))
+            return state
+
+        out = tmp_path / target
+        out.mkdir()
+        with monkeypatch.context() as m:
+            m.setattr(trainer, "full_state", no_gathering)
+            m.setattr(trainer.ShardedRun, "local", no_gathering)
+            m.setattr(trainer.ShardedRun, "resharded", resharded)
+            m.setattr(checkpoint.ShardReader, "read", _counting(reads))
+            cfg = _cfg(corpus, LAYOUTS[target])
+            trainer.run(cfg, out, state=handle, stop_at=3, progress=False)
+        assert sorted(handle.bytes_read) == sorted(own) == list(range(len(own)))
+        for rank, by_file in handle.bytes_read.items():
+            read = sum(by_file.values())
+            assert read <= own[rank] + 2 * block * reads[rank], (target, rank, read, own)
+        got, _ = trainer.load_run(out)
+        _same(got.params, want.params)
+        _same(got.opt_state, want.opt_state)
+
+
+def _counting(reads: dict[int, int]) -> Any:
+    """ShardReader.read, counting the reads of data (not of runs) per loading thread."""
+    import threading
+
+    from colfunc import core
+    from colfunc.sharding import Mesh
+
+    read = checkpoint.ShardReader.read
+    lock = threading.Lock()
+
+    def counted(self: Any, rank: int, key: str, start: int, stop: int, **kw: Any) -> Any:
+        if not key.startswith(checkpoint.RUNS) and stop > start:
+            mesh = core.innermost(Mesh)
+            me = 0 if mesh is None else mesh.rank
+            with lock:
+                reads[me] = reads.get(me, 0) + 1
+        return read(self, rank, key, start, stop, **kw)
+
+    return counted
+
+
 def test_bad_sharded_checkpoints_are_named(saved: dict[str, Path], tmp_path: Path) -> None:
     import shutil
 
@@ -167,6 +285,20 @@ def test_bad_sharded_checkpoints_are_named(saved: dict[str, Path], tmp_path: Pat
     shutil.copytree(path, broken)  # a rank's file that does not match what the index says
     shutil.copy(path / checkpoint.shard_name(0), broken / checkpoint.shard_name(1))
     with pytest.raises(checkpoint.CheckpointError, match="holds rank 0's pieces, not 1's"):
+        trainer.load_run(broken)
+    shutil.rmtree(broken)
+    shutil.copytree(path, broken)  # a flipped bit in a block that a partial read reads
+    file = broken / checkpoint.shard_name(0)  # (the replica a load reads first)
+    data = bytearray(file.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8 : 8 + n])["params.blocks.attn.wq"]["data_offsets"][0]
+    data[8 + n + begin + 5] ^= 0x10
+    file.write_bytes(bytes(data))
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"rank-00000.safetensors' is corrupt: tensor 'params.blocks.attn.wq' does not "
+        r"match its checksum \(block 0\)",
+    ):
         trainer.load_run(broken)
 
 
@@ -229,7 +361,7 @@ def test_a_ranks_save_allocates_at_most_one_tensor_copy(tmp_path: Path) -> None:
             cf.shard(cf.train_step(models.gpt.loss(cfg), optim.adamw(1e-3)), mesh), stage=3
         )
         state = step.init(params)
-        local = trainer._local_of(state)
+        local = reshard.local_pieces(state)
         tensors = tree.tensors(local)
         with cf.memory.track(tensors) as t:
             checkpoint.write_shard(root, 1, mesh.rank, local)
@@ -381,3 +513,24 @@ def test_sigkill_during_sharded_commits_leaves_a_complete_checkpoint(tmp_path: P
         latest = checkpoint.latest(root)
         if latest is not None:
             assert int(latest.name.split("-")[1]) in checkpoint.steps(root)[-2:]
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    hst.lists(hst.tuples(hst.integers(0, 3), hst.integers(0, 40), hst.integers(0, 6)), max_size=12)
+)
+def test_runs_round_trip_any_tags(segments: list[tuple[int, int, int]]) -> None:
+    """Tags (global index + 1, 0 for padding) made of padding gaps and increasing segments that
+    jump anywhere: their runs expand back to exactly the tagged elements' local and global
+    indices, and consecutive ones merge into one run."""
+    tags: list[int] = []
+    for gap, start, length in segments:
+        tags += [0] * gap + list(range(start + 1, start + 1 + length))
+    t = torch.tensor(tags, dtype=torch.float64)
+    runs = reshard.runs_of(t)
+    local, glob = reshard.expand_runs(runs)
+    nz = torch.nonzero(t > 0).reshape(-1)
+    assert torch.equal(local, nz) and torch.equal(glob, t[nz].to(torch.int64) - 1)
+    if len(runs) > 1:  # maximal: no two neighbouring runs continue each other
+        ends = runs[:-1, 0] + runs[:-1, 2], runs[:-1, 1] + runs[:-1, 2]
+        assert not bool(((ends[0] == runs[1:, 0]) & (ends[1] == runs[1:, 1])).any())
