@@ -246,6 +246,35 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
         _same(got.opt_state, want.opt_state)
 
 
+MORE: dict[str, dict[str, Any]] = {
+    "2d": {"tensor": {"mode": "2d", "size": 4}},
+    "offload": {"offload": {"policy": "host", "device_budget": "1GiB"}},
+    "amp-dp2": {"data": 2, "amp": "bf16"},
+}
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [("2d", "offload"), ("offload", "2d"), ("amp-dp2", "tp2"), ("dp2-tp2-zero3", "2d")],
+)
+def test_grid_offload_and_amp_layouts_load_the_same_way(
+    corpus: Path, tmp_path: Path, source: str, target: str
+) -> None:
+    """The element runs need nothing of a transform: SUMMA's 2D blocks, offload's host chunks
+    and amp's masters save and load across layouts like the others, bit for bit."""
+    layouts = {**LAYOUTS, **MORE}
+    run = tmp_path / "saved"
+    trainer.run(_cfg(corpus, layouts[source]), run, stop_at=3, progress=False)
+    want, _ = trainer.load_run(run)
+    handle, _ = trainer.load_run(run, gather=False)
+    out = tmp_path / "moved"
+    out.mkdir()
+    trainer.run(_cfg(corpus, layouts[target]), out, state=handle, stop_at=3, progress=False)
+    got, _ = trainer.load_run(out)
+    _same(got.params, want.params)
+    _same(got.opt_state, want.opt_state)
+
+
 def _counting(reads: dict[int, int]) -> Any:
     """ShardReader.read, counting the reads of data (not of runs) per loading thread."""
     import threading
