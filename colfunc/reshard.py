@@ -106,6 +106,77 @@ def tensors_by_key(state: PyTree) -> dict[str, torch.Tensor]:
     return {p: t for p, t in tree.flatten_with_paths(state)[0] if isinstance(t, torch.Tensor)}
 
 
+def _copy(
+    reader: checkpoint.ShardReader, rank: int, key: str, pairs: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Copy the pieces ``pairs`` (:func:`_intersect`) of ``key`` in rank ``rank``'s file into
+    ``out``: one read per stretch of neighbouring blocks that the pieces touch, each piece a
+    slice of it (or, for a stretch of many short pieces, one gather)."""
+    if len(pairs) > 1 and not bool((pairs[1:, 0] >= pairs[:-1, 0]).all()):
+        pairs = pairs[torch.argsort(pairs[:, 0])]
+    per_block = max(1, reader.block_bytes(rank) // out.element_size())
+    first = pairs[:, 0] // per_block
+    last = (pairs[:, 0] + pairs[:, 2] - 1) // per_block
+    cuts = torch.nonzero(first[1:] > last[:-1] + 1).reshape(-1) + 1
+    bounds = [0, *cuts.tolist(), len(pairs)]
+    for i, j in itertools.pairwise(bounds):
+        a = int(pairs[i, 0])
+        values = reader.read(rank, key, a, int(pairs[j - 1, 0] + pairs[j - 1, 2]))
+        if j - i <= 64:
+            for src, dst, n, _ in pairs[i:j].tolist():
+                out[dst : dst + n] = values[src - a : src - a + n]
+        else:
+            src_e, dst_e = expand_runs(pairs[i:j, [0, 1, 2]])
+            out[dst_e] = values[src_e - a]
+
+
+def _by_global(runs: torch.Tensor) -> torch.Tensor:
+    """``runs`` ordered by their global start (a layout's runs usually are already)."""
+    if len(runs) > 1 and not bool((runs[1:, 1] >= runs[:-1, 1]).all()):
+        runs = runs[torch.argsort(runs[:, 1])]
+    return runs
+
+
+def _intersect(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """``[m, 4]`` pieces ``(their local start, my local start, length, global start)`` where two
+    lists of runs, each ordered by global start and disjoint, hold the same global elements (in
+    ``mine``'s order)."""
+    if not len(mine) or not len(theirs):
+        return torch.zeros((0, 4), dtype=torch.int64)
+    a0, a1 = mine[:, 1].contiguous(), mine[:, 1] + mine[:, 2]
+    b0, b1 = theirs[:, 1].contiguous(), theirs[:, 1] + theirs[:, 2]
+    first = torch.searchsorted(b1, a0, right=True)  # the first of theirs ending after a0
+    stop = torch.searchsorted(b0, a1)  # the first of theirs starting at or after a1
+    count = (stop - first).clamp(min=0)
+    i = torch.repeat_interleave(torch.arange(len(mine)), count)
+    j = (
+        first[i]
+        + torch.arange(len(i))
+        - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    )
+    lo = torch.maximum(a0[i], b0[j])
+    hi = torch.minimum(a1[i], b1[j])
+    keep = hi > lo
+    i, j, lo, hi = i[keep], j[keep], lo[keep], hi[keep]
+    return torch.stack([theirs[j, 0] + lo - b0[j], mine[i, 0] + lo - a0[i], hi - lo, lo], dim=1)
+
+
+def _subtract(mine: torch.Tensor, pieces: torch.Tensor) -> torch.Tensor:
+    """The runs of ``mine`` (ordered by global start) less the global elements of ``pieces``
+    (:func:`_intersect` of ``mine``: inside its runs, in their order)."""
+    starts = torch.cat([mine[:, 1], pieces[:, 3] + pieces[:, 2]])
+    ends = torch.cat([mine[:, 1] + mine[:, 2], pieces[:, 3]])
+    # the gaps: from each run's start or each piece's end to the next piece's start or the
+    # run's end, taken in global order (a run's pieces lie inside it, ordered)
+    order_s, order_e = torch.argsort(starts, stable=True), torch.argsort(ends, stable=True)
+    s, e = starts[order_s], ends[order_e]
+    keep = e > s
+    s, e = s[keep], e[keep]
+    # each gap's local start: its run's local start plus the offset from the run's start
+    run = torch.searchsorted(mine[:, 1].contiguous(), s, right=True) - 1
+    return torch.stack([mine[run, 0] + s - mine[run, 1], s, e - s], dim=1)
+
+
 def _mirror_paths(opt_like: PyTree, params_like: PyTree) -> dict[str, str]:
     """``{optimizer-state path: parameter path}`` of the optimizer-state leaves that mirror a
     parameter (the subtrees place_state lays out like the parameters)."""
@@ -227,42 +298,21 @@ def read_local(
                 f"{piece.shape} in this model: check the model config against the run that "
                 "saved it"
             )
-        mine_local, mine_global = expand_runs(piece.runs)
         out = torch.zeros(like.numel(), dtype=like.dtype)
-        if mine_global.numel():
-            lo, hi = int(mine_global.min()), int(mine_global.max()) + 1
-            order = torch.argsort(mine_global)
-            want_g, want_l = mine_global[order], mine_local[order]
-            missing = torch.ones(want_g.numel(), dtype=torch.bool)
+        need = _by_global(piece.runs)  # what is still missing, as runs
+        if len(need):
+            lo, hi = int(need[0, 1]), int((need[:, 1] + need[:, 2]).max())
             for rank, (a, b) in sorted(entry["files"].items()):
-                if b <= lo or a >= hi or not bool(missing.any()):
+                if b <= lo or a >= hi or not len(need):
                     continue
-                their_local, their_global = expand_runs(reader.runs(rank, key))
-                if their_global.numel() == 0:
+                pairs = _intersect(need, _by_global(reader.runs(rank, key)))
+                if not len(pairs):
                     continue
-                sort = torch.argsort(their_global)
-                their_local, their_global = their_local[sort], their_global[sort]
-                pos = torch.searchsorted(their_global, want_g).clamp_(max=their_global.numel() - 1)
-                hit = missing & (their_global[pos] == want_g)
-                if not bool(hit.any()):
-                    continue
-                src, dst = their_local[pos[hit]], want_l[hit]
-                order = torch.argsort(src)
-                src, dst = src[order], dst[order]
-                # one read per stretch of neighbouring blocks that hold wanted elements
-                per_block = max(1, reader.block_bytes(rank) // like.element_size())
-                blocks = src // per_block
-                cuts = torch.nonzero(blocks[1:] - blocks[:-1] > 1).reshape(-1) + 1
-                bounds = [0, *cuts.tolist(), src.numel()]
-                for i, j in itertools.pairwise(bounds):
-                    a_el, b_el = int(src[i]), int(src[j - 1]) + 1
-                    values = reader.read(rank, key, a_el, b_el)
-                    out[dst[i:j]] = values[src[i:j] - a_el]
-                missing &= ~hit
-            if bool(missing.any()):
-                g = int(want_g[missing][0])
+                need = _subtract(need, pairs)
+                _copy(reader, rank, key, pairs, out)
+            if len(need):
                 raise checkpoint.CheckpointError(
-                    f"{reader.path}: element {g} of {key!r} is in none of the files"
+                    f"{reader.path}: element {int(need[0, 1])} of {key!r} is in none of the files"
                 )
         return out.view(like.shape)
 
