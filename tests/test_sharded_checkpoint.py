@@ -563,3 +563,46 @@ def test_runs_round_trip_any_tags(segments: list[tuple[int, int, int]]) -> None:
     if len(runs) > 1:  # maximal: no two neighbouring runs continue each other
         ends = runs[:-1, 0] + runs[:-1, 2], runs[:-1, 1] + runs[:-1, 2]
         assert not bool(((ends[0] == runs[1:, 0]) & (ends[1] == runs[1:, 1])).any())
+
+
+def _runs(draw: Any, total: int) -> torch.Tensor:
+    """Disjoint runs ordered by global start, at shuffled local places."""
+    cuts = sorted(set(draw(hst.lists(hst.integers(0, total), max_size=10))))
+    spans = [(a, b) for a, b in zip([0, *cuts], [*cuts, total]) if b > a]
+    spans = [
+        s
+        for s, keep in zip(
+            spans, draw(hst.lists(hst.booleans(), min_size=len(spans), max_size=len(spans)))
+        )
+        if keep
+    ]
+    order = draw(hst.permutations(range(len(spans))))
+    local, at = {}, 0
+    for k in order:
+        local[k] = at
+        at += spans[k][1] - spans[k][0]
+    rows = [[local[k], a, b - a] for k, (a, b) in enumerate(spans)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+
+
+@hypothesis.settings(max_examples=80, deadline=None)
+@hypothesis.given(hst.data())
+def test_run_intersections_and_remainders_equal_the_element_sets(data: Any) -> None:
+    """Two ranks' runs over one tensor: the pieces they share map each shared global element to
+    its place on both sides, and what is left of the first is exactly its other elements."""
+    total = data.draw(hst.integers(1, 60))
+    mine, theirs = _runs(data.draw, total), _runs(data.draw, total)
+    pieces = reshard._intersect(mine, theirs)
+    ml, mg = reshard.expand_runs(mine)
+    tl, tg = reshard.expand_runs(theirs)
+    where_mine = dict(zip(mg.tolist(), ml.tolist()))
+    where_theirs = dict(zip(tg.tolist(), tl.tolist()))
+    shared = sorted(set(where_mine) & set(where_theirs))
+    got = []
+    for src, dst, n, g in pieces.tolist():
+        got += [(g + k, src + k, dst + k) for k in range(n)]
+    assert sorted(got) == [(g, where_theirs[g], where_mine[g]) for g in shared]
+    rest = reshard._subtract(mine, pieces)
+    rl, rg = reshard.expand_runs(rest)
+    left = sorted(set(where_mine) - set(shared))
+    assert rg.tolist() == left and rl.tolist() == [where_mine[g] for g in left]
