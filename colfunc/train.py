@@ -111,6 +111,21 @@ def _layout_key(cfg: RunConfig) -> Any:
     return {k: v for k, v in cfg.parallel.items() if k not in ("backend", "timeout")}
 
 
+def _fresh_layout(step_fn: Any, cfg: RunConfig) -> TrainState:
+    """A new state of ``step_fn`` on this rank, for its layout only (a load replaces the
+    values): abstract parameters, each rank making its own pieces; a pipeline cuts made ones."""
+    model = model_module(cfg.model)
+    abstract = not cfg.parallel.get("pipeline")
+    return step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+
+
+def _layout_pieces(step_fn: Any, cfg: RunConfig) -> dict[str, reshard.Piece]:
+    """Which global elements each of this rank's tensors holds under ``step_fn``'s layout."""
+    described = model_module(cfg.model).init(cfg.model, seed=cfg.train.seed, abstract=True)
+    opt_like = build_optimizer(cfg.optim, cfg.train.steps).init(random.as_meta(described))
+    return reshard.element_runs(step_fn, described, opt_like)
+
+
 class ShardedRun:
     """A sharded checkpoint (one file per rank) and the run config that wrote it: each rank
     of the same layout reads its own file (:meth:`local`); any other layout, one device
@@ -130,14 +145,8 @@ class ShardedRun:
         """This rank's state under ``step_fn``'s layout (any composition, mesh or world size;
         ``mesh`` None for one device), reading from each file only the blocks that hold the
         elements of this rank's pieces."""
-        model = model_module(cfg.model)
-        described = model.init(cfg.model, seed=cfg.train.seed, abstract=True)
-        opt_like = build_optimizer(cfg.optim, cfg.train.steps).init(random.as_meta(described))
-        pieces = reshard.element_runs(step_fn, described, opt_like)
-        # the layout only (values are replaced): abstract parameters, each rank making its own
-        # pieces; a pipeline cuts made ones
-        abstract = not cfg.parallel.get("pipeline")
-        fresh = step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+        pieces = _layout_pieces(step_fn, cfg)
+        fresh = _fresh_layout(step_fn, cfg)
         reader = checkpoint.ShardReader(self.path)
         state = reshard.read_local(reader, fresh, pieces)
         self.bytes_read[0 if mesh is None else mesh.rank] = dict(reader.bytes_read)
@@ -153,11 +162,7 @@ class ShardedRun:
     def local(self, step_fn: Any, mesh: Mesh, cfg: RunConfig) -> TrainState:
         """This rank's state, as the writing rank held it, under the same composition."""
         saved, _ = checkpoint.load_shard(self.path, mesh.rank)
-        model = model_module(cfg.model)
-        # the layout only (values are replaced): abstract parameters, each rank making its own
-        # pieces; a pipeline cuts made ones
-        abstract = not cfg.parallel.get("pipeline")
-        fresh = step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+        fresh = _fresh_layout(step_fn, cfg)
         where = f"{self.path / checkpoint.shard_name(mesh.rank)}"
 
         def fill(fresh_part: Any, saved_part: Any, what: str) -> Any:
@@ -610,9 +615,7 @@ def _train(
         """Which global elements each of this rank's tensors holds (the layout's, found once,
         at the first save: every rank saves at the same steps)."""
         if not layout_pieces:
-            described = model.init(cfg.model, seed=tc.seed, abstract=True)
-            opt_like = build_optimizer(cfg.optim, tc.steps).init(random.as_meta(described))
-            layout_pieces.append(reshard.element_runs(step_fn, described, opt_like))
+            layout_pieces.append(_layout_pieces(step_fn, cfg))
         return layout_pieces[0]
 
     layout_pieces: list[dict[str, reshard.Piece]] = []
