@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -217,7 +218,12 @@ def _sync_dir(path: Path) -> None:
 def checksum(t: torch.Tensor) -> str:
     """The CRC-32 of a CPU tensor's bytes, as 8 hex digits."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"{zlib.crc32(data.data) & 0xFFFFFFFF:08x}"
+    return _crc(data.data)
+
+
+def _crc(data: Any) -> str:
+    """The CRC-32 of ``data`` (bytes-like) as 8 hex digits."""
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def _meta(state: Any, config: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -553,9 +559,7 @@ RUNS = "__runs__."  # the key prefix of a piece's runs in a rank's file
 
 def _block_sums(t: torch.Tensor, block: int) -> list[str]:
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-    return [
-        f"{zlib.crc32(data[i : i + block]) & 0xFFFFFFFF:08x}" for i in range(0, len(data), block)
-    ]
+    return [_crc(data[i : i + block]) for i in range(0, len(data), block)]
 
 
 def write_shard(
@@ -703,13 +707,6 @@ def _tensor_index(folder: Path, files: list[str]) -> dict[str, Any]:
     return index
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -748,7 +745,7 @@ class ShardReader:
                     "shape": list(raw[key]["shape"]),
                     "dtype": _DTYPES_BACK[raw[key]["dtype"]],
                     "placement": "",
-                    "files": {0: (0, _numel(raw[key]["shape"]))},
+                    "files": {0: (0, math.prod(raw[key]["shape"]))},
                 }
                 for key in raw
                 if key != "__metadata__"
@@ -835,14 +832,14 @@ class ShardReader:
             raise CheckpointError(f"{str(file)!r} is truncated inside {key!r}")
         counter = self.runs_read if key.startswith(RUNS) else self.bytes_read
         counter[rank] = counter.get(rank, 0) + len(data)
-        if whole is not None and f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != whole:
+        if whole is not None and _crc(data) != whole:
             raise CheckpointError(
                 f"{str(file)!r} is corrupt: tensor {key!r} does not match its checksum"
             )
         if block and sums is not None:
             for i in range(first, last):
                 piece = data[(i - first) * block : (i - first + 1) * block]
-                if f"{zlib.crc32(piece) & 0xFFFFFFFF:08x}" != sums[i]:
+                if _crc(piece) != sums[i]:
                     raise CheckpointError(
                         f"{str(file)!r} is corrupt: tensor {key!r} does not match its checksum "
                         f"(block {i})"
@@ -856,12 +853,12 @@ class ShardReader:
         if key not in raw:
             raise CheckpointError(f"{str(self._file(rank))!r} has no tensor {key!r}")
         shape = raw[key]["shape"]
-        return self.read(rank, key, 0, _numel(shape)).reshape(shape)
+        return self.read(rank, key, 0, math.prod(shape)).reshape(shape)
 
     def runs(self, rank: int, key: str) -> torch.Tensor:
         """Which global elements rank ``rank``'s piece of ``key`` holds (``[n, 3]`` runs)."""
         if self.single:
-            return torch.tensor([[0, 0, _numel(self.tensors[key]["shape"])]], dtype=torch.int64)
+            return torch.tensor([[0, 0, math.prod(self.tensors[key]["shape"])]], dtype=torch.int64)
         return self.tensor(rank, RUNS + key)
 
     def _fields(self) -> dict[str, Any]:
