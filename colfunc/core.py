@@ -299,6 +299,18 @@ class LayerGrads:
         """Name the differentiated leaves (path -> tensor) whose layers' gradients to take."""
         self.paths = {id(x): path for path, x in leaves.items() if x.requires_grad}
 
+    def close(self) -> None:
+        """Forget the receiver and what was handed. A receiver that keeps this frame (a bound
+        method of its owner) makes a reference cycle that only the garbage collector would
+        free, with whatever the owner still holds (a backend's reduced buffers)."""
+        self.on_layer = _closed
+        self.handed = {}
+        self.paths = {}
+
+
+def _closed(i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+    raise RuntimeError("LayerGrads: the frame was closed; gradients arrived after the step")
+
 
 class WidenGrads:
     """A frame saying that the gradients computed inside it are widened to ``dtype`` afterwards

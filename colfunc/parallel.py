@@ -14,7 +14,7 @@
         zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
         remat="full",                                  # or "save_matmuls", "none"
-        offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # one rank, see cf.offload
+        offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # with data, zero; cf.offload
         backend="threads",                             # "threads" or "gloo"; "env" under torchrun
         timeout=600,                                   # s a collective waits before it fails
     )
@@ -116,12 +116,12 @@ class ParallelConfig:
         if self.offload is not None:
             from colfunc.transforms.offload import OffloadConfig
 
-            others = [n for n in ("pipeline", "zero") if getattr(self, n) is not None]
-            others += [n for n in ("data", "tensor") if getattr(self, n) > 1]
+            others = ["pipeline"] if self.pipeline is not None else []
+            others += ["tensor"] if self.tensor > 1 else []
             others += ["sequence"] if self.long_sequence else []
             if others:
                 raise ValueError(
-                    f"parallel: offload runs on one rank and does not compose with "
+                    f"parallel: offload composes with data and zero, not with "
                     f"{', '.join(others)} yet; remove them or the offload section"
                 )
             if not isinstance(self.offload, dict):
@@ -337,13 +337,15 @@ def model_plan(model: Any, pc: ParallelConfig) -> dict[str, Any] | None:
     return dict(plans[pc.tensor_mode])
 
 
-def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
+def build(step: Step, mesh: Mesh | None, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
     """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh
-    (``plan``: the model's plan for the tensor mode, :func:`model_plan`)."""
+    (``plan``: the model's plan for the tensor mode, :func:`model_plan`). An offload on one
+    rank (or ``mesh=None``) places nothing: offload, amp and remat only."""
     from colfunc.transforms import amp, offload, remat, shard, zero
 
-    if pc.offload is not None:  # one rank: no shard (parse refuses the rest)
-        step = offload(step, **pc.offload)
+    if mesh is None or (pc.offload is not None and pc.data == 1 and pc.zero is None):
+        step = offload(step, **pc.offload) if pc.offload is not None else step
+        step = amp(step, **pc.amp) if pc.amp is not None else step
         return remat(step, pc.remat) if pc.remat != "none" else step
     if pc.pipeline is not None:
         from colfunc.transforms.pipeline import pipeline_from_config
@@ -359,6 +361,8 @@ def build(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | Non
         step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
     if pc.zero is not None:
         step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
+    if pc.offload is not None:  # over data and zero only (parse refuses the rest)
+        step = offload(step, **pc.offload)
     if pc.amp is not None:
         step = amp(step, **pc.amp)
     if pc.remat != "none":

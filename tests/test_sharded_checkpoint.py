@@ -250,18 +250,31 @@ MORE: dict[str, dict[str, Any]] = {
     "2d": {"tensor": {"mode": "2d", "size": 4}},
     "offload": {"offload": {"policy": "host", "device_budget": "1GiB"}},
     "amp-dp2": {"data": 2, "amp": "bf16"},
+    "dp2-zero3-offload": {
+        "data": 2,
+        "zero": 3,
+        "offload": {"policy": "auto", "device_budget": "1GiB"},
+    },
 }
 
 
 @pytest.mark.parametrize(
     ("source", "target"),
-    [("2d", "offload"), ("offload", "2d"), ("amp-dp2", "tp2"), ("dp2-tp2-zero3", "2d")],
+    [
+        ("2d", "offload"),
+        ("offload", "2d"),
+        ("amp-dp2", "tp2"),
+        ("dp2-tp2-zero3", "2d"),
+        ("dp2-zero3-offload", "tp2"),
+        ("dp2-tp2-zero1", "dp2-zero3-offload"),
+    ],
 )
 def test_grid_offload_and_amp_layouts_load_the_same_way(
     corpus: Path, tmp_path: Path, source: str, target: str
 ) -> None:
     """The element runs need nothing of a transform: SUMMA's 2D blocks, offload's host chunks
-    and amp's masters save and load across layouts like the others, bit for bit."""
+    (of whole parameters, or of each rank's ZeRO-3 pieces) and amp's masters save and load
+    across layouts like the others, bit for bit."""
     layouts = {**LAYOUTS, **MORE}
     run = tmp_path / "saved"
     trainer.run(_cfg(corpus, layouts[source]), run, stop_at=3, progress=False)

@@ -97,6 +97,11 @@ class DevicePool:
         self.trace: Trace | None = None  # the current batch signature's
         self.measuring = True  # whether this step's bytes are measured (else accounted)
         self._signature: Any = None
+        # on CUDA, copies to the device run on a side stream, overlapping the compute stream;
+        # a chunk's event says when its copy is done, and the compute stream waits for it
+        # only when it uses the chunk
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ready: dict[int, Any] = {}  # chunk -> the event of its copy still in flight
         self._accounted = 0
         self.extra_baseline = 0  # device bytes held outside chunks (the "device" policy's state)
         self._recording: Trace | None = None
@@ -276,12 +281,36 @@ class DevicePool:
         if mirror is not None:  # a device-homed master, cast for amp: no transfer
             self.cache[c] = mirror.param.to(dtype)
             return
-        buf = torch.empty(chunk.capacity, dtype=dtype, device=self.device)
-        for p in chunk.pieces:
-            src = self._leaves[p.leaf] if p.row is None else self._leaves[p.leaf][p.row]
-            buf[p.offset : p.offset + p.numel].view(p.shape).copy_(src, non_blocking=True)
+        with contextlib.ExitStack() as stack:
+            if self.copy_stream is not None:
+                stack.enter_context(torch.cuda.stream(self.copy_stream))
+            buf = torch.empty(chunk.capacity, dtype=dtype, device=self.device)
+            for p in chunk.pieces:
+                src = self._leaves[p.leaf] if p.row is None else self._leaves[p.leaf][p.row]
+                buf[p.offset : p.offset + p.numel].view(p.shape).copy_(src, non_blocking=True)
+            if self.copy_stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+                self.ready[c] = event
         self.h2d += chunk.used * dtype.itemsize
         self.cache[c] = buf
+
+    def _arrived(self, c: int) -> torch.Tensor:
+        """Chunk ``c``'s copy, once the compute stream has waited for it to arrive (on CUDA);
+        the allocator learns that the compute stream uses it, so that freeing it waits too."""
+        buf = self.cache[c]
+        event = self.ready.pop(c, None)
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            buf.record_stream(compute)
+        return buf
+
+    def wait_copies(self) -> None:
+        """Wait for every copy in flight (before the update writes the masters they read)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self.ready.clear()
 
     def require(self, group: int, backward: bool) -> dict[int, torch.Tensor]:
         """Make ``group`` resident (an event of the trace) and hold it; returns its chunks'
@@ -322,7 +351,7 @@ class DevicePool:
             )
         self.in_use[group] = self.in_use.get(group, 0) + 1
         return {
-            c: self.cache[c] if c in self.cache else self.mirrors[c].param
+            c: self._arrived(c) if c in self.cache else self.mirrors[c].param
             for c in self.layout.groups[group]
         }
 
@@ -347,5 +376,6 @@ class DevicePool:
 
     def invalidate(self) -> None:
         """Drop every cached copy (the update changed the masters they copy)."""
+        self.ready.clear()
         self.cache.clear()
         self.in_use.clear()

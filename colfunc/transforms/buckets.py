@@ -278,4 +278,7 @@ class GradBuckets:
             for part in parts:
                 target += part
         out = [rewrap(p, self.whole[path]) for path, p in self.flat]
+        self.frame.close()  # no cycle keeps the backend's results alive until a collection
+        for bucket in buckets:
+            bucket.pending = None
         return tree.unflatten(self.treedef, out)

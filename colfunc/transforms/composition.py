@@ -96,14 +96,14 @@ class Composition:
         if self.offload is not None:
             # offload replaces the plain forward-backward pass with its own (fetches per layer,
             # gradients written home per layer); these transforms replace it too
-            others = [n for n in ("pipeline", "zero") if getattr(self, n) is not None]
+            others = ["pipeline"] if self.pipeline is not None else []
             if self.shard is not None and (self.shard.plan or self.shard.sequence_parallel):
                 others.append("shard with a tensor-parallel plan")
             if others:
                 raise ValueError(
                     f"offload: composing with {', '.join(others)} is not supported; offload "
-                    f"composes with data-parallel shard, amp, remat and optimizer wrappers "
-                    f"(optim.accumulate)"
+                    f"composes with data-parallel shard, zero (stages 0-3), amp, remat and "
+                    f"optimizer wrappers (optim.accumulate)"
                 )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh

@@ -30,6 +30,11 @@ Policies:
     next ``prefetch`` groups ahead when they fit; ``margin`` of the memory the warm-up left
     spare holds device-homed chunks, whose update then runs on the device.
 
+On CUDA the host chunks are pinned, each copy to the device runs on a side stream (so a
+prefetched layer arrives while the layers before it compute) and records an event, and the
+compute stream waits for that event only when it first uses the chunk; the update waits for
+the copies in flight before it writes the masters they read. Gradients go home synchronously.
+
 On a machine without a GPU the CPU stands for the device: the same code runs, copies are copies
 within one memory, and the account of device bytes is exact, so the budget can be checked: the
 first step of each batch shape is measured by a dispatch mode that sees every allocation, and the
@@ -38,9 +43,23 @@ CUDA the allocator's counters are read on every step).
 Each step's metrics carry ``offload/device_peak_bytes`` (the device pool's peak, model states
 included), ``offload/h2d_bytes`` and ``offload/d2h_bytes``.
 
-Over data-parallel ``shard`` (no tensor-parallel plan) every rank offloads its own replica,
-steps on its rows of the batch, and the gradients are averaged over the data-parallel axis in
-place, in host memory and in the device-homed mirrors, before the update.
+Over data parallelism each rank offloads its own part of the model states:
+
+- data-parallel ``shard`` (no tensor-parallel plan), or ``zero`` stage 0: each rank offloads its
+  replica, steps on its rows of the batch (when ``shard`` splits it), and the gradients are
+  averaged over the data-parallel axis in place, in host memory and in the device-homed
+  mirrors, before the update;
+- ``zero`` stages 1 and 2 (ZeRO-Offload): the parameters are streamed from each rank's replica
+  as above, but the averaged gradients are reduce-scattered, so each rank keeps and updates
+  (by the CPU Adam) only its chunk of the fp32 masters and Adam moments, and the new parameters
+  are all-gathered into the replicas. Chunks cannot be device-homed here (their optimizer state
+  is cut by rank): use ``margin=0`` and ``offload_optim=1``, or stage 3;
+- ``zero`` stage 3 (Gemini over data parallelism): each rank's host holds only its ZeRO chunks
+  of every parameter, offload chunks those, and a layer's fetched chunks are all-gathered on the
+  device into the whole layer just before it runs (group 0 once per step); the gather's
+  backward reduce-scatters the gradients, so each rank writes home only its chunks' gradients,
+  and updates only them (device-homed chunks included). The backward pass keeps tokens instead
+  of the gathered weights, and fetches and gathers a layer again when it needs it.
 
 The state is updated in place (an offloaded step donates its state, see
 :func:`colfunc.train_step`): the state passed in must not be used again. The host rows of
@@ -63,14 +82,24 @@ from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
 from colfunc.optim.clip import global_norm
 from colfunc.random import Abstract
-from colfunc.sharding import comm
+from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.buckets import all_reduce_buckets
+from colfunc.transforms.chunks import (
+    Gathered,
+    StartedGather,
+    as_chunk,
+    by_rank,
+    cut_chunk,
+    reduce_scatter_flat,
+    whole,
+)
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.shard import split_batch
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
+    from colfunc.transforms.zero import ZeroLayout
 
 __all__ = ["POLICIES", "OffloadConfig", "OffloadState", "offload"]
 
@@ -148,10 +177,33 @@ class OffloadConfig:
         # amp, built around offload, computes in its dtype: the fetches cast each chunk to it
         compute = comp.amp.dtype if comp.amp is not None and comp.offload_fetches else None
         compute = compute if isinstance(compute, torch.dtype) else None
-        # data parallel beneath (shard without a plan): each rank offloads its whole replica,
-        # steps on its slice of the batch, and the gradients are averaged in host memory
-        dp = (comp.mesh, comp.batch_axis) if comp.batch_axis is not None else None
+        # data parallel beneath: shard (without a plan) splits the batch, zero (if any) says how
+        # the gradients are reduced and what each rank keeps
+        axis = comp.zero.axis if comp.zero is not None else comp.batch_axis
+        dp = None
+        if axis is not None:
+            stage = comp.zero.stage if comp.zero is not None else None
+            dp = DataParallel(comp.mesh, comp.batch_axis, axis, stage)
         return _build(step, self, compute, dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """The data parallelism beneath an offloaded step (see the module docs)."""
+
+    bound: Mesh | None  # the mesh shard bound (None: the current mesh, inside cf.launch)
+    split: str | None  # the axis shard splits the batch over (None: every rank the whole batch)
+    axis: str  # the axis the gradients are averaged over
+    stage: int | None  # the zero stage beneath (None: data-parallel shard alone)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.bound if self.bound is not None else current_mesh()
+
+    @property
+    def cuts_optimizer(self) -> bool:
+        """ZeRO stages 1-2: whole parameters, optimizer states in chunks by rank."""
+        return self.stage in (1, 2)
 
 
 def _device() -> torch.device:
@@ -185,6 +237,7 @@ class OffloadState:
         real = torch.device("cpu") if self.device.type == "meta" else self.device
         self.budget = device_budget(cfg.device_budget, real)
         flat, self.treedef = tree.flatten_with_paths(params)
+        self.dtypes = [x.dtype for _, x in flat]  # the masters' (amp computes on copies)
         # the "device" policy's in-memory step makes its own gradients
         host = cfg.policy != "device"
         self.grads = [torch.zeros_like(x, device=_host()) for _, x in flat] if host else []
@@ -346,17 +399,35 @@ class _Fetch(torch.autograd.Function):
 
 
 class _Regathered:
-    """Group ``g``'s buffers, fetched again on first use in the backward pass."""
+    """Group ``g``'s buffers, fetched again on first use in the backward pass (and, under ZeRO-3,
+    gathered again into the layer's whole weights)."""
 
     def __init__(self, frame: _Streaming, group: int) -> None:
         self.frame, self.group = frame, group
         self.bufs: dict[int, torch.Tensor] | None = None
+        self.flats: list[torch.Tensor] | None = None
 
     def get(self, c: int) -> torch.Tensor:
         if self.bufs is None:
             self.bufs = self.frame.require(self.group, backward=True)
             self.frame.regathered[self.group] = self
         return self.bufs[c]
+
+    def flat(self, k: int) -> torch.Tensor:
+        """The ``k``-th gathered flat of this layer (no autograd: the backward pass reads it)."""
+        if self.flats is None:
+            c0 = self.frame.state.layout.groups[self.group][0]
+            self.get(c0)
+            assert self.bufs is not None
+            views = self.frame.plain_views(self.group, self.bufs)
+            i = self.group - 1
+            self.flats = self.frame.start(
+                [views[(k, i)] for k in self.frame.state.block_leaves]
+            ).wait()
+        return self.flats[k]
+
+    def drop(self) -> None:
+        self.bufs = self.flats = None
 
 
 def _where(t: torch.Tensor) -> tuple[int, int]:
@@ -365,12 +436,18 @@ def _where(t: torch.Tensor) -> tuple[int, int]:
 
 class _Streaming:
     """Context frame of an offloaded step: fetch each scanned layer's chunks (a
-    :class:`~colfunc.core.ScanInterceptor`) and hold group 0 for the whole step."""
+    :class:`~colfunc.core.ScanInterceptor`) and hold group 0 for the whole step. Under ZeRO-3
+    (``zero``) the fetched chunks are this rank's ZeRO chunks, all-gathered into whole weights."""
 
     def __init__(
-        self, state: OffloadState, leaves: list[torch.Tensor], token: torch.Tensor | None
+        self,
+        state: OffloadState,
+        leaves: list[torch.Tensor],
+        token: torch.Tensor | None,
+        zero: ZeroLayout | None = None,
     ) -> None:
-        self.state, self.leaves, self.token = state, leaves, token
+        self.state, self.leaves, self.token, self.zero = state, leaves, token, zero
+        self.metas = tree.leaves(zero.metas) if zero is not None else []
         self.pool = state.pool
         self.pending: dict[int, int] = {}  # group -> chunks whose gradients are still due
         self.held_backward: set[int] = set()
@@ -399,32 +476,64 @@ class _Streaming:
             self.pool.release(group)
             holder = self.regathered.pop(group, None)
             if holder is not None:
-                holder.bufs = None
+                holder.drop()
+
+    def plain_views(
+        self, group: int, bufs: dict[int, torch.Tensor]
+    ) -> dict[tuple[int, int | None], torch.Tensor]:
+        """(leaf, row) -> a view of the fetched buffer (no autograd)."""
+        out: dict[tuple[int, int | None], torch.Tensor] = {}
+        for c in self.state.layout.groups[group]:
+            for p in self.state.layout.chunks[c].pieces:
+                out[(p.leaf, p.row)] = bufs[c][p.offset : p.offset + p.numel].view(p.shape)
+        return out
 
     def views(
         self, group: int, bufs: dict[int, torch.Tensor]
     ) -> dict[tuple[int, int | None], torch.Tensor]:
         """(leaf, row) -> the tensor the model sees: fetch nodes when gradients are wanted."""
-        out: dict[tuple[int, int | None], torch.Tensor] = {}
         grad = self.token is not None and torch.is_grad_enabled()
+        if not grad:
+            return self.plain_views(group, bufs)
+        out: dict[tuple[int, int | None], torch.Tensor] = {}
         for c in self.state.layout.groups[group]:
             chunk = self.state.layout.chunks[c]
-            if grad:
-                ts = _Fetch.apply(_Holder(self.state, c, bufs[c]), self, self.token)
-            else:
-                ts = tuple(
-                    bufs[c][p.offset : p.offset + p.numel].view(p.shape) for p in chunk.pieces
-                )
+            ts = _Fetch.apply(_Holder(self.state, c, bufs[c]), self, self.token)
             for p, t in zip(chunk.pieces, ts):
                 out[(p.leaf, p.row)] = t
-        if grad and not torch_private.in_backward():
+        if not torch_private.in_backward():
             self.pending[group] = len(self.state.layout.groups[group])
         return out
+
+    # --- ZeRO-3: gathering the fetched chunks ------------------------------------------------
+    def start(self, chunks: list[torch.Tensor]) -> StartedGather:
+        """All-gather ``chunks`` over the ZeRO axis, started (inside a checkpoint, out of sight
+        of its dispatch modes, as ZeRO-3's own gathers)."""
+        z = self.zero
+        assert z is not None
+        if not torch_private.saving_hooks_active():
+            return StartedGather(chunks, z.axis, z.mesh)
+        with torch_private.disable_current_modes():
+            return StartedGather(chunks, z.axis, z.mesh)
+
+    def gather(self, keys: list[int], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The flats of ``chunks`` (leaves ``keys``) gathered, differentiably when they need
+        gradients: the backward pass reduce-scatters (sums) the gradients onto the chunks."""
+        z = self.zero
+        assert z is not None
+        if torch.is_grad_enabled() and any(c.requires_grad for c in chunks):
+            return list(Gathered.apply(self.start(chunks), z.axis, z.mesh, *chunks))
+        return self.start(chunks).wait()
 
     def outer(self) -> dict[int, torch.Tensor]:
         """Group 0's leaves on the device, held until the step ends."""
         bufs = self.require(0, backward=False)
-        return {leaf: t for (leaf, _), t in self.views(0, bufs).items()}
+        views = {leaf: t for (leaf, _), t in self.views(0, bufs).items()}
+        if self.zero is None or not views:
+            return views
+        keys = sorted(views)
+        flats = self.gather(keys, [views[k] for k in keys])
+        return {k: whole(f, self.metas[k]) for k, f in zip(keys, flats)}
 
     def scan_layers(self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any) -> Any:
         state = self.state
@@ -440,7 +549,15 @@ class _Streaming:
             group, backward = 1 + i, torch_private.in_backward()
             bufs = self.require(group, backward)
             views = self.views(group, bufs)
-            layer = tree.unflatten(treedef, [views[(k, i)] for k in state.block_leaves])
+            rows = [views[(k, i)] for k in state.block_leaves]
+            flats: list[torch.Tensor] = []
+            if self.zero is not None:
+                flats = self.gather(state.block_leaves, rows)
+                rows = [
+                    whole(f, self.metas[k], stacked_layer=True)
+                    for f, k in zip(flats, state.block_leaves)
+                ]
+            layer = tree.unflatten(treedef, rows)
             try:
                 if (
                     not torch.is_grad_enabled()
@@ -450,7 +567,7 @@ class _Streaming:
                     # inference, or inside a checkpoint (remat): that drops the weights after the
                     # forward pass and fetches them again when it recomputes the layer
                     return block(layer, c, x)
-                with torch.autograd.graph.saved_tensors_hooks(*self._hooks(group, bufs)):
+                with torch.autograd.graph.saved_tensors_hooks(*self._hooks(group, bufs, flats)):
                     return block(layer, c, x)
             finally:
                 if not backward:
@@ -458,27 +575,32 @@ class _Streaming:
 
         return inner(fetched, carry, blocks, xs)
 
-    def _hooks(self, group: int, bufs: dict[int, torch.Tensor]) -> tuple[Any, Any]:
-        # the backward pass keeps, instead of a cached chunk's views, a token that fetches the
-        # chunk again (mirrors stay on the device: kept as they are)
-        storages = {
-            id(b.untyped_storage()): c
+    def _hooks(
+        self, group: int, bufs: dict[int, torch.Tensor], flats: list[torch.Tensor]
+    ) -> tuple[Any, Any]:
+        # the backward pass keeps, instead of a cached chunk's views (or, under ZeRO-3, of the
+        # layer's gathered weights), a token that fetches (and gathers) the chunk again; mirrors
+        # stay on the device: kept as they are
+        storages: dict[int, tuple[bool, int]] = {
+            id(b.untyped_storage()): (False, c)
             for c, b in bufs.items()
             if c not in self.pool.mirrors or b is not self.pool.mirrors[c].param
         }
+        storages.update({id(f.untyped_storage()): (True, k) for k, f in enumerate(flats)})
         again = _Regathered(self, group)
 
         def pack(t: torch.Tensor) -> Any:
-            c = storages.get(id(t.untyped_storage())) if type(t) is torch.Tensor else None
-            if c is None:
+            where = storages.get(id(t.untyped_storage())) if type(t) is torch.Tensor else None
+            if where is None:
                 return t
-            return (again, c, t.size(), t.stride(), t.storage_offset())
+            return (again, where, t.size(), t.stride(), t.storage_offset())
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            holder, c, size, stride, offset = packed
-            return holder.get(c).as_strided(size, stride, offset)
+            holder, (gathered, k), size, stride, offset = packed
+            src = holder.flat(k) if gathered else holder.get(k)
+            return src.as_strided(size, stride, offset)
 
         return pack, unpack
 
@@ -487,14 +609,9 @@ def _build(
     step: Step,
     cfg: OffloadConfig,
     compute: torch.dtype | None = None,
-    dp: tuple[Any, str] | None = None,
+    dp: DataParallel | None = None,
 ) -> Step:
     if cfg.policy == "device":
-        if dp is not None:
-            raise ValueError(
-                "offload: policy='device' is the in-memory step; for data parallel without "
-                "offload use cf.shard alone"
-            )
         return _build_device(step, cfg)
     loss_fn, optimizer = step.loss_fn, step.optimizer
     hyper = optimizer.adamw
@@ -505,18 +622,28 @@ def _build(
             "updated by the fused AdamW kernels, which need optim.adamw (plain, no amsgrad) as "
             f"the optimizer; got {optimizer!r:.80}; use margin=0 / offload_optim=1 otherwise"
         )
-    inner_init_extra, inner_update = step.init_extra, step.update
+    if homes_device and dp is not None and dp.cuts_optimizer:
+        raise ValueError(
+            f"offload: chunks homed on the device (margin > 0, or static offload_optim < 1) keep "
+            f"their whole optimizer state there, which zero stage {dp.stage} cuts by rank; use "
+            f"margin=0 and offload_optim=1 with stages 1-2, or zero stage 3 (each rank homes its "
+            f"own chunks)"
+        )
+    gathers = dp is not None and dp.stage == 3  # each rank's host holds its ZeRO-3 chunks
+    inner_init_extra, inner_update, inner_layout = step.init_extra, step.update, step.layout
     chunk_size_of = None if cfg.chunk_mb is None else cfg.chunk_mb
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
+        if gathers:  # the chunks of this rank's ZeRO-3 pieces
+            params = _zero_pieces(params, extra["zero"])
         size = None
         if chunk_size_of is not None:
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
         layout = chunk_layout(params, size)
         state = OffloadState(cfg, params, layout, compute)
-        _check_floor(state)
+        _check_floor(state, extra["zero"].mesh.axis_size(extra["zero"].axis) if gathers else 1)
         extra["offload"] = state
         return extra
 
@@ -529,7 +656,9 @@ def _build(
                 x = torch.empty(x.shape, dtype=x.dtype, device="meta") if meta else x.materialize()
             return x.detach().to(where) if isinstance(x, torch.Tensor) else x
 
-        host = tree.map(home, params)
+        # the layout beneath (zero-3 keeps this rank's chunks; an abstract parameter is made
+        # there, one at a time, and only its chunk kept) and each piece moved home
+        host = tree.map(home, inner_layout(params))
         if _device().type == "cuda":  # pinned, so that copies to the GPU can be asynchronous
             host = tree.map(lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x, host)
         return host
@@ -542,10 +671,10 @@ def _build(
         if grad:
             state.pool.begin_step()
             state.make_mirrors(leaves)
-        if dp is not None:
-            batch = split_batch(batch, dp[1], dp[0])
+        if dp is not None and dp.split is not None:
+            batch = split_batch(batch, dp.split, dp.mesh)
         token = torch.zeros((), requires_grad=True) if grad else None
-        frame = _Streaming(state, leaves, token)
+        frame = _Streaming(state, leaves, token, extra["zero"] if gathers else None)
         state.pool.select(tuple((tuple(x.shape), x.dtype) for x in tree.tensors(batch)))
         record = grad and state.pool.trace is None
         with state.pool.window(leaves, state.tensors(), record=record), core.context(frame):
@@ -562,17 +691,13 @@ def _build(
             state.pool.release(0)
             if grad:
                 state.zero_unwritten()
-                if dp is not None:  # averaged where they live, in place: host rows, mirrors
-                    homed = [m.grad for m in state.pool.mirrors.values()]
-                    with DevicePool.host():
-                        xs = state.grads + homed
-                        for x, r in zip(xs, all_reduce_buckets(xs, dp[1], dp[0]), strict=True):
-                            x.copy_(r)
+                if dp is not None:
+                    _average(state, dp)
         if record:
             _check_warmup(state)
         loss = loss.detach()
-        if dp is not None:
-            loss = comm.all_reduce(loss, dp[1], op="avg", mesh=dp[0])
+        if dp is not None and dp.split is not None:
+            loss = comm.all_reduce(loss, dp.split, op="avg", mesh=dp.mesh)
         return loss, (tree.unflatten(state.treedef, state.grads) if grad else None)
 
     def forward_backward(
@@ -585,12 +710,16 @@ def _build(
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         off = _state(state.extra)
+        off.pool.wait_copies()  # no copy in flight reads a master the update writes
         host = off.tensors() + tree.tensors(state.opt_state)
         with off.pool.window(tree.leaves(state.params), host, record=False, update=True):
             if core.innermost(core.DryRun) is not None:
                 new_state, info = _dry_update(state)
+            elif dp is not None and dp.cuts_optimizer:  # ZeRO 1-2: this rank's chunks
+                new_state, info = _zero_update(state, dp, hyper, inner_update)
             elif hyper is not None:
-                new_state, info = _adamw_update(off, hyper, grads, state)
+                z = state.extra["zero"] if gathers else None
+                new_state, info = _adamw_update(off, hyper, grads, state, z)
             else:  # any other optimizer: the update on the host (no chunk is device-homed)
                 with DevicePool.host():
                     new_state, info = inner_update(grads, state)
@@ -611,6 +740,111 @@ def _build(
     )
 
 
+def _average(state: OffloadState, dp: DataParallel) -> None:
+    """Average the step's gradients over the data-parallel axis where they live, in place (host
+    rows, device-homed mirrors). ZeRO-3's arrive summed over the ranks by the gathers'
+    backward; ZeRO 1-2 reduce-scatter theirs in the update."""
+    n = dp.mesh.axis_size(dp.axis)
+    if n == 1:
+        return
+    homed = [m.grad for m in state.pool.mirrors.values()]
+    xs = state.grads + homed
+    with DevicePool.host(), torch.no_grad():
+        if dp.stage == 3:
+            for x in xs:
+                x.div_(n)
+        elif not dp.cuts_optimizer:
+            for x, r in zip(xs, all_reduce_buckets(xs, dp.axis, dp.mesh), strict=True):
+                x.copy_(r)
+
+
+def _zero_pieces(params: PyTree, z: ZeroLayout) -> PyTree:
+    """Meta tensors shaped as this rank's ZeRO chunks of ``params`` (``[L, c]`` for the stacked
+    layers, ``[c]`` for the rest): what an offloaded ZeRO-3 step keeps in host memory."""
+
+    def one(x: torch.Tensor, meta: Any) -> torch.Tensor:
+        shape = (meta.shape[0], meta.chunk) if meta.stacked else (meta.chunk,)
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    return tree.map(one, params, z.metas)
+
+
+def _zero_update(
+    state: TrainState, dp: DataParallel, hyper: Any, inner_update: Any
+) -> tuple[TrainState, dict[str, Any]]:
+    """ZeRO 1-2 under offload: the whole host gradients reduce-scattered, so each rank holds
+    the averaged chunks it owns; the CPU Adam updates those chunks of the masters with this
+    rank's chunks of the moments, and the new chunks are all-gathered into the host replicas
+    (in place: the pool reads them). Another optimizer runs zero's own update, on the host."""
+    off, z = _state(state.extra), state.extra["zero"]
+    n, i = z.mesh.axis_size(z.axis), z.mesh.axis_index(z.axis)
+    flat, treedef = tree.flatten_with_paths(state.params)
+    metas = tree.leaves(z.metas)
+    with DevicePool.host(), torch.no_grad():
+        stacked = [m.stacked for m in metas]
+        pieces = reduce_scatter_flat(
+            [by_rank(g, st, n) for g, st in zip(off.grads, stacked)], z.axis, z.mesh, "avg"
+        )
+        grads = [as_chunk(p, g, st) for p, g, st in zip(pieces, off.grads, stacked)]
+        if hyper is None:
+            return inner_update(tree.unflatten(treedef, grads), state)
+        opt = state.opt_state
+        if not isinstance(opt, AdamState):
+            raise TypeError(
+                f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}"
+            )
+        chunks = [cut_chunk(x, n, i, st)[0] for (_, x), st in zip(flat, stacked)]
+        t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
+        sq = torch.stack([g.double().square().sum() for g in grads]).sum()
+        norm = comm.all_reduce(sq, z.axis, op="sum", mesh=z.mesh).sqrt().to(torch.float32)
+        kw = _adamw_kwargs(hyper, t, lr)
+        _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), kw)
+        new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks)))
+        for (_, x), y in zip(flat, new, strict=True):
+            x.copy_(y)
+    new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
+    return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
+
+
+def _adamw_kwargs(hyper: Any, t: int, lr: float) -> dict[str, Any]:
+    return dict(
+        step=t,
+        lr=lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        eps=hyper.eps,
+        weight_decay=hyper.weight_decay,
+    )
+
+
+def _host_adamw(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    kw: dict[str, Any],
+) -> None:
+    """AdamW on host tensors, in place: the C++ CPU Adam for fp32 masters, torch's fused kernel
+    for fp64 ones (the C++ Adam is fp32)."""
+    if not ps:
+        return
+    if all(x.dtype == torch.float32 for x in ps):
+        ops.cpu_adamw_(ps, gs, ms, vs, **kw)
+        return
+    steps = [torch.tensor(float(kw["step"])) for _ in ps]
+    torch_private.fused_adamw_(
+        ps,
+        gs,
+        ms,
+        vs,
+        [],
+        steps,
+        amsgrad=False,
+        maximize=False,
+        **{k: v for k, v in kw.items() if k != "step"},
+    )
+
+
 def _dry_update(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """A dry run's update (cf.memory.plan): no values, so nothing to update."""
     return state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
@@ -625,17 +859,30 @@ def _state(extra: dict[str, Any]) -> OffloadState:
     return state
 
 
-def _check_floor(state: OffloadState) -> None:
+def _check_floor(state: OffloadState, gathered: int = 1) -> None:
     """Refuse, before running, a budget that cannot hold group 0 and the largest layer with
-    their gradients (the least any step needs, activations aside)."""
-    layout = state.layout
-    largest = max((layout.group_bytes(g) for g in range(1, len(layout.groups))), default=0)
-    floor = 2 * (layout.group_bytes(0) + largest)
+    their gradients (the least any step needs, activations aside). Under ZeRO-3 over
+    ``gathered`` ranks the chunks are this rank's pieces, and the layer's backward pass also
+    holds group 0's and the layer's gathered weights and the layer's whole gradients."""
+    layout, pool = state.layout, state.pool
+
+    def copies(g: int) -> int:  # a group's copy on the device (in the compute dtype under amp)
+        return sum(pool.copy_bytes(c) for c in layout.groups[g])
+
+    largest = max((copies(g) for g in range(1, len(layout.groups))), default=0)
+    outer = copies(0)
+    if gathered > 1:
+        floor = (1 + gathered) * outer + (1 + 2 * gathered) * largest
+        what = "this rank's pieces and the gathered weights of the leaves outside the layers"
+        what += " and of the largest layer, with that layer's gradients"
+    else:
+        floor = 2 * (outer + largest)
+        what = "the parameters and gradients of the leaves outside the layers and of the largest"
+        what += " layer"
     if state.budget < floor:
         raise ValueError(
             f"offload: device_budget {state.budget} B is below the smallest feasible budget: "
-            f"at least {floor} B (the parameters and gradients of the leaves outside the layers "
-            f"and of the largest layer) plus the activations; raise it to >= {floor} B"
+            f"at least {floor} B ({what}) plus the activations; raise it to >= {floor} B"
         )
 
 
@@ -671,23 +918,18 @@ def _check_warmup(state: OffloadState) -> None:
 
 
 def _adamw_update(
-    off: OffloadState, hyper: Any, grads: PyTree, state: TrainState
+    off: OffloadState, hyper: Any, grads: PyTree, state: TrainState, z: ZeroLayout | None = None
 ) -> tuple[TrainState, dict[str, Any]]:
-    """AdamW where each chunk lives: host chunks by the CPU Adam, mirrors by the fused one."""
+    """AdamW where each chunk lives: host chunks by the CPU Adam, mirrors by the fused one.
+    Under ZeRO-3 (``z``) the chunks are this rank's pieces: the gradient norm adds up the
+    squares over the ranks."""
     opt = state.opt_state
     if not isinstance(opt, AdamState):
         raise TypeError(f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}")
     ps, ms, vs = tree.leaves(state.params), tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq)
     off._host = (ps, ms, vs)
     t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
-    kw: dict[str, Any] = dict(
-        step=t,
-        lr=lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        eps=hyper.eps,
-        weight_decay=hyper.weight_decay,
-    )
+    kw = _adamw_kwargs(hyper, t, lr)
     mirrors = off.pool.mirrors
     for c in sorted(off._needs_moments):  # moments of chunks just device-homed
         m = mirrors[c]
@@ -718,19 +960,10 @@ def _adamw_update(
             norm = torch.stack(squares).sum().sqrt().to(torch.float32)
         else:
             norm = global_norm(tree.unflatten(off.treedef, off.grads))
-        if lists[0]:
-            if all(x.dtype == torch.float32 for x in lists[0]):
-                ops.cpu_adamw_(*lists, **kw)
-            else:  # fp64 masters: torch's fused kernel (the C++ Adam is fp32)
-                steps = [torch.tensor(float(t)) for _ in lists[0]]
-                torch_private.fused_adamw_(
-                    *lists,
-                    [],
-                    steps,
-                    amsgrad=False,
-                    maximize=False,
-                    **{k: v for k, v in kw.items() if k != "step"},
-                )
+        if z is not None:  # this rank's pieces: the squares add up over the ranks
+            sq = norm.double().square()
+            norm = comm.all_reduce(sq, z.axis, op="sum", mesh=z.mesh).sqrt().to(torch.float32)
+        _host_adamw(lists[0], lists[1], lists[2], lists[3], kw)
     if mirrors:
         order = sorted(mirrors)
         ops.adamw_(
@@ -744,44 +977,62 @@ def _adamw_update(
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
 
 
+def _cast_bytes(state: OffloadState, leaves: list[torch.Tensor]) -> int:
+    """Bytes of the parameters handed to the "device" policy's pass that are not the masters
+    but copies in another dtype (``amp``'s casts, made before the pass): resident through it."""
+    return sum(
+        x.numel() * x.element_size()
+        for x, d in zip(leaves, state.dtypes, strict=True)
+        if isinstance(x, torch.Tensor) and x.dtype != d
+    )
+
+
 def _build_device(step: Step, cfg: OffloadConfig) -> Step:
     """The "device" policy: the in-memory step, its device bytes accounted."""
-    inner_init_extra = step.init_extra
+    inner_init_extra, inner_layout = step.init_extra, step.layout
     inner_fb, inner_fwd, inner_update = step.forward_backward, step.forward, step.update
 
     def layout(params: PyTree) -> PyTree:
         device = _device()
-        return tree.map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, params)
+        placed = inner_layout(params)
+        return tree.map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, placed)
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
         state = OffloadState(cfg, params, chunk_layout(params))
-        # the model states resident for the whole run: the parameters and the optimizer's
-        # state (sized on the meta device, without making it)
+        # the model states resident for the whole run: the parameters as placed (a ZeRO-3
+        # rank's chunks) and the optimizer's state (sized on the meta device, without making it)
         meta = tree.map(lambda x: torch.empty_like(x, device="meta"), params)
-        state.pool.extra_baseline = tree.size_bytes(params) + tree.size_bytes(step.init_opt(meta))
+        z = extra.get("zero")
+        if z is not None and z.stage == 3:
+            meta = _zero_pieces(params, z)
+        state.pool.extra_baseline = tree.size_bytes(meta) + tree.size_bytes(step.init_opt(meta))
         extra["offload"] = state
         return extra
 
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
-        pool = _state(extra).pool
-        pool.begin_step()
-        with pool.window(tree.leaves(params), [], record=False):
+        state = _state(extra)
+        state.pool.begin_step()
+        leaves = tree.leaves(params)
+        with state.pool.window(leaves, [], record=False, carried=_cast_bytes(state, leaves)):
             return inner_fb(params, batch, extra)
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
-        with _state(extra).pool.window(tree.leaves(params), [], record=False):
+        state = _state(extra)
+        leaves = tree.leaves(params)
+        with state.pool.window(leaves, [], record=False, carried=_cast_bytes(state, leaves)):
             return inner_fwd(params, batch, extra)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         pool = _state(state.extra).pool
-        # the gradients were made in the step: held, they are part of what the window sees
-        carried = tree.size_bytes(grads)
-        with pool.window(
-            tree.leaves(state.params), tree.tensors(state.opt_state), record=False, carried=carried
-        ):
+        # the gradients (made in the step, perhaps widened since by amp) are held through the
+        # update: counted once, whole storages, as carried, and not again when it reads them
+        storages = {id(s): s.nbytes() for s in (g.untyped_storage() for g in tree.tensors(grads))}
+        carried = sum(storages.values())
+        held = tree.tensors(state.opt_state) + tree.tensors(grads)
+        with pool.window(tree.leaves(state.params), held, record=False, carried=carried):
             if core.innermost(core.DryRun) is not None:
                 new_state, info = _dry_update(state)
             else:

@@ -168,6 +168,7 @@ class ScatterBuckets(PackedBuckets):
                 for i in range(g.shape[0]):
                     self.add((path, i), padded(g[i], self.n))
         got = self.wait()
+        self.frame.close()  # no cycle keeps the backend's results alive until a collection
         out = []
         for path, g in flat:
             if path not in handed or not is_stacked(path):
