@@ -14,7 +14,7 @@
         zero=dict(stage=3, prefetch=1),                # or zero=2; prefetch: layers gathered ahead
         amp=dict(dtype="bf16"),                        # or amp="bf16"; loss_scale="dynamic" for fp16
         remat="full",                                  # or "save_matmuls", "none"
-        offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # with data, zero; cf.offload
+        offload=dict(policy="auto", device_budget="2GiB", margin=0.8),  # see cf.offload
         backend="threads",                             # "threads" or "gloo"; "env" under torchrun
         timeout=600,                                   # s a collective waits before it fails
     )
@@ -117,11 +117,12 @@ class ParallelConfig:
             from colfunc.transforms.offload import OffloadConfig
 
             others = ["pipeline"] if self.pipeline is not None else []
-            others += ["tensor"] if self.tensor > 1 else []
             others += ["sequence"] if self.long_sequence else []
+            if self.tensor > 1 and (self.tensor_mode != "1d" or self.sequence_parallel):
+                others.append("tensor with sequence parallelism or a 2d/2.5d/3d mode")
             if others:
                 raise ValueError(
-                    f"parallel: offload composes with data and zero, not with "
+                    f"parallel: offload composes with data, tensor (1d) and zero, not with "
                     f"{', '.join(others)} yet; remove them or the offload section"
                 )
             if not isinstance(self.offload, dict):
@@ -343,7 +344,8 @@ def build(step: Step, mesh: Mesh | None, pc: ParallelConfig, plan: dict[str, Any
     rank (or ``mesh=None``) places nothing: offload, amp and remat only."""
     from colfunc.transforms import amp, offload, remat, shard, zero
 
-    if mesh is None or (pc.offload is not None and pc.data == 1 and pc.zero is None):
+    one_rank = pc.data == 1 and pc.tensor == 1 and pc.zero is None
+    if mesh is None or (pc.offload is not None and one_rank):
         step = offload(step, **pc.offload) if pc.offload is not None else step
         step = amp(step, **pc.amp) if pc.amp is not None else step
         return remat(step, pc.remat) if pc.remat != "none" else step

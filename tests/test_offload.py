@@ -351,8 +351,10 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="which zero stage 2 cuts by rank; use margin=0"):
         cf.zero(cf.offload(base, "auto", "1GiB", margin=0.5), stage=2)
     mesh = cf.Mesh({"dp": 1, "tp": 1})
-    with pytest.raises(ValueError, match="composing with shard with a tensor-parallel plan"):
-        cf.offload(cf.shard(base, mesh, plan=models.gpt.tp_plan), "auto", "1GiB")
+    with pytest.raises(ValueError, match="composing with shard with sequence parallelism"):
+        cf.offload(
+            cf.shard(base, mesh, plan=models.gpt.tp_plan, sequence_parallel=True), "auto", "1GiB"
+        )
     with pytest.raises(ValueError, match="below the largest tensor"):
         cf.offload(base, "auto", "1GiB", chunk_mb=0.001).init(params)
     # below the parameters and gradients of one layer: refused before running
@@ -400,8 +402,15 @@ def test_config_sections_read_as_offload():
         dict(zero=dict(model_config=dict(tensor_placement_policy="cpu"), device_budget=1 << 30))
     )
     assert cpu.offload["policy"] == "host"
-    with pytest.raises(ValueError, match="offload composes with data and zero, not with tensor"):
-        parallel.parse(dict(offload=dict(policy="auto", device_budget="1GiB"), tensor=2))
+    with pytest.raises(
+        ValueError, match=r"offload composes with data, tensor \(1d\) and zero, not"
+    ):
+        parallel.parse(
+            dict(
+                offload=dict(policy="auto", device_budget="1GiB"),
+                tensor=dict(size=2, sequence_parallel=True),
+            )
+        )
     with pytest.raises(ValueError, match="tensor_placement_policy 'gpu'"):
         parallel.parse(dict(zero=dict(model_config=dict(tensor_placement_policy="gpu"))))
     with pytest.raises(ValueError, match="unexpected keyword argument 'polcy'"):
@@ -552,30 +561,40 @@ def test_offload_over_data_parallel_on_gloo_processes_equals_one_device(stage):
         assert losses == pytest.approx([m["loss"].item() for m in ref_m], abs=1e-12)
 
 
-_ZERO_FLOORS: dict[tuple[int, bool, bool], int] = {}
+_PARALLEL_FLOORS: dict[tuple[int, bool, bool, bool], int] = {}
 
 
-def _zero_floor(stage: int, remat: bool, amp: bool) -> int:
-    """The smallest feasible budget of offload over zero on dp=2 (the largest over the ranks),
-    as the warm-up of a streamed step measures it."""
-    key = (stage, remat, amp)
-    if key not in _ZERO_FLOORS:
+def _parallel(loss, opt, mesh, stage: int, tensor: bool):
+    """``shard`` (data parallel, and tensor parallel with the model's plan if ``tensor``) and
+    ``zero`` at ``stage``, on ``mesh``."""
+    plan = models.gpt.tp_plan if tensor else None
+    return cf.zero(cf.shard(cf.train_step(loss, opt), mesh, plan=plan), stage)
+
+
+def _parallel_floor(stage: int, tensor: bool, remat: bool, amp: bool) -> int:
+    """The smallest feasible budget of offload over data (and tensor) parallelism and zero (the
+    largest over the ranks), as the warm-up of a streamed step measures it."""
+    key = (stage, tensor, remat, amp)
+    if key not in _PARALLEL_FLOORS:
         loss, params = _model("gpt")
 
         def main(mesh):
-            base = cf.zero(cf.shard(cf.train_step(loss, optim.adamw(1e-2)), mesh), stage)
-            step = cf.offload(base, "host", "1GiB", prefetch=0)
+            step = cf.offload(
+                _parallel(loss, optim.adamw(1e-2), mesh, stage, tensor), "host", "1GiB", prefetch=0
+            )
             step = cf.amp(step, torch.float32) if amp else step
             step = cf.remat(step) if remat else step
             return _run(step, params, _batches(1))[1][0]["offload/device_peak_bytes"]
 
-        _ZERO_FLOORS[key] = max(cf.launch(main, mesh={"dp": 2}))
-    return _ZERO_FLOORS[key]
+        mesh = {"dp": 2, "tp": 2} if tensor else {"dp": 2}
+        _PARALLEL_FLOORS[key] = max(cf.launch(main, mesh=mesh))
+    return _PARALLEL_FLOORS[key]
 
 
 @settings(max_examples=10, deadline=None)
 @given(
     stage=st.sampled_from([0, 1, 2, 3]),
+    tensor=st.booleans(),
     policy=st.sampled_from(["device", "host", "static", "auto"]),
     slack=st.sampled_from([1.0, 1.5, 3.0]),
     remat=st.booleans(),
@@ -584,15 +603,18 @@ def _zero_floor(stage: int, remat: bool, amp: bool) -> int:
     fractions=st.tuples(st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.5, 1.0])),
     margin=st.sampled_from([0.0, 0.5]),
 )
-def test_offload_over_zero_equals_the_in_memory_composition(
-    stage, policy, slack, remat, amp, accumulate, fractions, margin
+def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composition(
+    stage, tensor, policy, slack, remat, amp, accumulate, fractions, margin
 ):
-    """offload over zero (stages 0-3) and data-parallel shard on dp=2 (threads): each rank
-    offloads its part; losses, parameters and optimizer states equal the same composition in
-    memory (bitwise, within 1e-9 where device-homed chunks run ops.adamw_), and the
-    single-device step within 1e-12 (fp64; fp32 compute under amp sums in another order, as the
-    in-memory composition does). After warm-up each rank's device peak stays within the budget
-    and agrees with cf.memory.track within 5%."""
+    """offload over data-parallel shard (dp=2 threads, with tensor parallelism dp=2 x tp=2) and
+    zero (stages 0-3): each rank offloads its part. Losses, parameters and optimizer states
+    equal the same composition in memory, bitwise without tensor parallelism and under ZeRO-3
+    (within 1e-9 where device-homed chunks run ops.adamw_); with tensor-parallel pieces at
+    stages 0-2 within 1e-12 (the tied embedding's two gradients add in another order), and
+    within 1e-4 under amp there (the Partial sums reduce in the fp32 compute dtype, not in the
+    masters' fp64). Without amp all of them equal the single-device step within 1e-12. After
+    warm-up each rank's device peak stays within the budget and agrees with cf.memory.track
+    within 5%."""
     loss, params = _model("gpt")
     batches = _batches(3, batch=4)
     cuts = stage in (1, 2)  # optimizer states cut by rank: nothing device-homed
@@ -604,7 +626,8 @@ def test_offload_over_zero_equals_the_in_memory_composition(
         step = cf.amp(step, torch.float32) if amp else step
         return cf.remat(step) if remat else step
 
-    budget = int(_zero_floor(stage, remat, amp) * slack) if policy != "device" else 1 << 30
+    floor = _parallel_floor(stage, tensor, remat, amp)
+    budget = int(floor * slack) if policy != "device" else 1 << 30
     kw: dict = {}
     if policy == "static":
         o_frac = 1.0 if accumulate or cuts else max(fractions)
@@ -614,13 +637,8 @@ def test_offload_over_zero_equals_the_in_memory_composition(
     single, single_m = _run(wrap(cf.train_step(loss, opt())), params, batches)
 
     def main(mesh):
-        composed = cf.zero(cf.shard(cf.train_step(loss, opt()), mesh), stage)
-        ref, ref_m = _run(wrap(composed), params, batches)
-        step = wrap(
-            cf.offload(
-                cf.zero(cf.shard(cf.train_step(loss, opt()), mesh), stage), policy, budget, **kw
-            )
-        )
+        ref, ref_m = _run(wrap(_parallel(loss, opt(), mesh, stage, tensor)), params, batches)
+        step = wrap(cf.offload(_parallel(loss, opt(), mesh, stage, tensor), policy, budget, **kw))
         state = step.init(params)
         losses, checks, homed = [], [], False
         for i, b in enumerate(batches):
@@ -639,14 +657,15 @@ def test_offload_over_zero_equals_the_in_memory_composition(
         full, want = cf.full_state(state), cf.full_state(ref)
         return full, want, losses, [m["loss"].item() for m in ref_m], checks, homed
 
-    for out in cf.launch(main, mesh={"dp": 2}):
+    for out in cf.launch(main, mesh={"dp": 2, "tp": 2} if tensor else {"dp": 2}):
         if out is None:
             continue
         full, want, losses, ref_losses, checks, homed = out
         for i, peak, tracked in checks:
             assert abs(peak - tracked) <= 0.05 * peak, (i, peak, tracked)
             assert i == 0 or peak <= budget, (i, peak, budget)
-        tol = 1e-9 if homed else 0.0
+        pieces = tensor and stage < 3 and policy != "device"
+        tol = (1e-4 if amp else 1e-12) if pieces else 1e-9 if homed else 0.0
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= tol
         assert _max_diff(full.params, want.params) <= tol
         assert _max_diff(full.opt_state, want.opt_state) <= tol

@@ -66,6 +66,12 @@ def _losses(run: Path) -> list[float]:
         {"sequence": {"mode": "usp", "size": 4, "ulysses": 2}, "remat": "full"},
         {"data": 2, "zero": 3, "offload": {"policy": "auto", "device_budget": "64MiB"}},
         {"data": 2, "zero": 2, "offload": {"policy": "host", "device_budget": "64MiB"}},
+        {
+            "data": 2,
+            "tensor": 2,
+            "zero": 3,
+            "offload": {"policy": "auto", "device_budget": "64MiB"},
+        },
     ],
 )
 def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, section) -> None:

@@ -255,6 +255,7 @@ MORE: dict[str, dict[str, Any]] = {
         "zero": 3,
         "offload": {"policy": "auto", "device_budget": "1GiB"},
     },
+    "tp2-offload": {"tensor": 2, "offload": {"policy": "host", "device_budget": "1GiB"}},
 }
 
 
@@ -267,6 +268,7 @@ MORE: dict[str, dict[str, Any]] = {
         ("dp2-tp2-zero3", "2d"),
         ("dp2-zero3-offload", "tp2"),
         ("dp2-tp2-zero1", "dp2-zero3-offload"),
+        ("tp2-offload", "dp2-tp2-zero3"),
     ],
 )
 def test_grid_offload_and_amp_layouts_load_the_same_way(

@@ -98,6 +98,10 @@ class ThreadWorld:
         try:
             return combine(call, xs, call.group.index(rank))
         finally:
+            # no reference to another rank's input outlives the round on this thread, nor one
+            # to this rank's in the round: each input is freed when its own rank drops it, so
+            # what a rank's cf.memory.track sees does not depend on the other threads' timing
+            xs.clear()
             with self._cond:
                 rnd.finished += 1
                 self._cond.notify_all()
@@ -105,6 +109,7 @@ class ThreadWorld:
                     self._cond.wait()
                 if rnd.finished < len(key):
                     self._raise_if_failed(rank, call, x)
+                rnd.calls.pop(rank, None)
 
     def start(self, rank: int, call: Call, x: torch.Tensor) -> _Deferred:
         # Run when waited for: every rank starts and waits in the same order, so the deferred

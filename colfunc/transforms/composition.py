@@ -97,13 +97,14 @@ class Composition:
             # offload replaces the plain forward-backward pass with its own (fetches per layer,
             # gradients written home per layer); these transforms replace it too
             others = ["pipeline"] if self.pipeline is not None else []
-            if self.shard is not None and (self.shard.plan or self.shard.sequence_parallel):
-                others.append("shard with a tensor-parallel plan")
+            sh = self.shard
+            if sh is not None and (sh.sequence_parallel or sh.tensor_mode != "1d"):
+                others.append("shard with sequence parallelism or a 2D/2.5D/3D tensor mode")
             if others:
                 raise ValueError(
                     f"offload: composing with {', '.join(others)} is not supported; offload "
-                    f"composes with data-parallel shard, zero (stages 0-3), amp, remat and "
-                    f"optimizer wrappers (optim.accumulate)"
+                    f"composes with shard (data and 1D tensor parallel), zero (stages 0-3), amp, "
+                    f"remat and optimizer wrappers (optim.accumulate)"
                 )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh

@@ -21,6 +21,25 @@ if TYPE_CHECKING:
 PyTree = Any
 
 
+def saved_piece(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A tensor the backward pass saves, as its local piece and what wraps that piece back
+    (None for a plain tensor): saved-tensor hooks that stand in for weights keep these."""
+    local = local_piece(t)
+    if not isinstance(t, ShardedTensor):
+        return local, None
+    return local, (t.mesh, t.placements, tuple(t.shape), t.stride(), is_param(t))
+
+
+def restored(local: torch.Tensor, wrap: Any) -> torch.Tensor:
+    """The inverse of :func:`saved_piece`, on ``local`` (the piece fetched or gathered again)."""
+    if wrap is None:
+        return local
+    mesh, placements, shape, stride, param = wrap
+    out = ShardedTensor(local, mesh, placements, shape, stride)
+    out._param = param  # the rules keep a parameter where it is, as they did
+    return out
+
+
 class _Regathered:
     """Layer ``i``'s gathered weights, gathered again on first use in the backward pass.
 
@@ -130,27 +149,18 @@ class LayerGather:
             again = _Regathered(gathers, i)
 
             def pack(t: torch.Tensor) -> Any:
-                local = local_piece(t)
+                local, wrap = saved_piece(t)
                 k = storages.get(local.untyped_storage().data_ptr())
                 if k is None:
                     return t
                 view = (local.size(), local.stride(), local.storage_offset())
-                if not isinstance(t, ShardedTensor):
-                    return (again, k, view, None)
-                wrap = (t.mesh, t.placements, tuple(t.shape), t.stride(), is_param(t))
                 return (again, k, view, wrap)
 
             def unpack(packed: Any) -> torch.Tensor:
                 if isinstance(packed, torch.Tensor):
                     return packed
                 holder, k, view, wrap = packed
-                local = holder.get(k).as_strided(*view)
-                if wrap is None:
-                    return local
-                mesh, placements, shape, stride, param = wrap
-                out = ShardedTensor(local, mesh, placements, shape, stride)
-                out._param = param  # the rules keep a parameter where it is, as they did
-                return out
+                return restored(holder.get(k).as_strided(*view), wrap)
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return block(full, c, x)

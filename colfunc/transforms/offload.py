@@ -61,6 +61,12 @@ Over data parallelism each rank offloads its own part of the model states:
   and updates only them (device-homed chunks included). The backward pass keeps tokens instead
   of the gathered weights, and fetches and gathers a layer again when it needs it.
 
+Over tensor-parallel ``shard`` (a 1D plan, with or without the above) each rank offloads its
+local pieces: a fetched piece is wrapped back as the ShardedTensor it is a piece of, so the
+propagation rules run as in memory, and its gradient comes home in the parameter's placement
+(a Partial sum reduced first); the gradient norm adds the pieces' squares over the axes that
+split them. Sequence parallelism and the 2D/2.5D/3D modes are refused.
+
 The state is updated in place (an offloaded step donates its state, see
 :func:`colfunc.train_step`): the state passed in must not be used again. The host rows of
 device-homed chunks are stale while they live on the device; :func:`colfunc.full_state` writes
@@ -80,9 +86,9 @@ from colfunc.memory.placement import device_budget
 from colfunc.memory.pool import DevicePool, Mirror
 from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
-from colfunc.optim.clip import global_norm
 from colfunc.random import Abstract
-from colfunc.sharding import Mesh, comm, current_mesh
+from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
+from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.chunks import (
@@ -91,10 +97,13 @@ from colfunc.transforms.chunks import (
     as_chunk,
     by_rank,
     cut_chunk,
+    mesh_axes,
     reduce_scatter_flat,
     whole,
 )
 from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.layer_gather import restored, saved_piece
+from colfunc.transforms.local import axes_reduction, local_piece, rewrap, sharded_axes, to_local
 from colfunc.transforms.shard import split_batch
 
 if TYPE_CHECKING:
@@ -184,7 +193,10 @@ class OffloadConfig:
         if axis is not None:
             stage = comp.zero.stage if comp.zero is not None else None
             dp = DataParallel(comp.mesh, comp.batch_axis, axis, stage)
-        return _build(step, self, compute, dp)
+        # tensor parallel beneath: each rank offloads its local pieces, which the fetches wrap
+        # back as the tensor-parallel parameters they are
+        tp = comp.mesh if comp.shard is not None and comp.shard.plan else None
+        return _build(step, self, compute, dp, tp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +273,10 @@ class OffloadState:
             compute=compute,
         )
         self.block_leaves = [k for k, s in enumerate(layout.stacked) if s]
+        # tensor parallel: each leaf's ShardedTensor (meta) the local piece in host memory is
+        # of (None: a plain tensor); whether the optimizer states are shaped like the pieces
+        self.templates: list[Any] = [None] * len(flat)
+        self.states_like_params = True
         self._host: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
         self._written: set[tuple[int, int]] = set()  # (chunk, piece) gradients written this step
         self._needs_moments: set[int] = set()
@@ -276,13 +292,22 @@ class OffloadState:
                     for host, flat in zip(self._host, (m.param, m.exp_avg, m.exp_avg_sq)):
                         self._row(host, p).copy_(flat[p.offset : p.offset + p.numel].view(p.shape))
 
+    def wrap(self, pieces: PyTree) -> PyTree:
+        """A tree of local pieces (shaped like the parameters) as the tensor-parallel tensors
+        they are pieces of."""
+        if not any(t is not None for t in self.templates):
+            return pieces
+        leaves = tree.leaves(pieces)
+        wrapped = [x if t is None else rewrap(t, x) for t, x in zip(self.templates, leaves)]
+        return tree.unflatten(self.treedef, wrapped)
+
     def gather_params(self, params: PyTree) -> PyTree:
         self.sync_host()
-        return params
+        return self.wrap(params)
 
     def gather_opt(self, states: PyTree) -> PyTree:
         self.sync_host()
-        return states
+        return self.wrap(states) if self.states_like_params else states
 
     def place_opt(self, states: PyTree) -> PyTree:
         return states  # host rows are the layout; mirrors are made from them on first use
@@ -434,10 +459,24 @@ def _where(t: torch.Tensor) -> tuple[int, int]:
     return id(t.untyped_storage()), int(t.storage_offset())
 
 
+def _wrapped(template: Any, piece: torch.Tensor, row: bool) -> torch.Tensor:
+    """``piece`` as the tensor-parallel tensor ``template`` (one layer of it if ``row``) it is
+    this rank's piece of, differentiably; ``piece`` itself without a template."""
+    if template is None:
+        return piece
+    placements, shape = template.placements, tuple(template.shape)
+    if row:  # one layer of a stacked parameter: drop the layer dim
+        placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in placements]
+        shape = shape[1:]
+    return from_local(piece, template.mesh, placements, shape)
+
+
 class _Streaming:
     """Context frame of an offloaded step: fetch each scanned layer's chunks (a
     :class:`~colfunc.core.ScanInterceptor`) and hold group 0 for the whole step. Under ZeRO-3
-    (``zero``) the fetched chunks are this rank's ZeRO chunks, all-gathered into whole weights."""
+    (``zero``) the fetched chunks are this rank's ZeRO chunks, all-gathered into whole weights;
+    under tensor parallelism they are local pieces, wrapped back as the ShardedTensors they are
+    pieces of (differentiably: a Partial gradient is reduced to the parameter's placements)."""
 
     def __init__(
         self,
@@ -525,15 +564,27 @@ class _Streaming:
             return list(Gathered.apply(self.start(chunks), z.axis, z.mesh, *chunks))
         return self.start(chunks).wait()
 
+    def wrap(self, k: int, piece: torch.Tensor, row: bool) -> torch.Tensor:
+        """Leaf ``k``'s fetched local piece (one layer's row of it if ``row``) as the
+        tensor-parallel tensor it is a piece of."""
+        return _wrapped(self.state.templates[k], piece, row)
+
+    def whole(self, k: int, flat: torch.Tensor, row: bool) -> torch.Tensor:
+        """Leaf ``k``'s gathered ZeRO-3 flat (one layer's if ``row``) as the parameter,
+        differentiably (a tensor-parallel one wrapped back as its ShardedTensor)."""
+        meta = self.metas[k]
+        local = whole(flat, dataclasses.replace(meta, template=None), stacked_layer=row)
+        return _wrapped(meta.template, local, row)
+
     def outer(self) -> dict[int, torch.Tensor]:
         """Group 0's leaves on the device, held until the step ends."""
         bufs = self.require(0, backward=False)
-        views = {leaf: t for (leaf, _), t in self.views(0, bufs).items()}
+        views = {leaf: self.wrap(leaf, t, False) for (leaf, _), t in self.views(0, bufs).items()}
         if self.zero is None or not views:
             return views
         keys = sorted(views)
         flats = self.gather(keys, [views[k] for k in keys])
-        return {k: whole(f, self.metas[k]) for k, f in zip(keys, flats)}
+        return {k: self.whole(k, f, False) for k, f in zip(keys, flats)}
 
     def scan_layers(self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Any) -> Any:
         state = self.state
@@ -549,14 +600,11 @@ class _Streaming:
             group, backward = 1 + i, torch_private.in_backward()
             bufs = self.require(group, backward)
             views = self.views(group, bufs)
-            rows = [views[(k, i)] for k in state.block_leaves]
+            rows = [self.wrap(k, views[(k, i)], True) for k in state.block_leaves]
             flats: list[torch.Tensor] = []
             if self.zero is not None:
                 flats = self.gather(state.block_leaves, rows)
-                rows = [
-                    whole(f, self.metas[k], stacked_layer=True)
-                    for f, k in zip(flats, state.block_leaves)
-                ]
+                rows = [self.whole(k, f, True) for f, k in zip(flats, state.block_leaves)]
             layer = tree.unflatten(treedef, rows)
             try:
                 if (
@@ -590,17 +638,20 @@ class _Streaming:
         again = _Regathered(self, group)
 
         def pack(t: torch.Tensor) -> Any:
-            where = storages.get(id(t.untyped_storage())) if type(t) is torch.Tensor else None
+            local, wrap = saved_piece(t)  # a tensor-parallel weight is known by its piece
+            where = (
+                storages.get(id(local.untyped_storage())) if type(local) is torch.Tensor else None
+            )
             if where is None:
                 return t
-            return (again, where, t.size(), t.stride(), t.storage_offset())
+            return (again, where, local.size(), local.stride(), local.storage_offset(), wrap)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            holder, (gathered, k), size, stride, offset = packed
+            holder, (gathered, k), size, stride, offset, wrap = packed
             src = holder.flat(k) if gathered else holder.get(k)
-            return src.as_strided(size, stride, offset)
+            return restored(src.as_strided(size, stride, offset), wrap)
 
         return pack, unpack
 
@@ -610,6 +661,7 @@ def _build(
     cfg: OffloadConfig,
     compute: torch.dtype | None = None,
     dp: DataParallel | None = None,
+    tp: Mesh | None = None,
 ) -> Step:
     if cfg.policy == "device":
         return _build_device(step, cfg)
@@ -635,14 +687,19 @@ def _build(
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
-        if gathers:  # the chunks of this rank's ZeRO-3 pieces
-            params = _zero_pieces(params, extra["zero"])
+        # what each rank keeps of each parameter (its tensor-parallel piece, or its ZeRO-3
+        # chunk of that), from the layout beneath, on the meta device
+        placed = inner_layout(_meta(params))
+        templates = [x if isinstance(x, ShardedTensor) else None for x in tree.leaves(placed)]
+        params = to_local(placed)
         size = None
         if chunk_size_of is not None:
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
         layout = chunk_layout(params, size)
         state = OffloadState(cfg, params, layout, compute)
+        state.templates = templates
+        state.states_like_params = dp is None or not dp.cuts_optimizer
         _check_floor(state, extra["zero"].mesh.axis_size(extra["zero"].axis) if gathers else 1)
         extra["offload"] = state
         return extra
@@ -654,7 +711,8 @@ def _build(
             if isinstance(x, Abstract):
                 meta = where.type == "meta"
                 x = torch.empty(x.shape, dtype=x.dtype, device="meta") if meta else x.materialize()
-            return x.detach().to(where) if isinstance(x, torch.Tensor) else x
+            # a tensor-parallel parameter's local piece (the fetches wrap it back)
+            return local_piece(x).detach().to(where) if isinstance(x, torch.Tensor) else x
 
         # the layout beneath (zero-3 keeps this rank's chunks; an abstract parameter is made
         # there, one at a time, and only its chunk kept) and each piece moved home
@@ -696,6 +754,8 @@ def _build(
         if record:
             _check_warmup(state)
         loss = loss.detach()
+        if isinstance(loss, ShardedTensor):  # a tensor-parallel loss, replicated
+            loss = loss.full_tensor()
         if dp is not None and dp.split is not None:
             loss = comm.all_reduce(loss, dp.split, op="avg", mesh=dp.mesh)
         return loss, (tree.unflatten(state.treedef, state.grads) if grad else None)
@@ -719,10 +779,12 @@ def _build(
                 new_state, info = _zero_update(state, dp, hyper, inner_update)
             elif hyper is not None:
                 z = state.extra["zero"] if gathers else None
-                new_state, info = _adamw_update(off, hyper, grads, state, z)
-            else:  # any other optimizer: the update on the host (no chunk is device-homed)
+                new_state, info = _adamw_update(off, hyper, state, _norm_axes(off, z, tp))
+            else:  # any other optimizer: the update on the host (no chunk is device-homed),
+                # on tensor-parallel gradients, so that a clip sees their global norm
                 with DevicePool.host():
-                    new_state, info = inner_update(grads, state)
+                    new_state, info = inner_update(off.wrap(grads), state)
+                new_state = _pieces(new_state)
         off.pool.invalidate()
         return new_state, {**info, **off.pool.metrics()}
 
@@ -758,15 +820,11 @@ def _average(state: OffloadState, dp: DataParallel) -> None:
                 x.copy_(r)
 
 
-def _zero_pieces(params: PyTree, z: ZeroLayout) -> PyTree:
-    """Meta tensors shaped as this rank's ZeRO chunks of ``params`` (``[L, c]`` for the stacked
-    layers, ``[c]`` for the rest): what an offloaded ZeRO-3 step keeps in host memory."""
-
-    def one(x: torch.Tensor, meta: Any) -> torch.Tensor:
-        shape = (meta.shape[0], meta.chunk) if meta.stacked else (meta.chunk,)
-        return torch.empty(shape, dtype=x.dtype, device="meta")
-
-    return tree.map(one, params, z.metas)
+def _meta(params: PyTree) -> PyTree:
+    """``params`` as meta tensors (shapes and dtypes, nothing made)."""
+    return tree.map(
+        lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, params
+    )
 
 
 def _zero_update(
@@ -787,7 +845,8 @@ def _zero_update(
         )
         grads = [as_chunk(p, g, st) for p, g, st in zip(pieces, off.grads, stacked)]
         if hyper is None:
-            return inner_update(tree.unflatten(treedef, grads), state)
+            new_state, info = inner_update(tree.unflatten(treedef, grads), state)
+            return _pieces(new_state), info
         opt = state.opt_state
         if not isinstance(opt, AdamState):
             raise TypeError(
@@ -795,13 +854,14 @@ def _zero_update(
             )
         chunks = [cut_chunk(x, n, i, st)[0] for (_, x), st in zip(flat, stacked)]
         t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
-        sq = torch.stack([g.double().square().sum() for g in grads]).sum()
-        norm = comm.all_reduce(sq, z.axis, op="sum", mesh=z.mesh).sqrt().to(torch.float32)
+        squares = [g.double().square().sum() for g in grads]
+        axes = [mesh_axes(z.mesh, {z.axis, *sharded_axes(m.template)}) for m in metas]
+        norm = _reduced_norm(squares, (axes, z.mesh))
         kw = _adamw_kwargs(hyper, t, lr)
         _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), kw)
         new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks)))
         for (_, x), y in zip(flat, new, strict=True):
-            x.copy_(y)
+            x.copy_(local_piece(y))  # (a tensor-parallel piece comes back wrapped)
     new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
 
@@ -917,12 +977,67 @@ def _check_warmup(state: OffloadState) -> None:
         state.planned.add(c)
 
 
+def _pieces(state: TrainState) -> TrainState:
+    """``state`` with its parameters and optimizer states as this rank's local pieces (an
+    inner update may hand back tensor-parallel tensors)."""
+    return state._replace(params=to_local(state.params), opt_state=to_local(state.opt_state))
+
+
+NormAxes = tuple[list[tuple[str, ...]], Mesh] | None
+
+
+def _norm_axes(off: OffloadState, z: ZeroLayout | None, tp: Mesh | None) -> NormAxes:
+    """Per leaf, the mesh axes over which its pieces partition it (None: every rank holds the
+    whole of every leaf): a ZeRO-3 chunk's axis and its tensor-parallel axes, or those alone."""
+    if z is not None:
+        metas = tree.leaves(z.metas)
+        return [mesh_axes(z.mesh, {z.axis, *sharded_axes(m.template)}) for m in metas], z.mesh
+    if tp is not None:
+        return [sharded_axes(t) if t is not None else () for t in off.templates], tp
+    return None
+
+
+def _reduced_norm(squares: list[torch.Tensor], axes: NormAxes) -> torch.Tensor:
+    """The global norm from per-leaf squared norms of this rank's pieces."""
+    if not squares:
+        return torch.zeros((), dtype=torch.float32)
+    if axes is None:
+        total = torch.stack(squares).sum()
+    else:
+        total = axes_reduction(*axes).reduce(squares)
+    return total.sqrt().to(torch.float32)
+
+
+def _grad_norm(off: OffloadState, axes: NormAxes) -> torch.Tensor:
+    """The global gradient norm, from this rank's gradients where they live (host rows,
+    device-homed mirrors), in fp64."""
+    groups: dict[bool, tuple[list[torch.Tensor], list[int]]] = {False: ([], []), True: ([], [])}
+    for chunk in off.layout.chunks:
+        mirror = off.pool.mirrors.get(chunk.index)
+        parts, leaves = groups[mirror is not None]
+        for p in chunk.pieces:
+            g = (
+                off._row(off.grads, p)
+                if mirror is None
+                else mirror.grad[p.offset : p.offset + p.numel]
+            )
+            parts.append(g)
+            leaves.append(p.leaf)
+    squares = [torch.zeros((), dtype=torch.float64) for _ in off.templates]
+    for parts, leaves in groups.values():
+        if parts:
+            norms = torch_private.foreach_norm(parts, 2.0, dtype=torch.float64)
+            for k, n in zip(leaves, norms):
+                squares[k] = squares[k] + n.cpu().square()
+    return _reduced_norm(squares, axes)
+
+
 def _adamw_update(
-    off: OffloadState, hyper: Any, grads: PyTree, state: TrainState, z: ZeroLayout | None = None
+    off: OffloadState, hyper: Any, state: TrainState, axes: NormAxes = None
 ) -> tuple[TrainState, dict[str, Any]]:
     """AdamW where each chunk lives: host chunks by the CPU Adam, mirrors by the fused one.
-    Under ZeRO-3 (``z``) the chunks are this rank's pieces: the gradient norm adds up the
-    squares over the ranks."""
+    ``axes``: how this rank's pieces add up to the global gradient norm (ZeRO-3 chunks,
+    tensor-parallel pieces)."""
     opt = state.opt_state
     if not isinstance(opt, AdamState):
         raise TypeError(f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}")
@@ -939,30 +1054,14 @@ def _adamw_update(
         off.pool.h2d += 2 * off.layout.chunks[c].used * m.exp_avg.element_size()
     off._needs_moments.clear()
     lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-    norms_of: list[torch.Tensor] = []
     for chunk in off.layout.chunks:
-        homed = mirrors.get(chunk.index)
-        if homed is not None:
-            norms_of.extend(homed.grad[p.offset : p.offset + p.numel] for p in chunk.pieces)
+        if chunk.index in mirrors:
             continue
         for p in chunk.pieces:
             for out, src in zip(lists, (ps, off.grads, ms, vs)):
                 out.append(off._row(src, p))
     with DevicePool.host():
-        if mirrors:
-            host_norms = (
-                torch_private.foreach_norm(lists[1], 2.0, dtype=torch.float64) if lists[1] else []
-            )
-            dev_norms = (
-                torch_private.foreach_norm(norms_of, 2.0, dtype=torch.float64) if norms_of else []
-            )
-            squares = [n.cpu().square() for n in (*host_norms, *dev_norms)]
-            norm = torch.stack(squares).sum().sqrt().to(torch.float32)
-        else:
-            norm = global_norm(tree.unflatten(off.treedef, off.grads))
-        if z is not None:  # this rank's pieces: the squares add up over the ranks
-            sq = norm.double().square()
-            norm = comm.all_reduce(sq, z.axis, op="sum", mesh=z.mesh).sqrt().to(torch.float32)
+        norm = _grad_norm(off, axes)
         _host_adamw(lists[0], lists[1], lists[2], lists[3], kw)
     if mirrors:
         order = sorted(mirrors)
@@ -981,7 +1080,7 @@ def _cast_bytes(state: OffloadState, leaves: list[torch.Tensor]) -> int:
     """Bytes of the parameters handed to the "device" policy's pass that are not the masters
     but copies in another dtype (``amp``'s casts, made before the pass): resident through it."""
     return sum(
-        x.numel() * x.element_size()
+        local_piece(x).numel() * x.element_size()
         for x, d in zip(leaves, state.dtypes, strict=True)
         if isinstance(x, torch.Tensor) and x.dtype != d
     )
@@ -995,17 +1094,18 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
     def layout(params: PyTree) -> PyTree:
         device = _device()
         placed = inner_layout(params)
-        return tree.map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, placed)
+
+        def move(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x
+
+        return tree.map(move, placed)
 
     def init_extra(params: PyTree) -> dict[str, Any]:
         extra = dict(inner_init_extra(params))
         state = OffloadState(cfg, params, chunk_layout(params))
         # the model states resident for the whole run: the parameters as placed (a ZeRO-3
         # rank's chunks) and the optimizer's state (sized on the meta device, without making it)
-        meta = tree.map(lambda x: torch.empty_like(x, device="meta"), params)
-        z = extra.get("zero")
-        if z is not None and z.stage == 3:
-            meta = _zero_pieces(params, z)
+        meta = to_local(inner_layout(_meta(params)))  # as placed on this rank
         state.pool.extra_baseline = tree.size_bytes(meta) + tree.size_bytes(step.init_opt(meta))
         extra["offload"] = state
         return extra
@@ -1029,7 +1129,8 @@ def _build_device(step: Step, cfg: OffloadConfig) -> Step:
         pool = _state(state.extra).pool
         # the gradients (made in the step, perhaps widened since by amp) are held through the
         # update: counted once, whole storages, as carried, and not again when it reads them
-        storages = {id(s): s.nbytes() for s in (g.untyped_storage() for g in tree.tensors(grads))}
+        pieces = (local_piece(g).untyped_storage() for g in tree.tensors(grads))
+        storages = {id(s): s.nbytes() for s in pieces}
         carried = sum(storages.values())
         held = tree.tensors(state.opt_state) + tree.tensors(grads)
         with pool.window(tree.leaves(state.params), held, record=False, carried=carried):
