@@ -129,12 +129,20 @@ def _copies_into_the_buffer(mesh):
     # rows of the unused leaf get no gradient and are zeroed, not copied
     unused = params["blocks"]["unused"]
     cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-6, atol=1e-7)
-    return into, grad_bytes - unused.numel() * unused.element_size(), buffer_bytes, grad_bytes
+    slot = grads_[0].element_size()  # the loss, reduced in the last bucket
+    return (
+        into,
+        grad_bytes - unused.numel() * unused.element_size() + slot,
+        buffer_bytes,
+        grad_bytes + slot,
+    )
 
 
 def test_on_gloo_each_gradient_is_written_once_and_reduced_in_place() -> None:
-    for into, expected, buffer_bytes, grad_bytes in cf.launch(
+    """Each gradient (and the loss, which the last bucket carries) is copied into the buffer
+    once, and the buffer holds nothing else."""
+    for into, expected, buffer_bytes, held in cf.launch(
         _copies_into_the_buffer, mesh={"dp": 2}, backend="gloo", timeout=120
     ):
         assert into == expected
-        assert buffer_bytes == grad_bytes  # one buffer per dtype, nothing else in it
+        assert buffer_bytes == held  # one buffer per dtype: the gradients and the loss's slot

@@ -27,7 +27,13 @@ pytestmark = pytest.mark.timeout(300)
 VOCAB, SEQ, BATCH = 64, 16, 4
 
 
-def _model(name: str, n_layer: int = 3, d_model: int = 32, dtype: torch.dtype = torch.float64):
+def _model(
+    name: str,
+    n_layer: int = 3,
+    d_model: int = 32,
+    dtype: torch.dtype = torch.float64,
+    kv_heads: int = 1,
+):
     if name == "gpt":
         cfg = models.gpt.Config(
             vocab_size=VOCAB, n_layer=n_layer, n_head=2, d_model=d_model, max_seq_len=SEQ
@@ -38,7 +44,7 @@ def _model(name: str, n_layer: int = 3, d_model: int = 32, dtype: torch.dtype = 
             vocab_size=VOCAB,
             n_layer=n_layer,
             n_head=2,
-            n_kv_heads=1,
+            n_kv_heads=kv_heads,
             d_model=d_model,
             max_seq_len=SEQ,
         )
@@ -561,27 +567,26 @@ def test_offload_over_data_parallel_on_gloo_processes_equals_one_device(stage):
         assert losses == pytest.approx([m["loss"].item() for m in ref_m], abs=1e-12)
 
 
-_PARALLEL_FLOORS: dict[tuple[int, bool, bool, bool], int] = {}
+_PARALLEL_FLOORS: dict[tuple[str, int, bool, bool, bool], int] = {}
 
 
-def _parallel(loss, opt, mesh, stage: int, tensor: bool):
+def _parallel(name: str, loss, opt, mesh, stage: int, tensor: bool):
     """``shard`` (data parallel, and tensor parallel with the model's plan if ``tensor``) and
     ``zero`` at ``stage``, on ``mesh``."""
-    plan = models.gpt.tp_plan if tensor else None
+    plan = getattr(models, name).tp_plan if tensor else None
     return cf.zero(cf.shard(cf.train_step(loss, opt), mesh, plan=plan), stage)
 
 
-def _parallel_floor(stage: int, tensor: bool, remat: bool, amp: bool) -> int:
+def _parallel_floor(name: str, stage: int, tensor: bool, remat: bool, amp: bool) -> int:
     """The smallest feasible budget of offload over data (and tensor) parallelism and zero (the
     largest over the ranks), as the warm-up of a streamed step measures it."""
-    key = (stage, tensor, remat, amp)
+    key = (name, stage, tensor, remat, amp)
     if key not in _PARALLEL_FLOORS:
-        loss, params = _model("gpt")
+        loss, params = _model(name, kv_heads=2)
 
         def main(mesh):
-            step = cf.offload(
-                _parallel(loss, optim.adamw(1e-2), mesh, stage, tensor), "host", "1GiB", prefetch=0
-            )
+            inner = _parallel(name, loss, optim.adamw(1e-2), mesh, stage, tensor)
+            step = cf.offload(inner, "host", "1GiB", prefetch=0)
             step = cf.amp(step, torch.float32) if amp else step
             step = cf.remat(step) if remat else step
             return _run(step, params, _batches(1))[1][0]["offload/device_peak_bytes"]
@@ -593,6 +598,7 @@ def _parallel_floor(stage: int, tensor: bool, remat: bool, amp: bool) -> int:
 
 @settings(max_examples=10, deadline=None)
 @given(
+    name=st.sampled_from(["gpt", "llama"]),
     stage=st.sampled_from([0, 1, 2, 3]),
     tensor=st.booleans(),
     policy=st.sampled_from(["device", "host", "static", "auto"]),
@@ -604,10 +610,10 @@ def _parallel_floor(stage: int, tensor: bool, remat: bool, amp: bool) -> int:
     margin=st.sampled_from([0.0, 0.5]),
 )
 def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composition(
-    stage, tensor, policy, slack, remat, amp, accumulate, fractions, margin
+    name, stage, tensor, policy, slack, remat, amp, accumulate, fractions, margin
 ):
     """offload over data-parallel shard (dp=2 threads, with tensor parallelism dp=2 x tp=2) and
-    zero (stages 0-3): each rank offloads its part. Losses, parameters and optimizer states
+    zero (stages 0-3), GPT and LLaMA: each rank offloads its part. Losses, parameters and optimizer states
     equal the same composition in memory, bitwise without tensor parallelism and under ZeRO-3
     (within 1e-9 where device-homed chunks run ops.adamw_); with tensor-parallel pieces at
     stages 0-2 within 1e-12 (the tied embedding's two gradients add in another order), and
@@ -615,7 +621,7 @@ def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composi
     masters' fp64). Without amp all of them equal the single-device step within 1e-12. After
     warm-up each rank's device peak stays within the budget and agrees with cf.memory.track
     within 5%."""
-    loss, params = _model("gpt")
+    loss, params = _model(name, kv_heads=2)
     batches = _batches(3, batch=4)
     cuts = stage in (1, 2)  # optimizer states cut by rank: nothing device-homed
 
@@ -626,7 +632,7 @@ def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composi
         step = cf.amp(step, torch.float32) if amp else step
         return cf.remat(step) if remat else step
 
-    floor = _parallel_floor(stage, tensor, remat, amp)
+    floor = _parallel_floor(name, stage, tensor, remat, amp)
     budget = int(floor * slack) if policy != "device" else 1 << 30
     kw: dict = {}
     if policy == "static":
@@ -637,8 +643,9 @@ def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composi
     single, single_m = _run(wrap(cf.train_step(loss, opt())), params, batches)
 
     def main(mesh):
-        ref, ref_m = _run(wrap(_parallel(loss, opt(), mesh, stage, tensor)), params, batches)
-        step = wrap(cf.offload(_parallel(loss, opt(), mesh, stage, tensor), policy, budget, **kw))
+        ref, ref_m = _run(wrap(_parallel(name, loss, opt(), mesh, stage, tensor)), params, batches)
+        inner = _parallel(name, loss, opt(), mesh, stage, tensor)
+        step = wrap(cf.offload(inner, policy, budget, **kw))
         state = step.init(params)
         losses, checks, homed = [], [], False
         for i, b in enumerate(batches):

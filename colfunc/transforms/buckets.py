@@ -31,6 +31,7 @@ __all__ = [
 
 PyTree = Any
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+LOSS = "\x00loss"  # the path of the loss's slot in a buffer (no parameter's path)
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket is small, so that communication starts early
 
 
@@ -135,13 +136,15 @@ class GradBuckets:
 
     Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
     when they are computed. The first layer to report fixes the layout: per dtype, one buffer
-    holding the scanned leaves' rows layer by layer (layer ``i``'s rows of every scanned leaf side
-    by side), then every other leaf. Each gradient is written once, into its place (widened there
-    to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters). A bucket is a
-    contiguous range of whole layers, cut from the last layer down (the first one small, as
-    DDP's), and is reduced in place as soon as its last layer has reported. :meth:`finish`
-    writes the other leaves, reduces them in buckets of whole leaves, waits, and returns
-    gradients that are views into the buffers (a stacked leaf's is strided, its rows
+    holding every unscanned leaf, then the scanned leaves' rows layer by layer (layer ``i``'s
+    rows of every scanned leaf side by side). Each gradient is written once, into its place
+    (widened there to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters). A
+    bucket is a contiguous range of whole layers, cut from the last layer down (the first one
+    small, as DDP's), and is reduced in place as soon as its last layer has reported; the
+    bucket of the first layers also holds the last unscanned leaves (the embeddings, whose
+    gradients complete last), as DDP's last bucket does, so it starts at the end. :meth:`finish`
+    writes the unscanned leaves, reduces what is left in buckets of whole leaves, waits, and
+    returns gradients that are views into the buffers (a stacked leaf's is strided, its rows
     contiguous): no pass packs buckets and none copies results back.
 
     A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
@@ -150,13 +153,24 @@ class GradBuckets:
     """
 
     def __init__(
-        self, mesh: Mesh, axis: str, bucket_bytes: int, params: PyTree, op: str = "avg"
+        self,
+        mesh: Mesh,
+        axis: str,
+        bucket_bytes: int,
+        params: PyTree,
+        op: str = "avg",
+        *,
+        carry_loss: bool = False,
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
         self.frame = core.LayerGrads(self.on_layer)
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
         self.local = {path: local_piece(p) for path, p in self.flat}
+        # carry_loss: one more element, in the last bucket of the gradients' dtype, reduces the
+        # loss with them (one collective fewer); :meth:`finish` then sets ``loss``
+        self.carry_loss = carry_loss
+        self.loss: torch.Tensor | None = None
         self.buckets: list[_Bucket] | None = None  # None until the layout is fixed
         self.whole: dict[str, torch.Tensor] = {}  # every leaf's gradient, in its buffer
         self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # a scanned leaf's rows, per layer
@@ -177,15 +191,24 @@ class GradBuckets:
         for path in [*scanned, *(p for p in local if p not in scanned)]:
             rows, others = by_dtype.setdefault(self.late.dtype_of(local[path]), ([], []))
             (rows if path in scanned else others).append(path)
+        floating = [x for x in local.values() if x.is_floating_point()]
+        if self.carry_loss and floating:  # the loss's slot: last of the unscanned leaves
+            d = self.late.dtype_of(floating[0])
+            local[LOSS] = torch.empty((), dtype=d, device=floating[0].device)
+            by_dtype[d][1].append(LOSS)
         buckets: list[_Bucket] = []
         for d, (rows, others) in by_dtype.items():
-            offsets, row = {}, 0
-            for path in rows:
-                offsets[path], row = row, row + local[path][0].numel()
-            end = n * row
+            # the unscanned leaves first, then the scanned leaves' rows layer by layer: the
+            # bucket of the first layers (the last to be differentiated) then also holds the
+            # unscanned leaves' tail, whose gradients (the embeddings') complete last, as DDP's
+            # last bucket holds them with the first layers
+            offsets, end = {}, 0
             for path in others:
                 offsets[path], end = end, end + local[path].numel()
-            buffer = torch.empty(end, dtype=d, device=local[(rows or others)[0]].device)
+            base, row = end, 0
+            for path in rows:
+                offsets[path], row = base + row, row + local[path][0].numel()
+            buffer = torch.empty(base + n * row, dtype=d, device=local[(rows or others)[0]].device)
             for path in rows:
                 inner = tuple(local[path].shape[1:])
                 strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
@@ -195,22 +218,30 @@ class GradBuckets:
                 x = local[path]
                 self.whole[path] = buffer[offsets[path] : offsets[path] + x.numel()].view(x.shape)
             size, limit = buffer.element_size(), min(FIRST_BUCKET_BYTES, self.bucket_bytes)
+            # the unscanned leaves in buckets of whole leaves; the last of them (its start:
+            # ``tail``) joins the bucket of the first layers, when there are layers
+            starts, lo = [], 0
+            for k, path in enumerate(others):
+                hi = offsets[path] + local[path].numel()
+                if (hi - lo) * size >= self.bucket_bytes or k == len(others) - 1:
+                    starts.append((lo, hi))
+                    lo = hi
+            tail = starts.pop()[0] if starts and n and row else base
             hi, of_layer = n, {}  # the bucket being cut holds layers [lo, hi), from the last down
-            for lo in range(n - 1, -1, -1):
+            for lo in range(n - 1, -1, -1) if row else ():
                 if (hi - lo) * row * size >= limit or lo == 0:
-                    bucket = _Bucket(buffer[lo * row : hi * row], range(lo, hi), hi - lo, rows)
+                    first = tail if lo == 0 else base + lo * row
+                    # with unscanned leaves in it, it waits for them too: it starts at the end
+                    waiting = hi - lo + (1 if lo == 0 and tail < base else 0)
+                    view = buffer[first : base + hi * row]
+                    bucket = _Bucket(view, range(lo, hi), waiting, rows)
                     buckets.append(bucket)
                     for i in bucket.layers:
                         of_layer[i] = bucket
                         self.of_layer.setdefault(i, []).append(bucket)
                     hi, limit = lo, self.bucket_bytes
             self.bucket_of.update((path, of_layer) for path in rows)
-            lo = n * row  # the unscanned leaves, in buckets of whole leaves
-            for k, path in enumerate(others):
-                hi = offsets[path] + local[path].numel()
-                if (hi - lo) * size >= self.bucket_bytes or k == len(others) - 1:
-                    buckets.append(_Bucket(buffer[lo:hi], range(0), 0))
-                    lo = hi
+            buckets.extend(_Bucket(buffer[lo:hi], range(0), 0) for lo, hi in starts)
         self.buckets = buckets
         return buckets
 
@@ -248,10 +279,16 @@ class GradBuckets:
             if bucket.waiting == 0:
                 self._start(bucket)
 
-    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+    def finish(self, grads: PyTree, params: PyTree, loss: torch.Tensor | None = None) -> PyTree:
         """The reduced gradients, from the backward pass's ``grads`` for ``params``: views into
-        the flat buffers, distributed like ``params``."""
+        the flat buffers, distributed like ``params``. With ``carry_loss``, ``loss`` (a 0-d
+        tensor) is reduced in the last bucket and ``self.loss`` is the result, unless its dtype
+        is not the gradients' (``self.loss`` is then None: reduce it apart)."""
         buckets = self.buckets if self.buckets is not None else self._plan([])
+        slot = self.whole.get(LOSS)
+        carried = slot is not None and loss is not None and loss.dtype == slot.dtype
+        if slot is not None:
+            slot.copy_(loss.detach() if carried and loss is not None else torch.zeros(()))
         handed = self.frame.handed
         for path, g in tree.flatten_with_paths(grads)[0]:
             local = local_piece(in_placement(g, self.placed[path]))
@@ -278,6 +315,7 @@ class GradBuckets:
             for part in parts:
                 target += part
         out = [rewrap(p, self.whole[path]) for path, p in self.flat]
+        self.loss = slot.clone() if carried and slot is not None else None
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         for bucket in buckets:
             bucket.pending = None

@@ -78,8 +78,13 @@ class Composition:
     @property
     def zero_reduces(self) -> bool:
         """Whether ``zero`` owns the data-parallel gradient reduction (``shard`` then leaves
-        its gradients unreduced)."""
-        return self.zero is not None
+        its gradients unreduced). ZeRO stage 0 over ``shard``'s own data-parallel axis is plain
+        data parallelism: ``shard`` reduces, as for ``shard`` alone."""
+        z = self.zero
+        if z is None:
+            return False
+        plain = z.stage == 0 and self.shard is not None and self.shard.data_axis == z.axis
+        return not plain
 
     @property
     def offload_fetches(self) -> bool:

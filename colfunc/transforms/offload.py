@@ -50,10 +50,11 @@ Over data parallelism each rank offloads its own part of the model states:
   averaged over the data-parallel axis in place, in host memory and in the device-homed
   mirrors, before the update;
 - ``zero`` stages 1 and 2 (ZeRO-Offload): the parameters are streamed from each rank's replica
-  as above, but the averaged gradients are reduce-scattered, so each rank keeps and updates
-  (by the CPU Adam) only its chunk of the fp32 masters and Adam moments, and the new parameters
-  are all-gathered into the replicas. Chunks cannot be device-homed here (their optimizer state
-  is cut by rank): use ``margin=0`` and ``offload_optim=1``, or stage 3;
+  as above (the whole parameters and gradients stay in its host memory), but the averaged
+  gradients are reduce-scattered, so each rank keeps only its chunk of the Adam moments and
+  updates (by the CPU Adam) only its chunk of the parameters; the new chunks are all-gathered
+  into the replicas. Chunks cannot be device-homed here (their optimizer state is cut by rank):
+  use ``margin=0`` and ``offload_optim=1``, or stage 3;
 - ``zero`` stage 3 (Gemini over data parallelism): each rank's host holds only its ZeRO chunks
   of every parameter, offload chunks those, and a layer's fetched chunks are all-gathered on the
   device into the whole layer just before it runs (group 0 once per step); the gather's

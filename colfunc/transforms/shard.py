@@ -456,14 +456,22 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch, long_frame = prepare(batch)
-        buckets = GradBuckets(mesh, dp, cfg.bucket_bytes, params) if in_backward and dp else None
+        # the loss is averaged over dp in the gradients' last bucket (one collective fewer)
+        buckets = (
+            GradBuckets(mesh, dp, cfg.bucket_bytes, params, carry_loss=True)
+            if in_backward and dp
+            else None
+        )
         with contextlib.ExitStack() as stack:
             frames(stack, long_frame)
             if buckets is not None:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
         if buckets is not None:
-            grads = buckets.finish(grads, params)
+            whole = loss.full_tensor() if isinstance(loss, ShardedTensor) else loss
+            grads = buckets.finish(grads, params, loss=whole)
+            if buckets.loss is not None:
+                return buckets.loss, grads
         else:  # gradients take their parameter's placements (a rule may leave one Partial)
             grads = tree.map(in_placement, grads, params)
         return loss_over_dp(loss), grads

@@ -1,7 +1,8 @@
 """``zero``: ZeRO (Rajbhandari et al. 2020) over the data-parallel axis.
 
 Stage 0 is plain data parallel: gradients are all-reduced in buckets started during the backward
-pass (as ``shard`` does) and every rank runs the whole update.
+pass and every rank runs the whole update (over ``shard``'s own data-parallel axis, ``shard``'s
+buckets do it, the loss in the last of them, exactly as without ``zero``).
 Stage 1 shards the optimizer states: each parameter (each layer of the stacked ones) is flattened,
 padded to a multiple of ``N`` (the axis size) and cut in ``N`` chunks; gradients are
 reduce-scattered so that each rank receives the averaged chunk it owns, updates that chunk of the
@@ -246,6 +247,8 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
     # stages 1-2 reduce-scatter), unless a pipeline beneath differentiates microbatch by
     # microbatch; stage 3's gathers reduce-scatter by themselves
     in_backward = stage < 3 and comp.reduce_in_backward
+    # stage 0 over shard's data-parallel axis: shard reduces, as it does alone
+    delegated = not comp.zero_reduces
     bucket_bytes = comp.bucket_bytes
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
@@ -312,7 +315,7 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         if stage < 3:
             m = mesh_()
             # (one rank's all_reduce is the identity; its reduce-scatter still cuts the chunks)
-            if not in_backward or (stage == 0 and m.axis_size(axis) == 1):
+            if delegated or not in_backward or (stage == 0 and m.axis_size(axis) == 1):
                 return inner_fb(params, batch, extra)
             buckets: GradBuckets | ScatterBuckets = (
                 GradBuckets(m, axis, bucket_bytes, params)
@@ -334,6 +337,8 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
+        if delegated:
+            return grads
         m = mesh_()
         n = m.axis_size(axis)
         if in_backward:
