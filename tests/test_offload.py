@@ -459,6 +459,9 @@ def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, amp
     assert not low.feasible and low.smallest_budget == pred.smallest_budget
     with pytest.raises(ValueError, match=r"has no cf\.offload"):
         memory.plan(cfg, cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), (BATCH, SEQ))
+    over = cf.zero(cf.shard(cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), cf.Mesh({"dp": 1})), 3)
+    with pytest.raises(ValueError, match="also has shard and zero; plan the same offload"):
+        memory.plan(cfg, cf.offload(over, "auto", "8MiB"), (BATCH, SEQ))
 
 
 def _init_both(step, abstract, full):

@@ -81,6 +81,13 @@ def plan(
             "memory.plan: the step has no cf.offload in its composition; plan an offloaded "
             "step (cf.offload(step, policy, device_budget))"
         )
+    over = [n for n in ("shard", "zero") if getattr(comp, n) is not None]
+    if over:
+        raise ValueError(
+            f"memory.plan: predicts one rank's offloaded step, and this one also has "
+            f"{' and '.join(over)}; plan the same offload without them (a data-parallel rank "
+            f"holds what one device does, for its rows of the batch)"
+        )
     if not (isinstance(batch_shape, tuple) and len(batch_shape) == 2):
         raise ValueError(f"memory.plan: batch_shape must be (batch, sequence), got {batch_shape!r}")
     from colfunc.memory.placement import device_budget

@@ -193,7 +193,7 @@ class OffloadConfig:
         dp = None
         if axis is not None:
             stage = comp.zero.stage if comp.zero is not None else None
-            dp = DataParallel(comp.mesh, comp.batch_axis, axis, stage)
+            dp = _DataParallel(comp.mesh, comp.batch_axis, axis, stage)
         # tensor parallel beneath: each rank offloads its local pieces, which the fetches wrap
         # back as the tensor-parallel parameters they are
         tp = comp.mesh if comp.shard is not None and comp.shard.plan else None
@@ -201,7 +201,7 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataParallel:
+class _DataParallel:
     """The data parallelism beneath an offloaded step (see the module docs)."""
 
     bound: Mesh | None  # the mesh shard bound (None: the current mesh, inside cf.launch)
@@ -661,7 +661,7 @@ def _build(
     step: Step,
     cfg: OffloadConfig,
     compute: torch.dtype | None = None,
-    dp: DataParallel | None = None,
+    dp: _DataParallel | None = None,
     tp: Mesh | None = None,
 ) -> Step:
     if cfg.policy == "device":
@@ -803,7 +803,7 @@ def _build(
     )
 
 
-def _average(state: OffloadState, dp: DataParallel) -> None:
+def _average(state: OffloadState, dp: _DataParallel) -> None:
     """Average the step's gradients over the data-parallel axis where they live, in place (host
     rows, device-homed mirrors). ZeRO-3's arrive summed over the ranks by the gathers'
     backward; ZeRO 1-2 reduce-scatter theirs in the update."""
@@ -829,7 +829,7 @@ def _meta(params: PyTree) -> PyTree:
 
 
 def _zero_update(
-    state: TrainState, dp: DataParallel, hyper: Any, inner_update: Any
+    state: TrainState, dp: _DataParallel, hyper: Any, inner_update: Any
 ) -> tuple[TrainState, dict[str, Any]]:
     """ZeRO 1-2 under offload: the whole host gradients reduce-scattered, so each rank holds
     the averaged chunks it owns; the CPU Adam updates those chunks of the masters with this
