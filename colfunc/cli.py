@@ -37,13 +37,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"colfunc: error: {message} (see {self.prog} --help)\n")
 
 
+_LOADAVG = "/proc/loadavg"  # Linux: its fourth field counts the tasks runnable now
+
+
+def _busy_cores() -> int:
+    """How many cores other work holds now: the runnable tasks of ``/proc/loadavg`` (this one
+    not counted), the median of five looks 10 ms apart; elsewhere the 1-minute load average.
+
+    The load average lags by minutes: right after another job ends it still counts that job,
+    and a run then took one thread for a machine that had two idle.
+    """
+    try:
+        looks = []
+        for k in range(5):
+            if k:
+                time.sleep(0.01)
+            with open(_LOADAVG) as f:
+                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+        return max(0, sorted(looks)[2])
+    except (OSError, ValueError, IndexError):
+        return round(os.getloadavg()[0])
+
+
 @contextlib.contextmanager
 def _threads(requested: int | None) -> Iterator[None]:
     """Use ``requested`` intra-op threads, or by default one per core that is not busy.
 
     OpenMP threads meet at a barrier in every parallel op, so one thread that shares its core with
     another process stalls the rest: on 2 cores with one busy, 2 threads trained 7x slower than 1.
-    The 1-minute load average says how many cores other work holds.
+    :func:`_busy_cores` says how many cores other work holds.
     """
     import torch
 
@@ -51,7 +73,7 @@ def _threads(requested: int | None) -> Iterator[None]:
     if requested is not None and requested < 1:
         raise ValueError(f"--threads must be >= 1, got {requested}")
     if requested is None:
-        idle = (os.cpu_count() or before) - round(os.getloadavg()[0])
+        idle = (os.cpu_count() or before) - _busy_cores()
         requested = min(before, max(1, idle))
     torch.set_num_threads(requested)
     try:

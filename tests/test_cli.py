@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from colfunc import data, tree
+from colfunc import cli, data, tree
 from colfunc import train as trainer
 from colfunc.cli import main
 from colfunc.generate import sample
@@ -177,12 +177,20 @@ def test_train_uses_the_cores_other_work_leaves_idle(
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
+    loadavg = tmp_path / "loadavg"
+    monkeypatch.setattr(cli, "_LOADAVG", str(loadavg))
     try:
-        for load, extra in [(0.2, []), (1.6, []), (7.0, []), (7.0, ["--threads", "3"])]:
-            monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        # the tasks runnable now (this one among them), not the lagging load average (7.0)
+        for running, extra in [(1, []), (3, []), (9, []), (9, ["--threads", "3"])]:
+            loadavg.write_text(f"7.00 6.00 5.00 {running}/412 9876\n")
             assert main(["train", *extra]) == 0
             assert torch.get_num_threads() == 4  # restored afterwards
         assert seen == [4, 2, 1, 3]
+        # without /proc/loadavg: the 1-minute load average
+        monkeypatch.setattr(cli, "_LOADAVG", str(tmp_path / "absent"))
+        monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 1.0, 1.0))
+        assert main(["train"]) == 0
+        assert seen[-1] == 2
         assert main(["train", "--threads", "0"]) == 2
         _one_error_line(capsys.readouterr().err, "--threads")
     finally:
