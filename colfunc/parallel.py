@@ -342,13 +342,24 @@ def build(step: Step, mesh: Mesh | None, pc: ParallelConfig, plan: dict[str, Any
     """``step`` with the transforms of ``pc`` applied in the fixed order, on this rank's mesh
     (``plan``: the model's plan for the tensor mode, :func:`model_plan`). An offload on one
     rank (or ``mesh=None``) places nothing: offload, amp and remat only."""
-    from colfunc.transforms import amp, offload, remat, shard, zero
+    from colfunc.transforms import amp, offload, remat
 
     one_rank = pc.data == 1 and pc.tensor == 1 and pc.zero is None
-    if mesh is None or (pc.offload is not None and one_rank):
-        step = offload(step, **pc.offload) if pc.offload is not None else step
-        step = amp(step, **pc.amp) if pc.amp is not None else step
-        return remat(step, pc.remat) if pc.remat != "none" else step
+    if mesh is not None and not (pc.offload is not None and one_rank):
+        step = _placed(step, mesh, pc, plan)
+    if pc.offload is not None:  # over data, 1d tensor and zero only (parse refuses the rest)
+        step = offload(step, **pc.offload)
+    if pc.amp is not None:
+        step = amp(step, **pc.amp)
+    if pc.remat != "none":
+        step = remat(step, pc.remat)
+    return step
+
+
+def _placed(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | None) -> Step:
+    """``step`` with the transforms that place it on the mesh: pipeline, shard and zero."""
+    from colfunc.transforms import shard, zero
+
     if pc.pipeline is not None:
         from colfunc.transforms.pipeline import pipeline_from_config
 
@@ -363,10 +374,4 @@ def build(step: Step, mesh: Mesh | None, pc: ParallelConfig, plan: dict[str, Any
         step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
     if pc.zero is not None:
         step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
-    if pc.offload is not None:  # over data and zero only (parse refuses the rest)
-        step = offload(step, **pc.offload)
-    if pc.amp is not None:
-        step = amp(step, **pc.amp)
-    if pc.remat != "none":
-        step = remat(step, pc.remat)
     return step

@@ -54,9 +54,15 @@ def whole(flat: torch.Tensor, meta: Chunked, stacked_layer: bool = False) -> tor
         return local
     if not stacked_layer:
         return rewrap(t, local)
-    # one layer of a stacked parameter: drop the layer dim from the global shape and placements
-    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements]
-    return from_local(local, t.mesh, placements, tuple(t.shape)[1:])
+    return layer_of(t, local)
+
+
+def layer_of(template: ShardedTensor, local: torch.Tensor) -> torch.Tensor:
+    """``local``, this rank's piece of one layer of the stacked tensor-parallel parameter
+    ``template``, as that layer's ShardedTensor (differentiably): the layer dim dropped from
+    the global shape and the placements."""
+    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in template.placements]
+    return from_local(local, template.mesh, placements, tuple(template.shape)[1:])
 
 
 def is_stacked(path: str) -> bool:

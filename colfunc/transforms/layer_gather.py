@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 PyTree = Any
 
 
+def start_gather(chunks: list[torch.Tensor], axis: str, mesh: Any) -> StartedGather:
+    """:class:`StartedGather` of ``chunks``; inside a checkpoint, whose recomputation must replay
+    the same ops, started out of sight of its dispatch modes (which layers are started ahead
+    differs between the forward pass and the recomputation)."""
+    if not torch_private.saving_hooks_active():
+        return StartedGather(chunks, axis, mesh)
+    with torch_private.disable_current_modes():
+        return StartedGather(chunks, axis, mesh)
+
+
 def saved_piece(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A tensor the backward pass saves, as its local piece and what wraps that piece back
     (None for a plain tensor): saved-tensor hooks that stand in for weights keep these."""
@@ -78,13 +88,7 @@ class _LayerGathers:
         return i if i is not None and chunks[0].shape == self.rows[i][0].shape else None
 
     def _start(self, i: int) -> StartedGather:
-        if not torch_private.saving_hooks_active():
-            return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
-        # inside a checkpoint, whose recomputation must replay the same ops: which layers are
-        # started ahead differs between the forward pass and the recomputation, so starting one
-        # stays out of sight of the checkpoint's dispatch modes
-        with torch_private.disable_current_modes():
-            return StartedGather(self.rows[i], self.z.axis, self.z.mesh)
+        return start_gather(self.rows[i], self.z.axis, self.z.mesh)
 
     def take(self, i: int, backward: bool) -> StartedGather:
         ahead, taken = self.ahead[backward], self.taken[backward]

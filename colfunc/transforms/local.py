@@ -17,6 +17,7 @@ from colfunc.sharding.placement import Shard
 from colfunc.step import TrainState, Update
 
 __all__ = [
+    "as_full",
     "axes_reduction",
     "in_placement",
     "like",
@@ -41,6 +42,12 @@ def rewrap(like_: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     if isinstance(like_, ShardedTensor):
         return ShardedTensor(piece, like_.mesh, like_.placements, tuple(like_.shape))
     return piece
+
+
+def as_full(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a plain tensor: a ShardedTensor gathered whole (a tensor-parallel loss is
+    replicated, so this moves nothing), a plain tensor as it is."""
+    return x.full_tensor() if isinstance(x, ShardedTensor) else x
 
 
 def to_local(t: PyTree) -> PyTree:

@@ -89,7 +89,6 @@ from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
-from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.chunks import (
@@ -98,13 +97,21 @@ from colfunc.transforms.chunks import (
     as_chunk,
     by_rank,
     cut_chunk,
+    layer_of,
     mesh_axes,
     reduce_scatter_flat,
     whole,
 )
 from colfunc.transforms.composition import apply_transform
-from colfunc.transforms.layer_gather import restored, saved_piece
-from colfunc.transforms.local import axes_reduction, local_piece, rewrap, sharded_axes, to_local
+from colfunc.transforms.layer_gather import restored, saved_piece, start_gather
+from colfunc.transforms.local import (
+    as_full,
+    axes_reduction,
+    local_piece,
+    rewrap,
+    sharded_axes,
+    to_local,
+)
 from colfunc.transforms.shard import split_batch
 
 if TYPE_CHECKING:
@@ -465,11 +472,9 @@ def _wrapped(template: Any, piece: torch.Tensor, row: bool) -> torch.Tensor:
     this rank's piece of, differentiably; ``piece`` itself without a template."""
     if template is None:
         return piece
-    placements, shape = template.placements, tuple(template.shape)
-    if row:  # one layer of a stacked parameter: drop the layer dim
-        placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in placements]
-        shape = shape[1:]
-    return from_local(piece, template.mesh, placements, shape)
+    if row:
+        return layer_of(template, piece)
+    return from_local(piece, template.mesh, template.placements, tuple(template.shape))
 
 
 class _Streaming:
@@ -547,14 +552,10 @@ class _Streaming:
 
     # --- ZeRO-3: gathering the fetched chunks ------------------------------------------------
     def start(self, chunks: list[torch.Tensor]) -> StartedGather:
-        """All-gather ``chunks`` over the ZeRO axis, started (inside a checkpoint, out of sight
-        of its dispatch modes, as ZeRO-3's own gathers)."""
+        """All-gather ``chunks`` over the ZeRO axis, started as ZeRO-3's own gathers are."""
         z = self.zero
         assert z is not None
-        if not torch_private.saving_hooks_active():
-            return StartedGather(chunks, z.axis, z.mesh)
-        with torch_private.disable_current_modes():
-            return StartedGather(chunks, z.axis, z.mesh)
+        return start_gather(chunks, z.axis, z.mesh)
 
     def gather(self, keys: list[int], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flats of ``chunks`` (leaves ``keys``) gathered, differentiably when they need
@@ -755,8 +756,7 @@ def _build(
         if record:
             _check_warmup(state)
         loss = loss.detach()
-        if isinstance(loss, ShardedTensor):  # a tensor-parallel loss, replicated
-            loss = loss.full_tensor()
+        loss = as_full(loss)  # a tensor-parallel loss, replicated
         if dp is not None and dp.split is not None:
             loss = comm.all_reduce(loss, dp.split, op="avg", mesh=dp.mesh)
         return loss, (tree.unflatten(state.treedef, state.grads) if grad else None)
@@ -856,8 +856,7 @@ def _zero_update(
         chunks = [cut_chunk(x, n, i, st)[0] for (_, x), st in zip(flat, stacked)]
         t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
         squares = [g.double().square().sum() for g in grads]
-        axes = [mesh_axes(z.mesh, {z.axis, *sharded_axes(m.template)}) for m in metas]
-        norm = _reduced_norm(squares, (axes, z.mesh))
+        norm = _reduced_norm(squares, _norm_axes(off, z, None))
         kw = _adamw_kwargs(hyper, t, lr)
         _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), kw)
         new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks)))

@@ -35,7 +35,7 @@ from colfunc.step import Step
 from colfunc.transforms import grid
 from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
 from colfunc.transforms.composition import apply_transform
-from colfunc.transforms.local import in_placement, local_update
+from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
     LONG_MODES,
     MODES,
@@ -446,8 +446,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
             stack.enter_context(core.context(long_frame))
 
     def loss_over_dp(loss: torch.Tensor) -> torch.Tensor:
-        if isinstance(loss, ShardedTensor):
-            loss = loss.full_tensor()
+        loss = as_full(loss)
         if dp is not None:
             loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
         return loss
@@ -468,8 +467,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
         if buckets is not None:
-            whole = loss.full_tensor() if isinstance(loss, ShardedTensor) else loss
-            grads = buckets.finish(grads, params, loss=whole)
+            grads = buckets.finish(grads, params, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads
         else:  # gradients take their parameter's placements (a rule may leave one Partial)
