@@ -123,6 +123,22 @@ def frames() -> tuple[Any, ...]:
     return tuple(_STACK.frames)
 
 
+# (frame class, interceptor protocol) -> whether the class implements it: a runtime protocol's
+# isinstance walks the protocol's members every time, and the scan, every attention and every
+# linear ask it of each frame on the stack
+_IMPLEMENTS: dict[tuple[type, type], bool] = {}
+
+
+def _implements(frame: Any, protocol: type) -> bool:
+    """``isinstance(frame, protocol)`` for an interceptor protocol, decided once per frame
+    class (a frame intercepts by the methods of its class)."""
+    key = (type(frame), protocol)
+    known = _IMPLEMENTS.get(key)
+    if known is None:
+        known = _IMPLEMENTS[key] = isinstance(frame, protocol)
+    return known
+
+
 def innermost(kind: type[T]) -> T | None:
     """The innermost frame that is an instance of ``kind``, or None."""
     for f in reversed(_STACK.frames):
@@ -208,7 +224,7 @@ def positions(n: int, device: Any = None) -> torch.Tensor:
     the next-token targets use it to find each position's successor.
     """
     for frame in reversed(_STACK.frames):
-        if isinstance(frame, PositionsInterceptor):
+        if _implements(frame, PositionsInterceptor):
             p = frame.positions(n, device)
             if p is not None:
                 return p
@@ -217,12 +233,12 @@ def positions(n: int, device: Any = None) -> torch.Tensor:
 
 def attention_frames() -> list[AttentionInterceptor]:
     """The :class:`AttentionInterceptor` frames, innermost first."""
-    return [f for f in reversed(_STACK.frames) if isinstance(f, AttentionInterceptor)]
+    return [f for f in reversed(_STACK.frames) if _implements(f, AttentionInterceptor)]
 
 
 def linear_frames() -> list[LinearInterceptor]:
     """The :class:`LinearInterceptor` frames, innermost first."""
-    return [f for f in reversed(_STACK.frames) if isinstance(f, LinearInterceptor)]
+    return [f for f in reversed(_STACK.frames) if _implements(f, LinearInterceptor)]
 
 
 class LossScale:
@@ -321,17 +337,18 @@ class WidenGrads:
 
 
 class _Unstack(torch.autograd.Function):
-    """``unbind(0)`` of tracked stacked leaves; the backward hands back zeros (see LayerGrads)."""
+    """``unbind(0)`` of tracked stacked leaves; the backward hands back zeros (see LayerGrads).
+
+    (Written with ``forward(ctx, ...)``: ``apply`` then skips binding the signature of
+    ``forward``, which costs more than the node itself; this node and :class:`_Tap` run only
+    under data parallelism, never under ``torch.func`` transforms.)"""
 
     @staticmethod
-    def forward(frame: LayerGrads, paths: tuple[str, ...], *xs: torch.Tensor) -> tuple[Any, ...]:
-        return tuple(r for x in xs for r in x.unbind(0))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.frame, ctx.paths = inputs[0], inputs[1]
-        ctx.xs = [x.detach() for x in inputs[2:]]
+    def forward(ctx: Any, frame: LayerGrads, paths: tuple[str, ...], *xs: torch.Tensor) -> Any:
+        ctx.frame, ctx.paths = frame, paths
+        ctx.xs = [x.detach() for x in xs]
         ctx.set_materialize_grads(False)
+        return tuple(r for x in xs for r in x.unbind(0))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
@@ -353,15 +370,12 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        frame: LayerGrads, i: int, paths: tuple[str, ...], *xs: torch.Tensor
+        ctx: Any, frame: LayerGrads, i: int, paths: tuple[str, ...], *xs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.frame, ctx.i, ctx.paths = inputs[0], inputs[1], inputs[2]
-        ctx.params = [x.detach() for x in inputs[3:]]
+        ctx.frame, ctx.i, ctx.paths = frame, i, paths
+        ctx.params = [x.detach() for x in xs]
         ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -449,7 +463,7 @@ def _stack(ys: list[PyTree]) -> PyTree:
 
 def _run_scan(block: ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree) -> tuple[PyTree, PyTree]:
     """Run the scan through every :class:`ScanInterceptor` on the stack, innermost first."""
-    chain = [f for f in _STACK.frames if isinstance(f, ScanInterceptor)]
+    chain = [f for f in _STACK.frames if _implements(f, ScanInterceptor)]
 
     def run(i: int, block: ScanBlock, carry: PyTree, blocks: PyTree, xs: PyTree) -> Any:
         if i < 0:

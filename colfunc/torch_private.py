@@ -67,6 +67,10 @@ ENTRIES: dict[str, tuple[str, str]] = {
         "kernels falling back to the reference under torch.func",
     ),
     "OpOverload": ("torch._ops.OpOverload", "the type of the ATen ops the sharding rules key on"),
+    "storage_use_count": (
+        "torch._C._storage_Use_Count",
+        "reusing a gradient buffer between steps only when no tensor refers to it any more",
+    ),
 }
 
 
@@ -130,6 +134,12 @@ def saving_hooks_active() -> bool:
 def in_backward() -> bool:
     """Whether autograd is running a backward node (remat recomputing a layer, say)."""
     return get("current_autograd_node")() is not None
+
+
+def storage_users(x: torch.Tensor) -> int:
+    """How many tensors (views included) and storage objects refer to ``x``'s memory."""
+    storage = x.untyped_storage()
+    return int(get("storage_use_count")(storage._cdata)) - 1  # less ``storage`` itself
 
 
 def __getattr__(name: str) -> Any:  # torch_private.foreach_add(...), torch_private.pytree, ...

@@ -57,12 +57,29 @@ def _path_of(accessor: Any) -> str:
     return ".".join(_entry_name(e) for e in accessor)
 
 
+# treedef -> its leaves' paths: a training step flattens trees of the same few structures many
+# times per step, and naming the paths costs about ten times the flatten itself
+_PATHS: dict[Any, tuple[str, ...]] = {}
+_PATHS_KEPT = 4096
+
+
+def _paths_of(treedef: Any) -> tuple[str, ...]:
+    try:
+        known = _PATHS.get(treedef)
+    except TypeError:  # a node whose metadata cannot be hashed: name the paths every time
+        return tuple(_path_of(a) for a in treedef.accessors())
+    if known is None:
+        known = tuple(_path_of(a) for a in treedef.accessors())
+        if len(_PATHS) >= _PATHS_KEPT:
+            _PATHS.clear()
+        _PATHS[treedef] = known
+    return known
+
+
 def flatten_with_paths(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
     """Return ``([(path, leaf), ...], treedef)``, leaves in the canonical (sorted-key) order."""
-    accessors, leaves_, treedef = optree.tree_flatten_with_accessor(
-        tree, none_is_leaf=_NONE_IS_LEAF
-    )
-    return [(_path_of(a), x) for a, x in zip(accessors, leaves_)], treedef
+    leaves_, treedef = optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    return list(zip(_paths_of(treedef), leaves_)), treedef
 
 
 def unflatten(treedef: Any, leaves_: Iterable[Any]) -> PyTree:

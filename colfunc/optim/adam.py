@@ -146,7 +146,12 @@ def _scale_by_adam(
             pieces = _contiguous_pieces(*entry)
             for out, piece in zip(lists, pieces):
                 out.extend(piece)
-        steps = [torch.tensor(float(t), device=p.device) for p in lists[0]]
+        # the kernel only reads the step count: one tensor per device serves every entry
+        count: dict[torch.device, torch.Tensor] = {}
+        for p in ps:
+            if p.device not in count:
+                count[p.device] = torch.tensor(float(t), device=p.device)
+        steps = [count[p.device] for p in lists[0]]
         torch_private.fused_adamw_(
             lists[0],
             lists[1],

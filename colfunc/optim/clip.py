@@ -40,7 +40,9 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     """The L2 norm of all tensor leaves together (0-d fp32), computed as torch's clipping does.
 
     One norm per tensor, then the norm of those norms: the same reduction order as
-    ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients.
+    ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients. (A stacked leaf's
+    gradient that is a strided view, data parallelism's, is normed by its layers' rows, as
+    ``clip_grad_norm_`` norms a module's per-layer parameters.)
     """
     known = core.innermost(_KnownNorm)
     frame = core.innermost(core.NormReduction)
@@ -50,18 +52,45 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         return known.norm
     # integer "gradients" (zeros, of integer leaves) count as floats
     ts = [t if t.is_floating_point() else t.float() for t in tree.tensors(grads)]
-    # a reduction's order follows the memory layout: a strided gradient (a view into data
-    # parallelism's flat buffer) is normed as the contiguous tensor it equals, bit for bit
-    ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
     if not ts:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-    norms = torch_private.foreach_norm(ts, 2.0, dtype=dtype)
+    norms = _norms(ts, dtype)
     device = ts[0].device
     if frame is not None:  # the leaves are local pieces of distributed tensors
         return frame.reduce([n.to(device).square() for n in norms]).sqrt()
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def _norms(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in one pass over contiguous runs of memory.
+
+    A reduction over a strided tensor sums in its memory order, less accurately than over a
+    contiguous one. A tensor whose rows are contiguous (a stacked leaf's view into data
+    parallelism's flat buffer) is normed row by row and the rows' norms combined, without a
+    copy; any other strided tensor is copied contiguous first.
+    """
+    pieces: list[torch.Tensor] = []
+    rows_of: list[int] = []  # per tensor: how many pieces, 0 for one whole tensor
+    for t in ts:
+        if t.is_contiguous():
+            pieces.append(t)
+            rows_of.append(0)
+        elif t.dim() > 1 and t.shape[0] > 0 and t[0].is_contiguous():
+            pieces.extend(t.unbind(0))
+            rows_of.append(t.shape[0])
+        else:
+            pieces.append(t.contiguous())
+            rows_of.append(0)
+    got = torch_private.foreach_norm(pieces, 2.0, dtype=dtype)
+    if not any(rows_of):
+        return list(got)
+    norms, at = [], 0
+    for k in rows_of:
+        norms.append(got[at] if k == 0 else torch.linalg.vector_norm(torch.stack(got[at : at + k])))
+        at += max(k, 1)
+    return norms
 
 
 def _is_float(x: Any) -> bool:

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any
 
 import torch
 
-from colfunc import core, tree
+from colfunc import core, torch_private, tree
 from colfunc.sharding import Mesh, comm
 from colfunc.transforms.local import in_placement, local_piece, rewrap
 
 __all__ = [
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
+    "BufferPool",
     "GradBuckets",
     "PackedBuckets",
     "all_reduce_buckets",
@@ -126,8 +128,132 @@ class _Bucket:
     view: torch.Tensor
     layers: range  # the scanned layers whose rows it holds (empty for unscanned leaves)
     waiting: int
-    paths: list[str] = dataclasses.field(default_factory=list)  # the scanned leaves in it
+    paths: tuple[str, ...] = ()  # the scanned leaves in it
     pending: comm.Pending | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where one leaf's gradient lies: in buffer ``buffer`` from ``offset``; a stacked leaf's
+    layer rows lie ``row`` elements apart (``row`` None: a leaf in one piece)."""
+
+    buffer: int
+    offset: int
+    shape: tuple[int, ...]
+    row: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """One bucket: ``[lo, hi)`` of buffer ``buffer``, holding the rows of ``layers`` of the
+    scanned leaves ``paths``; it starts once ``waiting`` layers (or the end) have reported."""
+
+    buffer: int
+    lo: int
+    hi: int
+    layers: range
+    waiting: int
+    paths: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The buffers (dtype, device, size), where each leaf lies in them, and the buckets. It
+    follows from the leaves' shapes and dtypes alone, so it is cut once per kind of step and
+    only materialized (buffers and views) per step."""
+
+    buffers: tuple[tuple[torch.dtype, torch.device, int], ...]
+    places: dict[str, _Place]
+    cuts: tuple[_Cut, ...]
+
+
+_LAYOUTS: dict[Any, _Layout] = {}  # (leaves, scanned, bucket sizes) -> their layout
+_LAYOUTS_KEPT = 256
+
+
+def _cut(
+    leaves: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]],
+    scanned: list[str],
+    bucket_bytes: int,
+) -> _Layout:
+    """The layout for ``leaves`` (path -> shape, dtype reduced in, device; the loss's slot
+    among them), of which ``scanned`` are stacked leaves taken per layer."""
+    n = leaves[scanned[0]][0][0] if scanned else 0
+    by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
+    for path in [*scanned, *(p for p in leaves if p not in scanned)]:
+        rows, others = by_dtype.setdefault(leaves[path][1], ([], []))
+        (rows if path in scanned else others).append(path)
+    buffers: list[tuple[torch.dtype, torch.device, int]] = []
+    places: dict[str, _Place] = {}
+    cuts: list[_Cut] = []
+    for d, (rows, others) in by_dtype.items():
+        # the unscanned leaves first, then the scanned leaves' rows layer by layer: the
+        # bucket of the first layers (the last to be differentiated) then also holds the
+        # unscanned leaves' tail, whose gradients (the embeddings') complete last, as DDP's
+        # last bucket holds them with the first layers
+        k, end = len(buffers), 0
+        for path in others:
+            places[path] = _Place(k, end, leaves[path][0])
+            end += math.prod(leaves[path][0])
+        base, row = end, 0
+        for path in rows:
+            places[path] = _Place(k, base + row, leaves[path][0])
+            row += math.prod(leaves[path][0][1:])
+        for path in rows:
+            places[path] = dataclasses.replace(places[path], row=row)
+        buffers.append((d, leaves[(rows or others)[0]][2], base + n * row))
+        size = torch.empty((), dtype=d).element_size()
+        limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
+        # the unscanned leaves in buckets of whole leaves; the last of them (its start:
+        # ``tail``) joins the bucket of the first layers, when there are layers
+        starts, lo = [], 0
+        for j, path in enumerate(others):
+            hi = places[path].offset + math.prod(leaves[path][0])
+            if (hi - lo) * size >= bucket_bytes or j == len(others) - 1:
+                starts.append((lo, hi))
+                lo = hi
+        tail = starts.pop()[0] if starts and n and row else base
+        hi = n  # the bucket being cut holds layers [lo, hi), from the last down
+        for lo in range(n - 1, -1, -1) if row else ():
+            if (hi - lo) * row * size >= limit or lo == 0:
+                first = tail if lo == 0 else base + lo * row
+                # with unscanned leaves in it, it waits for them too: it starts at the end
+                waiting = hi - lo + (1 if lo == 0 and tail < base else 0)
+                cuts.append(_Cut(k, first, base + hi * row, range(lo, hi), waiting, tuple(rows)))
+                hi, limit = lo, bucket_bytes
+        cuts.extend(_Cut(k, lo, hi, range(0), 0, ()) for lo, hi in starts)
+    return _Layout(tuple(buffers), places, tuple(cuts))
+
+
+class BufferPool:
+    """Flat gradient buffers kept from one step for the next, as DDP keeps its buckets.
+
+    A fresh buffer per step costs the allocator: past glibc's mmap threshold (32 MiB at most)
+    every step maps new pages and faults each one in as the gradients are written. A buffer is
+    handed out again only once nothing refers to its memory any more (no gradient view, no
+    optimizer state, no saved tensor): a caller that keeps the gradients of a step (``optim.
+    accumulate``, a user's own loop) gets a new buffer, never one being written over. Safe
+    across threads (each rank of the threads backend takes its own). A buffer's contents are
+    undefined, as ``torch.empty``'s.
+    """
+
+    KEPT = 2  # buffers kept per layout and dtype (two ranks' threads, say)
+
+    def __init__(self) -> None:
+        self.kept: dict[Any, list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def empty(self, key: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-d buffer of ``numel`` elements, reused if one kept under ``key`` is free."""
+        with self.lock:
+            kept = self.kept.setdefault(key, [])
+            for buffer in kept:
+                if torch_private.storage_users(buffer) == 1:  # only the pool refers to it
+                    return buffer.view(-1)  # a view: taken before the lock is let go
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            if len(kept) < self.KEPT:
+                kept.append(buffer)
+            return buffer.view(-1)
 
 
 class GradBuckets:
@@ -145,7 +271,9 @@ class GradBuckets:
     gradients complete last), as DDP's last bucket does, so it starts at the end. :meth:`finish`
     writes the unscanned leaves, reduces what is left in buckets of whole leaves, waits, and
     returns gradients that are views into the buffers (a stacked leaf's is strided, its rows
-    contiguous): no pass packs buckets and none copies results back.
+    contiguous): no pass packs buckets and none copies results back. With ``early=False``
+    (``shard(overlap=False)``) every bucket starts in :meth:`finish`: the same buffers and the
+    same sums, after the backward pass. The buffers come from ``pool`` when one is given.
 
     A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
     has that part reduced at the end: what arrives after its bucket has started is reduced apart
@@ -161,8 +289,12 @@ class GradBuckets:
         op: str = "avg",
         *,
         carry_loss: bool = False,
+        pool: BufferPool | None = None,
+        early: bool = True,
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
+        self.early = early  # start buckets as they fill (False: all of them in finish)
+        self.pool = pool  # where the flat buffers come from (None: fresh ones every step)
         self.frame = core.LayerGrads(self.on_layer)
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
@@ -185,63 +317,44 @@ class GradBuckets:
 
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
-        local = self.local
-        n = local[scanned[0]].shape[0] if scanned else 0
-        by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
-        for path in [*scanned, *(p for p in local if p not in scanned)]:
-            rows, others = by_dtype.setdefault(self.late.dtype_of(local[path]), ([], []))
-            (rows if path in scanned else others).append(path)
-        floating = [x for x in local.values() if x.is_floating_point()]
+        reduced_in = self.late.dtype_of
+        leaves = {p: (tuple(x.shape), reduced_in(x), x.device) for p, x in self.local.items()}
+        floating = [x for x in self.local.values() if x.is_floating_point()]
         if self.carry_loss and floating:  # the loss's slot: last of the unscanned leaves
-            d = self.late.dtype_of(floating[0])
-            local[LOSS] = torch.empty((), dtype=d, device=floating[0].device)
-            by_dtype[d][1].append(LOSS)
-        buckets: list[_Bucket] = []
-        for d, (rows, others) in by_dtype.items():
-            # the unscanned leaves first, then the scanned leaves' rows layer by layer: the
-            # bucket of the first layers (the last to be differentiated) then also holds the
-            # unscanned leaves' tail, whose gradients (the embeddings') complete last, as DDP's
-            # last bucket holds them with the first layers
-            offsets, end = {}, 0
-            for path in others:
-                offsets[path], end = end, end + local[path].numel()
-            base, row = end, 0
-            for path in rows:
-                offsets[path], row = base + row, row + local[path][0].numel()
-            buffer = torch.empty(base + n * row, dtype=d, device=local[(rows or others)[0]].device)
-            for path in rows:
-                inner = tuple(local[path].shape[1:])
+            leaves[LOSS] = ((), reduced_in(floating[0]), floating[0].device)
+        key = (tuple(scanned), tuple(leaves.items()), self.bucket_bytes)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _cut(leaves, scanned, self.bucket_bytes)
+            if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+        buffers = [
+            torch.empty(numel, dtype=d, device=dev)
+            if self.pool is None
+            else self.pool.empty((key, k), numel, d, dev)
+            for k, (d, dev, numel) in enumerate(layout.buffers)
+        ]
+        for path, place in layout.places.items():
+            buffer, shape = buffers[place.buffer], place.shape
+            if place.row is not None:
+                inner = shape[1:]
                 strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
-                whole = buffer.as_strided((n, *inner), (row, *strides), offsets[path])
+                whole = buffer.as_strided(shape, (place.row, *strides), place.offset)
                 self.whole[path], self.rows[path] = whole, whole.unbind(0)
-            for path in others:
-                x = local[path]
-                self.whole[path] = buffer[offsets[path] : offsets[path] + x.numel()].view(x.shape)
-            size, limit = buffer.element_size(), min(FIRST_BUCKET_BYTES, self.bucket_bytes)
-            # the unscanned leaves in buckets of whole leaves; the last of them (its start:
-            # ``tail``) joins the bucket of the first layers, when there are layers
-            starts, lo = [], 0
-            for k, path in enumerate(others):
-                hi = offsets[path] + local[path].numel()
-                if (hi - lo) * size >= self.bucket_bytes or k == len(others) - 1:
-                    starts.append((lo, hi))
-                    lo = hi
-            tail = starts.pop()[0] if starts and n and row else base
-            hi, of_layer = n, {}  # the bucket being cut holds layers [lo, hi), from the last down
-            for lo in range(n - 1, -1, -1) if row else ():
-                if (hi - lo) * row * size >= limit or lo == 0:
-                    first = tail if lo == 0 else base + lo * row
-                    # with unscanned leaves in it, it waits for them too: it starts at the end
-                    waiting = hi - lo + (1 if lo == 0 and tail < base else 0)
-                    view = buffer[first : base + hi * row]
-                    bucket = _Bucket(view, range(lo, hi), waiting, rows)
-                    buckets.append(bucket)
-                    for i in bucket.layers:
-                        of_layer[i] = bucket
-                        self.of_layer.setdefault(i, []).append(bucket)
-                    hi, limit = lo, self.bucket_bytes
-            self.bucket_of.update((path, of_layer) for path in rows)
-            buckets.extend(_Bucket(buffer[lo:hi], range(0), 0) for lo, hi in starts)
+            else:
+                self.whole[path] = buffer[place.offset : place.offset + math.prod(shape)].view(
+                    shape
+                )
+        buckets = []
+        for cut in layout.cuts:
+            view = buffers[cut.buffer][cut.lo : cut.hi]
+            bucket = _Bucket(view, cut.layers, cut.waiting, cut.paths)
+            buckets.append(bucket)
+            for i in cut.layers:
+                self.of_layer.setdefault(i, []).append(bucket)
+                for path in cut.paths:
+                    self.bucket_of.setdefault(path, {})[i] = bucket
         self.buckets = buckets
         return buckets
 
@@ -271,7 +384,7 @@ class GradBuckets:
             else:
                 rows[i].copy_(row)
                 filled.add(path)
-        if i in self.reported or not any(p in self.rows for p in grads):
+        if i in self.reported or not any(p in self.rows for p in grads) or not self.early:
             return
         self.reported.add(i)
         for bucket in self.of_layer.get(i, ()):

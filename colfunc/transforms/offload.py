@@ -891,7 +891,7 @@ def _host_adamw(
     if all(x.dtype == torch.float32 for x in ps):
         ops.cpu_adamw_(ps, gs, ms, vs, **kw)
         return
-    steps = [torch.tensor(float(kw["step"])) for _ in ps]
+    steps = [torch.tensor(float(kw["step"]))] * len(ps)  # read only by the kernel
     torch_private.fused_adamw_(
         ps,
         gs,

@@ -33,7 +33,7 @@ from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_f
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms import grid
-from colfunc.transforms.buckets import GradBuckets, all_reduce_tree
+from colfunc.transforms.buckets import BufferPool, GradBuckets, all_reduce_tree
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
@@ -400,6 +400,9 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     # unless a pipeline beneath differentiates microbatch by microbatch, and is the sync piece
     reduces = dp is not None and not comp.zero_reduces
     in_backward = reduces and comp.reduce_in_backward
+    # the gradients land in flat buffers whose buckets start in the backward pass, or after
+    # it with overlap=False; a pipeline beneath hands its microbatches' sums to ``sync``
+    buffered = reduces and comp.pipeline is None
     inner_layout, inner_fb, inner_fwd, inner_sync = (
         step.layout,
         step.forward_backward,
@@ -451,14 +454,18 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
             loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
         return loss
 
+    pool = BufferPool()  # the gradient buffers, kept from step to step
+
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch, long_frame = prepare(batch)
         # the loss is averaged over dp in the gradients' last bucket (one collective fewer)
         buckets = (
-            GradBuckets(mesh, dp, cfg.bucket_bytes, params, carry_loss=True)
-            if in_backward and dp
+            GradBuckets(
+                mesh, dp, cfg.bucket_bytes, params, carry_loss=True, pool=pool, early=in_backward
+            )
+            if buffered and dp
             else None
         )
         with contextlib.ExitStack() as stack:
@@ -483,8 +490,8 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
-        if not reduces or in_backward:
-            return grads  # zero above reduces, or it ran inside the backward pass
+        if not reduces or buffered:
+            return grads  # zero above reduces, or the buckets did in forward_backward
         assert dp is not None
         return all_reduce_tree(grads, dp, mesh)
 

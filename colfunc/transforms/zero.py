@@ -36,7 +36,7 @@ from colfunc import core, tree
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import GradBuckets, PackedBuckets, all_reduce_tree
+from colfunc.transforms.buckets import BufferPool, GradBuckets, PackedBuckets, all_reduce_tree
 from colfunc.transforms.chunks import (
     Chunked,
     as_chunk,
@@ -247,6 +247,9 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
     # stages 1-2 reduce-scatter), unless a pipeline beneath differentiates microbatch by
     # microbatch; stage 3's gathers reduce-scatter by themselves
     in_backward = stage < 3 and comp.reduce_in_backward
+    # stage 0's gradients land in flat buffers, reduced in the backward pass or after it (as
+    # shard's), unless a pipeline beneath hands its microbatches' sums to ``sync``
+    buffered = stage == 0 and comp.pipeline is None
     # stage 0 over shard's data-parallel axis: shard reduces, as it does alone
     delegated = not comp.zero_reduces
     bucket_bytes = comp.bucket_bytes
@@ -311,14 +314,17 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         with core.context(LayerGather(z, prefetch)):
             return inner_fwd(whole_rest(params, z), batch, extra)
 
+    pool = BufferPool()  # stage 0's gradient buffers, kept from step to step
+
     def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
         if stage < 3:
             m = mesh_()
             # (one rank's all_reduce is the identity; its reduce-scatter still cuts the chunks)
-            if delegated or not in_backward or (stage == 0 and m.axis_size(axis) == 1):
+            one = stage == 0 and m.axis_size(axis) == 1
+            if delegated or one or not (in_backward or buffered):
                 return inner_fb(params, batch, extra)
             buckets: GradBuckets | ScatterBuckets = (
-                GradBuckets(m, axis, bucket_bytes, params)
+                GradBuckets(m, axis, bucket_bytes, params, pool=pool, early=in_backward)
                 if stage == 0
                 else ScatterBuckets(m, axis, bucket_bytes)
             )
@@ -341,8 +347,8 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             return grads
         m = mesh_()
         n = m.axis_size(axis)
-        if in_backward:
-            return grads  # reduced in the backward pass
+        if in_backward or (buffered and n > 1):
+            return grads  # reduced in forward_backward
         if stage == 0:
             return all_reduce_tree(grads, axis, m)
         if stage == 3:  # chunks arrive summed over the ranks: average, like the other stages
