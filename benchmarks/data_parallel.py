@@ -32,6 +32,9 @@ come from one extra untimed step after the timed ones (the counter slows a step 
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
+Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory for the next step
+(:mod:`colfunc.sharding.host_malloc`); ``COLFUNC_MALLOC=system`` runs them on glibc's defaults.
+
     python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3]
     colfunc bench data_parallel

@@ -113,8 +113,13 @@ def _copies_into_the_buffer(mesh):
     class Count(torch_private.get("TorchDispatchMode")):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            # a gradient is written by a copy, or divided into place for the average
+            dst = None
             if func is torch.ops.aten.copy_.default:
                 dst = args[0]
+            elif func is torch.ops.aten.mul.out:
+                dst = (kwargs or {})["out"]
+            if dst is not None:
                 written.append((dst.untyped_storage().data_ptr(), dst.numel() * dst.element_size()))
             return out
 
@@ -146,3 +151,52 @@ def test_on_gloo_each_gradient_is_written_once_and_reduced_in_place() -> None:
     ):
         assert into == expected
         assert buffer_bytes == held  # one buffer per dtype: the gradients and the loss's slot
+
+
+def _buffers_between_steps(mesh):
+    loss, params, batches = _toy()
+    step = cf.shard(cf.train_step(loss, optim.adamw(1e-2)), mesh)
+    state = step.init(params)
+    _, first = step.forward_backward(state.params, batches[0], state.extra)
+    first_ptrs = _storages(first)
+    kept = cf.tree.map(lambda g: g.clone(), first)
+    # the first step's gradients are still held: the second must not write over them
+    _, second = step.forward_backward(state.params, batches[1], state.extra)
+    held_apart = all(
+        a.isdisjoint(b) for a, b in zip(first_ptrs.values(), _storages(second).values())
+    )
+    unchanged = all(
+        torch.equal(a, b) for a, b in zip(cf.tree.tensors(first), cf.tree.tensors(kept))
+    )
+    second_ptrs = _storages(second)
+    del first, second
+    # nothing refers to the buffers any more: the next step writes into one of them again
+    _, third = step.forward_backward(state.params, batches[0], state.extra)
+    reused = all(_storages(third)[d] <= first_ptrs[d] | second_ptrs[d] for d in first_ptrs)
+    same = all(torch.equal(a, b) for a, b in zip(cf.tree.tensors(third), cf.tree.tensors(kept)))
+    return held_apart, unchanged, reused, same
+
+
+def test_buffers_are_kept_between_steps_but_never_written_over_while_held() -> None:
+    """The flat buffers are reused from step to step (no fresh pages to fault in), but only
+    when nothing refers to them: gradients a caller keeps (as ``optim.accumulate`` does) stay
+    as they were, and a step whose buffer is free again gets the same numbers."""
+    for held_apart, unchanged, reused, same in cf.launch(_buffers_between_steps, mesh={"dp": 2}):
+        assert held_apart and unchanged
+        assert reused and same
+
+
+def test_buffer_pool_hands_out_a_buffer_only_when_nothing_refers_to_it() -> None:
+    pool = buckets_module.BufferPool()
+    a = pool.empty("k", 16, torch.float32, torch.device("cpu"))
+    ptr = a.data_ptr()
+    b = pool.empty("k", 16, torch.float32, torch.device("cpu"))
+    assert b.data_ptr() != ptr  # ``a`` still refers to the first
+    view = a[4:]
+    del a, b
+    c = pool.empty("k", 16, torch.float32, torch.device("cpu"))
+    assert c.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    del c, view
+    d = pool.empty("k", 16, torch.float32, torch.device("cpu"))
+    assert d.data_ptr() == ptr  # free again: the first is handed out again
+    assert pool.empty("other", 4, torch.float64, torch.device("cpu")).dtype == torch.float64

@@ -39,6 +39,9 @@ def _check_range(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | No
     an accelerator the check would wait for the device every step."""
     if type(ids) is not torch.Tensor or ids.device.type != "cpu" or ids.numel() == 0:
         return
+    low, high = torch.aminmax(ids)  # one pass; the full check only when something is outside
+    if int(low) >= 0 and int(high) < vocab_size:
+        return
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore is not None:
         bad &= ids != ignore

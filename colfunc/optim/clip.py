@@ -56,41 +56,39 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-    norms = _norms(ts, dtype)
+    pieces, counts = _pieces(ts)
+    norms = list(torch_private.foreach_norm(pieces, 2.0, dtype=dtype))
     device = ts[0].device
-    if frame is not None:  # the leaves are local pieces of distributed tensors
-        return frame.reduce([n.to(device).square() for n in norms]).sqrt()
+    if frame is not None:  # the leaves are local pieces of distributed tensors: per leaf
+        squares, at = [], 0
+        for k in counts:
+            squares.append(torch.stack([n.to(device) for n in norms[at : at + k]]).square().sum())
+            at += k
+        return frame.reduce(squares).sqrt()
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
-def _norms(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in one pass over contiguous runs of memory.
+def _pieces(ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """``ts`` as contiguous pieces to norm, and how many pieces each tensor is.
 
     A reduction over a strided tensor sums in its memory order, less accurately than over a
     contiguous one. A tensor whose rows are contiguous (a stacked leaf's view into data
-    parallelism's flat buffer) is normed row by row and the rows' norms combined, without a
-    copy; any other strided tensor is copied contiguous first.
+    parallelism's flat buffer) is normed row by row, without a copy; any other strided tensor
+    is copied contiguous first.
     """
     pieces: list[torch.Tensor] = []
-    rows_of: list[int] = []  # per tensor: how many pieces, 0 for one whole tensor
+    counts: list[int] = []
     for t in ts:
         if t.is_contiguous():
             pieces.append(t)
-            rows_of.append(0)
+            counts.append(1)
         elif t.dim() > 1 and t.shape[0] > 0 and t[0].is_contiguous():
             pieces.extend(t.unbind(0))
-            rows_of.append(t.shape[0])
+            counts.append(t.shape[0])
         else:
             pieces.append(t.contiguous())
-            rows_of.append(0)
-    got = torch_private.foreach_norm(pieces, 2.0, dtype=dtype)
-    if not any(rows_of):
-        return list(got)
-    norms, at = [], 0
-    for k in rows_of:
-        norms.append(got[at] if k == 0 else torch.linalg.vector_norm(torch.stack(got[at : at + k])))
-        at += max(k, 1)
-    return norms
+            counts.append(1)
+    return pieces, counts
 
 
 def _is_float(x: Any) -> bool:

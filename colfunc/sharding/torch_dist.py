@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colfunc import core
+from colfunc.sharding import host_malloc
 from colfunc.sharding.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -326,6 +327,8 @@ def _worker(
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # the ranks share this machine's cores, as torchrun assumes too
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        if backend == "gloo" and host_malloc.wanted():
+            host_malloc.keep_freed_memory()  # no step faults its activations in afresh
         td = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=td)
         _init(backend, rank, size, timeout, store)
@@ -383,6 +386,7 @@ def run_processes(
 ) -> list[Any]:
     """Run ``fn(mesh)`` in one spawned process per rank; the results in rank order."""
     size = Mesh(shape).size
+    host_malloc.wanted()  # a bad COLFUNC_MALLOC is refused here, before any rank starts
     if backend == "nccl" and torch.cuda.device_count() == 0:
         raise ValueError(
             "launch: backend='nccl' needs CUDA devices and none is visible; use 'gloo'"

@@ -293,6 +293,11 @@ class GradBuckets:
         early: bool = True,
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
+        # an average is divided as each gradient is written (as DDP divides as it copies into
+        # its buckets), so no pass over the reduced buffers divides them; the buckets sum
+        n = mesh.axis_size(axis)
+        self.scale = 1.0 / n if op == "avg" and n > 1 else None
+        self.reduce = "sum" if op == "avg" else op
         self.early = early  # start buckets as they fill (False: all of them in finish)
         self.pool = pool  # where the flat buffers come from (None: fresh ones every step)
         self.frame = core.LayerGrads(self.on_layer)
@@ -364,7 +369,23 @@ class GradBuckets:
             for path in bucket.paths:
                 if path not in filled:
                     self.rows[path][i].zero_()
-        bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.op, self.mesh)
+        bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.reduce, self.mesh)
+
+    def _write(self, into: torch.Tensor, g: torch.Tensor) -> None:
+        """``into = g``, divided for an average (an integer leaf's zeros are not)."""
+        if self.scale is None or not into.is_floating_point():
+            into.copy_(g)
+        elif g.dtype == into.dtype:
+            torch.mul(g, self.scale, out=into)
+        else:  # widened first (amp's masters), divided in the wide dtype
+            into.copy_(g).mul_(self.scale)
+
+    def _add(self, into: torch.Tensor, g: torch.Tensor) -> None:
+        """``into += g``, divided for an average."""
+        if self.scale is None or not into.is_floating_point():
+            into.add_(g)
+        else:
+            into.add_(g.to(into.dtype), alpha=self.scale)
 
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
         if self.buckets is None:
@@ -380,9 +401,9 @@ class GradBuckets:
             elif self.bucket_of[path][i].pending is not None:
                 self.late.add(("row", path, i), row)  # its bucket has started
             elif path in filled:
-                rows[i].add_(row)
+                self._add(rows[i], row)
             else:
-                rows[i].copy_(row)
+                self._write(rows[i], row)
                 filled.add(path)
         if i in self.reported or not any(p in self.rows for p in grads) or not self.early:
             return
@@ -401,7 +422,7 @@ class GradBuckets:
         slot = self.whole.get(LOSS)
         carried = slot is not None and loss is not None and loss.dtype == slot.dtype
         if slot is not None:
-            slot.copy_(loss.detach() if carried and loss is not None else torch.zeros(()))
+            self._write(slot, loss.detach() if carried and loss is not None else torch.zeros(()))
         handed = self.frame.handed
         for path, g in tree.flatten_with_paths(grads)[0]:
             local = local_piece(in_placement(g, self.placed[path]))
@@ -412,9 +433,9 @@ class GradBuckets:
                     self.late.add(("whole", path), local)
                 continue
             whole = self.whole[path]
-            whole.copy_(local)
+            self._write(whole, local)
             for i, row in self.elsewhere.get(path, ()):
-                whole[i] += row
+                self._add(whole[i], row)
         for bucket in buckets:  # what is still open: the unscanned leaves, and layers that
             if bucket.pending is None:  # never reported
                 self._start(bucket)
