@@ -27,6 +27,7 @@ from colfunc.optim.base import (
     Tensors,
     check_lr,
     check_number,
+    contiguous_pieces,
     learning_rate,
     state_zeros,
     wide_leaves,
@@ -143,7 +144,7 @@ def _scale_by_adam(
         # parallelism's views into its flat buffer) goes in row by row, its rows contiguous
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
         for entry in zip(new_p, gs, new_m, new_v):
-            pieces = _contiguous_pieces(*entry)
+            pieces = contiguous_pieces(*entry)
             for out, piece in zip(lists, pieces):
                 out.extend(piece)
         # the kernel only reads the step count: one tensor per device serves every entry
@@ -204,15 +205,3 @@ def adam(
 ) -> GradientTransformation:
     """Adam (Kingma & Ba, 2015) as ``torch.optim.Adam``: weight decay is L2 (``g += wd * p``)."""
     return _scale_by_adam("adam", lr, betas, eps, weight_decay, amsgrad, decoupled=False)
-
-
-def _contiguous_pieces(*xs: torch.Tensor) -> tuple[list[torch.Tensor], ...]:
-    """``xs`` (a parameter, its gradient and moments, alike in shape) as lists of matching
-    contiguous pieces: whole if the gradient is contiguous, else row by row (views) if its rows
-    are, else with the gradient copied contiguous. The others are contiguous already."""
-    g = xs[1]
-    if g.is_contiguous():
-        return tuple([x] for x in xs)
-    if g.dim() > 1 and g[0].is_contiguous() and all(x.is_contiguous() for x in xs if x is not g):
-        return tuple(list(x.unbind(0)) for x in xs)
-    return tuple([x.contiguous() if x is g else x] for x in xs)

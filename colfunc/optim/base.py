@@ -15,7 +15,14 @@ import torch
 
 from colfunc import torch_private, tree
 
-__all__ = ["GradientTransformation", "LearningRate", "apply_updates", "chain", "learning_rate"]
+__all__ = [
+    "GradientTransformation",
+    "LearningRate",
+    "apply_updates",
+    "chain",
+    "contiguous_pieces",
+    "learning_rate",
+]
 
 PyTree = Any
 LearningRate = Callable[[int], float]
@@ -147,3 +154,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     has_apply = last is not None and last.apply is not None
     return GradientTransformation(init, update, lr, apply if has_apply else None)
+
+
+def contiguous_pieces(*xs: torch.Tensor, at: int = 1) -> tuple[list[torch.Tensor], ...]:
+    """``xs``, alike in shape, as lists of matching contiguous pieces, for kernels that read
+    every tensor as contiguous (the fused AdamW, a norm): whole if ``xs[at]`` is contiguous,
+    else row by row (views) if its rows are, else with ``xs[at]`` copied contiguous. The others
+    are contiguous already. ``xs[at]`` is the one that may be strided: a gradient that is a
+    stacked leaf's view into data parallelism's flat buffer (``(param, grad, m, v)``: 1)."""
+    g = xs[at]
+    if g.is_contiguous():
+        return tuple([x] for x in xs)
+    if g.dim() > 1 and g[0].is_contiguous() and all(x.is_contiguous() for x in xs if x is not g):
+        return tuple(list(x.unbind(0)) for x in xs)
+    return tuple([x.contiguous() if x is g else x] for x in xs)

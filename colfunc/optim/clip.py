@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from colfunc import core, torch_private, tree
-from colfunc.optim.base import GradientTransformation, check_number
+from colfunc.optim.base import GradientTransformation, check_number, contiguous_pieces
 
 __all__ = ["clip_by_global_norm", "global_norm", "known_norm"]
 
@@ -79,15 +79,9 @@ def _pieces(ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     pieces: list[torch.Tensor] = []
     counts: list[int] = []
     for t in ts:
-        if t.is_contiguous():
-            pieces.append(t)
-            counts.append(1)
-        elif t.dim() > 1 and t.shape[0] > 0 and t[0].is_contiguous():
-            pieces.extend(t.unbind(0))
-            counts.append(t.shape[0])
-        else:
-            pieces.append(t.contiguous())
-            counts.append(1)
+        (own,) = contiguous_pieces(t, at=0)
+        pieces.extend(own)
+        counts.append(len(own))
     return pieces, counts
 
 

@@ -195,14 +195,13 @@ def _cut(
         for path in others:
             places[path] = _Place(k, end, leaves[path][0])
             end += math.prod(leaves[path][0])
-        base, row = end, 0
+        base, at = end, 0
+        row = sum(math.prod(leaves[path][0][1:]) for path in rows)  # one layer's elements
         for path in rows:
-            places[path] = _Place(k, base + row, leaves[path][0])
-            row += math.prod(leaves[path][0][1:])
-        for path in rows:
-            places[path] = dataclasses.replace(places[path], row=row)
+            places[path] = _Place(k, base + at, leaves[path][0], row)
+            at += math.prod(leaves[path][0][1:])
         buffers.append((d, leaves[(rows or others)[0]][2], base + n * row))
-        size = torch.empty((), dtype=d).element_size()
+        size = d.itemsize
         limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
         # the unscanned leaves in buckets of whole leaves; the last of them (its start:
         # ``tail``) joins the bucket of the first layers, when there are layers
