@@ -1,12 +1,19 @@
 """The gloo ranks ``cf.launch`` starts keep freed memory for the next step (glibc's mallopt).
 
-Differential: the same allocation pattern (forty megabytes in 2 MiB blocks, all freed, six
-times over) faults its pages in every round under glibc's defaults (``COLFUNC_MALLOC=system``)
-and about never after the first rounds under colfunc's setting.
+Differential, in a rank under each setting:
+
+- a 20 MiB block is mapped apart by glibc's defaults (``COLFUNC_MALLOC=system``: its mapping
+  threshold starts at 128 KiB and only adapts to blocks freed before) and comes from the heap
+  under colfunc's setting (32 MiB), as ``mallinfo2`` shows;
+- six rounds of 200 MB in 100 kB blocks (from the heap under both), freed last-first as a step's
+  activations are: under colfunc's setting the rounds after the first fault about none of their
+  pages in. (Under glibc's defaults they fault them all in again whenever the heap's free top
+  lies where glibc can trim it, which depends on what else the process has mapped: not checked.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import resource
 
 import pytest
@@ -15,32 +22,60 @@ import torch
 import colfunc as cf
 from colfunc.sharding import host_malloc
 
+LIBC = host_malloc._glibc()
 pytestmark = [
     pytest.mark.timeout(240),
-    pytest.mark.skipif(host_malloc._glibc() is None, reason="the C library is not glibc"),
+    pytest.mark.skipif(
+        LIBC is None or not hasattr(LIBC, "mallinfo2"), reason="not glibc 2.33 or later"
+    ),
 ]
 
+BLOCKS, NUMEL = 2000, 25_000  # 100 kB fp32 blocks
+BIG = 5 * 2**20  # a 20 MiB fp32 block
 
-def _faults_per_round(mesh) -> list[int]:
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def _mapped_bytes() -> int:
+    assert LIBC is not None
+    LIBC.mallinfo2.restype = _MallInfo2
+    return int(LIBC.mallinfo2().hblkhd)  # bytes in blocks mapped apart from the heap
+
+
+def _probe(mesh) -> tuple[int, list[int]]:
+    """(bytes mapped apart for one 20 MiB block, page faults per round of the 100 kB blocks)."""
+    before = _mapped_bytes()
+    big = torch.ones(BIG)
+    mapped = _mapped_bytes() - before
+    del big
     faults = []
     for _ in range(6):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(2**19) for _ in range(20)]
-        del blocks
+        blocks = [torch.ones(NUMEL) for _ in range(BLOCKS)]
+        while blocks:
+            blocks.pop()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return faults
+    return mapped, faults
 
 
 def test_gloo_ranks_keep_freed_memory_and_system_restores_glibc(monkeypatch) -> None:
-    (kept,) = cf.launch(_faults_per_round, mesh={"dp": 1}, backend="gloo", timeout=120)
+    ((mapped_kept, kept),) = cf.launch(_probe, mesh={"dp": 1}, backend="gloo", timeout=120)
     monkeypatch.setenv("COLFUNC_MALLOC", "system")
-    (system,) = cf.launch(_faults_per_round, mesh={"dp": 1}, backend="gloo", timeout=120)
-    pages = 20 * 2**21 // resource.getpagesize()  # what one round touches
-    assert all(f > pages // 2 for f in system[2:])  # glibc gave it back and faults it in again
-    assert all(f < pages // 20 for f in kept[2:])
+    ((mapped_system, _),) = cf.launch(_probe, mesh={"dp": 1}, backend="gloo", timeout=120)
+    assert mapped_system >= BIG * 4 and mapped_kept == 0, (mapped_system, mapped_kept)
+    pages = BLOCKS * NUMEL * 4 // resource.getpagesize()  # what one round touches
+    assert all(f < pages // 20 for f in kept[1:]), (kept, pages)  # kept and reused
 
 
 def test_a_bad_setting_is_refused_before_any_rank_starts(monkeypatch) -> None:
     monkeypatch.setenv("COLFUNC_MALLOC", "jemalloc")
     with pytest.raises(ValueError, match="COLFUNC_MALLOC='jemalloc'; expected one of keep, system"):
-        cf.launch(_faults_per_round, mesh={"dp": 1}, backend="gloo", timeout=60)
+        cf.launch(_probe, mesh={"dp": 1}, backend="gloo", timeout=60)
