@@ -17,6 +17,8 @@ import pytest
 from colfunc import parallel
 from colfunc.cli import main
 
+SLOW = pytest.mark.slow
+
 pytestmark = pytest.mark.timeout(240)
 
 CONFIG = """
@@ -62,16 +64,22 @@ def _losses(run: Path) -> list[float]:
         {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}, "data": 2},
         {"sequence": {"mode": "ring", "size": 2}, "data": 2, "zero": 3},
         {"sequence": {"mode": "zigzag", "size": 4}},
-        {"sequence": {"mode": "ulysses", "size": 2}, "tensor": 2},
-        {"sequence": {"mode": "usp", "size": 4, "ulysses": 2}, "remat": "full"},
+        # the slowest sections (5-8 s each) run with -m slow; tests of their own cover them
+        pytest.param({"sequence": {"mode": "ulysses", "size": 2}, "tensor": 2}, marks=SLOW),
+        pytest.param(
+            {"sequence": {"mode": "usp", "size": 4, "ulysses": 2}, "remat": "full"}, marks=SLOW
+        ),
         {"data": 2, "zero": 3, "offload": {"policy": "auto", "device_budget": "64MiB"}},
         {"data": 2, "zero": 2, "offload": {"policy": "host", "device_budget": "64MiB"}},
-        {
-            "data": 2,
-            "tensor": 2,
-            "zero": 3,
-            "offload": {"policy": "auto", "device_budget": "64MiB"},
-        },
+        pytest.param(
+            {
+                "data": 2,
+                "tensor": 2,
+                "zero": 3,
+                "offload": {"policy": "auto", "device_budget": "64MiB"},
+            },
+            marks=SLOW,
+        ),
     ],
 )
 def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, section) -> None:
@@ -87,6 +95,7 @@ def test_parallel_training_reproduces_the_single_device_run(tmp_path, corpus, se
     )
 
 
+@pytest.mark.slow  # about 15 s; test_launch runs colfunc run under torchrun by default
 def test_colfunc_run_trains_on_torchrun_ranks(tmp_path, corpus) -> None:
     cfg = _config(tmp_path, corpus, "tp", {"tensor": 2})
     proc = subprocess.run(
@@ -170,6 +179,7 @@ def test_a_seq_len_that_zigzag_cannot_split_exits_2_with_one_line(tmp_path, corp
     assert len(err) == 1 and "data.seq_len=32 is not divisible by 2 x size = 6" in err[0]
 
 
+@pytest.mark.slow  # about 19 s; every ring mode runs on gloo in test_sequence_gloo
 def test_colfunc_run_trains_with_ring_attention(tmp_path, corpus) -> None:
     cfg = _config(tmp_path, corpus, "sp", {"sequence": {"mode": "zigzag", "size": 2}})
     command = [sys.executable, "-m", "colfunc", "run", "-n", "2", "train", str(cfg)]

@@ -97,7 +97,7 @@ def test_every_schedule_equals_single_device(schedule: str, pp: int) -> None:
     ("name", "opt", "dtype", "rtol", "atol"),
     [
         ("gpt", ADAM_CLIP, torch.float64, 1e-9, 1e-12),
-        ("llama", SGD, torch.float32, 1e-5, 1e-6),
+        pytest.param("llama", SGD, torch.float32, 1e-5, 1e-6, marks=pytest.mark.slow),  # 16 s
     ],
 )
 def test_headline_composition_on_eight_ranks(name, opt, dtype, rtol, atol) -> None:

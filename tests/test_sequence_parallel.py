@@ -172,7 +172,7 @@ def _equivalent(name: str, mode: str, mesh_shape: dict[str, int], composition: d
 ALONE = {"order": ("shard",)}
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode,n", [(m, n) for m in LONG for n in (2, 4)])
 def test_each_mode_equals_single_device_fp64(name: str, mode: str, n: int) -> None:
     _equivalent(name, mode, sp_mesh(mode, n), ALONE)
@@ -183,7 +183,7 @@ def test_ring_at_eight_equals_single_device_fp64(mode: str) -> None:
     _equivalent("gpt", mode, sp_mesh(mode, 8), ALONE)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", LONG)
 def test_with_dp_and_zero3_equals_single_device_fp64(name: str, mode: str) -> None:
     comp = {"zero": 3, "prefetch": 1, "order": ("zero", "shard")}

@@ -96,7 +96,15 @@ def test_each_rank_writes_its_own_file_and_an_index(saved: dict[str, Path]) -> N
         assert index["config"]["run_config"]["parallel"] == LAYOUTS[name]
 
 
-@pytest.mark.parametrize("source", sorted(LAYOUTS))
+# each source is resumed under every other layout (about 8 s a source): two sources by default,
+# the single-device one and the most cut up, the rest with -m slow
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param(s, marks=() if s in ("one", "dp2-tp2-zero3") else pytest.mark.slow)
+        for s in sorted(LAYOUTS)
+    ],
+)
 def test_a_checkpoint_loads_under_every_other_layout(
     saved: dict[str, Path], source: str, corpus: Path, tmp_path: Path
 ) -> None:
@@ -188,7 +196,7 @@ def test_the_index_says_which_file_holds_which_elements(saved: dict[str, Path]) 
                 assert copies == {replicas}, (name, key, copies)
 
 
-@pytest.mark.parametrize("source", ["dp2-tp2-zero3", "one"])
+@pytest.mark.parametrize("source", ["dp2-tp2-zero3", pytest.param("one", marks=pytest.mark.slow)])
 def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
 ) -> None:
@@ -346,7 +354,7 @@ def test_bad_sharded_checkpoints_are_named(saved: dict[str, Path], tmp_path: Pat
         trainer.load_run(broken)
 
 
-@pytest.mark.parametrize(("first", "second"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("first", "second"), [pytest.param(4, 2, marks=pytest.mark.slow), (2, 4)])
 def test_world_size_changes_on_gloo(corpus: Path, tmp_path: Path, first: int, second: int) -> None:
     """Three steps on ``first`` gloo processes, saved sharded, loaded on ``second`` and saved
     again its way: the full state is the same, bit for bit. Three more steps there equal six on
@@ -482,7 +490,10 @@ def test_bad_resumes_are_one_line_and_overwrite_nothing(
 
 @pytest.mark.parametrize(
     "parallel",
-    [{"data": 2, "tensor": 2}, {"data": 2, "backend": "gloo"}],
+    [
+        pytest.param({"data": 2, "tensor": 2}, marks=pytest.mark.slow),  # about 23 s
+        {"data": 2, "backend": "gloo"},
+    ],
     ids=["dp2xtp2", "dp2-gloo"],
 )
 def test_twenty_steps_equal_ten_a_save_and_ten_more(

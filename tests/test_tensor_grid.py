@@ -126,8 +126,15 @@ def test_one_linear_forward_and_backward_match_dense(mode, size, depth, kind) ->
 # --- whole models ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize(("mode", "size", "depth"), MODES)
+# LLaMA on the 8-rank grids (about 8 s each) runs with -m slow; GPT covers them by default
+@pytest.mark.parametrize(
+    ("name", "mode", "size", "depth"),
+    [
+        pytest.param(n, *m, marks=pytest.mark.slow if n == "llama" and m[1] == 8 else ())
+        for m in MODES
+        for n in sorted(MODELS)
+    ],
+)
 def test_every_mode_equals_single_device_fp64(name, mode, size, depth) -> None:
     # 2.5D at depth 1 is 2D's maths: run it under selective remat, which caches the matmuls'
     # outputs inside SUMMA's steps and refuses any that are modified in place
@@ -148,7 +155,9 @@ def _grid_compositions(draw: Any) -> tuple[str, dict[str, int], dict[str, Any]]:
     return mode, _mesh(mode, size, depth, dp=dp), comp
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(
+    "name", [n if n == "gpt" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)]
+)
 @settings(max_examples=2, deadline=None)
 @given(drawn=_grid_compositions())
 def test_grid_modes_compose_in_any_order(name, drawn) -> None:
