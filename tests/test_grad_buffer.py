@@ -10,8 +10,6 @@ conditioning carry.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -202,54 +200,3 @@ def test_buffer_pool_hands_out_a_buffer_only_when_nothing_refers_to_it() -> None
     d = pool.empty("k", 16, torch.float32, torch.device("cpu"))
     assert d.data_ptr() == ptr  # free again: the first is handed out again
     assert pool.empty("other", 4, torch.float64, torch.device("cpu")).dtype == torch.float64
-
-
-@pytest.mark.parametrize("dp", [2, 4])
-def test_the_update_reuses_the_norm_the_buckets_took(dp) -> None:
-    """The global norm is taken from the reduced buffers as each bucket arrives: bit for bit
-    ``optim.global_norm`` of the returned gradients, equal to the single-device step's within
-    rounding, and clipping by it gives the single-device step's parameters; the update takes no
-    norm of its own."""
-    loss, params, batches = _toy()
-    opt = optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1))
-    ref = cf.train_step(loss, opt)
-    ref_state = ref.init(params)
-    ref_norms = []
-    for b in batches:
-        ref_state, m = ref(ref_state, b)
-        ref_norms.append(m["grad_norm"])
-    taken = buckets_module.torch_private.foreach_norm
-    calls: list[tuple[str, int]] = []  # (thread, number of tensors normed)
-
-    def counting(*args, **kwargs):
-        calls.append((threading.current_thread().name, len(args[0])))
-        return taken(*args, **kwargs)
-
-    def main(mesh):
-        # ZeRO-0's own buckets (no shard beneath) on 4 ranks, shard's on 2
-        step = cf.zero(ref, stage=0) if dp == 4 else cf.shard(ref, mesh, bucket_mb=1e-4)
-        state = step.init(params)
-        _, grads = step.forward_backward(state.params, batches[0], state.extra)
-        expect = optim.global_norm(grads)  # by the update's own route
-        state = step.init(params)
-        me = threading.current_thread().name
-        before = len(calls)
-        norms = []
-        for b in batches:
-            state, m = step(state, b)
-            norms.append(m["grad_norm"])
-        mine = [n for name, n in calls[before:] if name == me]
-        return expect, norms, cf.full_state(state).params, mine
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(buckets_module.torch_private, "foreach_norm", counting)
-        results = cf.launch(main, mesh={"dp": dp})
-    for expect, norms, final, took in results:
-        assert torch.equal(norms[0], expect)
-        # the buckets' calls, each on the pieces of one bucket; none from the update, which
-        # would norm every piece at once: 1 + 3 * N_LAYER + 1 (the stacked leaves by rows)
-        assert took and max(took) < 2 + 3 * N_LAYER
-        for got, want in zip(norms, ref_norms):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        assert float(norms[0]) > 0.05  # the clip acted
-        cf.testing.assert_trees_close(final, ref_state.params, rtol=1e-5, atol=1e-6)

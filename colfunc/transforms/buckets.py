@@ -10,7 +10,6 @@ they start. Both take each scanned layer's gradients from the backward pass thro
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import threading
@@ -19,8 +18,6 @@ from typing import Any
 import torch
 
 from colfunc import core, torch_private, tree
-from colfunc.optim import clip
-from colfunc.optim.base import contiguous_pieces
 from colfunc.sharding import Mesh, comm
 from colfunc.transforms.local import in_placement, local_piece, rewrap
 
@@ -29,7 +26,6 @@ __all__ = [
     "FIRST_BUCKET_BYTES",
     "BufferPool",
     "GradBuckets",
-    "KnownNorms",
     "PackedBuckets",
     "all_reduce_buckets",
     "all_reduce_tree",
@@ -322,10 +318,6 @@ class GradBuckets:
         # gradient is reduced in (amp's masters)
         self.late = PackedBuckets(mesh, axis, bucket_bytes, op)
         self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
-        # plain tensors (no tensor-parallel pieces, whose norms add up over their axes): the
-        # global norm of the reduced gradients is taken from the buffers (``norm``)
-        self.plain = all(type(p) is torch.Tensor for _, p in self.flat)
-        self.norm: torch.Tensor | None = None
 
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
@@ -369,44 +361,6 @@ class GradBuckets:
                     self.bucket_of.setdefault(path, {})[i] = bucket
         self.buckets = buckets
         return buckets
-
-    def _norm_pieces(self, buckets: list[_Bucket]) -> tuple[list[Any], torch.dtype]:
-        """The pieces :func:`colfunc.optim.global_norm` norms the returned gradients by, in its
-        order, each with the index of the bucket that holds it (None: after every bucket), or
-        None where the piece is an integer leaf's zeros; and the dtype of the norms."""
-        grads = [self.whole[path] for path, _ in self.flat]
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        spans = sorted(
-            (b.view.untyped_storage().data_ptr(), b.view.data_ptr(), k)
-            for k, b in enumerate(buckets)
-        )
-        starts = [(s, p) for s, p, _ in spans]
-        pieces: list[Any] = []
-        for g in grads:
-            if not g.is_floating_point():
-                pieces.append(None)
-                continue
-            for piece in contiguous_pieces(g, at=0)[0]:
-                key = (piece.untyped_storage().data_ptr(), piece.data_ptr())
-                at = bisect.bisect_right(starts, key) - 1
-                owner = None
-                if at >= 0 and spans[at][0] == key[0]:
-                    bucket = buckets[spans[at][2]]
-                    end = bucket.view.data_ptr() + bucket.view.numel() * bucket.view.element_size()
-                    if piece.data_ptr() + piece.numel() * piece.element_size() <= end:
-                        owner = spans[at][2]
-                pieces.append((piece, owner))
-        return pieces, dtype
-
-    def _take_norms(
-        self, pieces: list[Any], norms: list[Any], dtype: torch.dtype, owner: int | None
-    ) -> None:
-        """``norms[k]`` for every piece ``k`` that bucket ``owner`` holds, in one foreach call."""
-        at = [k for k, p in enumerate(pieces) if p is not None and p[1] == owner]
-        if at:
-            got = torch_private.foreach_norm([pieces[k][0] for k in at], 2.0, dtype=dtype)
-            for k, n in zip(at, got):
-                norms[k] = n
 
     def _start(self, bucket: _Bucket) -> None:
         for i in bucket.layers:  # rows no gradient came for are zero
@@ -462,8 +416,7 @@ class GradBuckets:
         """The reduced gradients, from the backward pass's ``grads`` for ``params``: views into
         the flat buffers, distributed like ``params``. With ``carry_loss``, ``loss`` (a 0-d
         tensor) is reduced in the last bucket and ``self.loss`` is the result, unless its dtype
-        is not the gradients' (``self.loss`` is then None: reduce it apart). For plain tensors
-        ``self.norm`` is then their global L2 norm (see :class:`KnownNorms`), else None."""
+        is not the gradients' (``self.loss`` is then None: reduce it apart)."""
         buckets = self.buckets if self.buckets is not None else self._plan([])
         slot = self.whole.get(LOSS)
         carried = slot is not None and loss is not None and loss.dtype == slot.dtype
@@ -485,63 +438,18 @@ class GradBuckets:
         for bucket in buckets:  # what is still open: the unscanned leaves, and layers that
             if bucket.pending is None:  # never reported
                 self._start(bucket)
-        # the global norm of plain gradients, taken bucket by bucket as each arrives: the
-        # first ones' while the last are still on the wire (nothing changes a bucket once it
-        # has arrived, unless parts reduced apart are added at the end: then the update takes it)
-        early = self.plain and not self.late.started and not self.late.open
-        pieces, dtype = self._norm_pieces(buckets) if early else ([], torch.float32)
-        norms: list[Any] = [None] * len(pieces)
-        for k, bucket in enumerate(buckets):
+        for bucket in buckets:
             assert bucket.pending is not None
             got = bucket.pending.wait()
             if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
                 bucket.view.copy_(got)
-            if early:
-                self._take_norms(pieces, norms, dtype, k)
         for key, parts in self.late.wait().items():
             target = self.whole[key[1]] if key[0] == "whole" else self.rows[key[1]][key[2]]
             for part in parts:
                 target += part
         out = [rewrap(p, self.whole[path]) for path, p in self.flat]
-        if early:
-            self._take_norms(pieces, norms, dtype, None)
-            zero = torch.zeros((), dtype=dtype, device=out[0].device if out else None)
-            taken = [zero if n is None else n for n in norms]  # integer leaves count as zeros
-            self.norm = torch.linalg.vector_norm(torch.stack(taken)) if taken else zero
         self.loss = slot.clone() if carried and slot is not None else None
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         for bucket in buckets:
             bucket.pending = None
         return tree.unflatten(self.treedef, out)
-
-
-class KnownNorms:
-    """The global norm :class:`GradBuckets` took of the gradients it returned, handed to the
-    update that gets those very gradients (:func:`colfunc.optim.clip.known_norm`).
-
-    The norm is taken over each bucket's contiguous range as the bucket arrives, so the first
-    buckets' norms are computed while the last ones are still being reduced, and the update
-    neither normalizes the strided views row by row nor reads the gradients an extra time. (It
-    differs from a norm taken leaf by leaf only in the order of the additions.) One per built
-    step; each thread (a rank of the threads backend) keeps its own.
-    """
-
-    def __init__(self) -> None:
-        self.last = threading.local()
-
-    def keep(self, grads: PyTree, norm: torch.Tensor | None) -> None:
-        """Remember ``norm`` as the norm of ``grads`` (that object) for the next update."""
-        self.last.known = (grads, norm) if norm is not None else None
-
-    def wrap(self, update: Any) -> Any:
-        """``update`` that, given the gradients last kept, reuses their norm."""
-
-        def run(grads: PyTree, state: Any) -> Any:
-            known = getattr(self.last, "known", None)
-            self.last.known = None
-            if known is None or known[0] is not grads:
-                return update(grads, state)
-            with clip.known_norm(grads, known[1]):
-                return update(grads, state)
-
-        return run

@@ -33,7 +33,7 @@ from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_f
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms import grid
-from colfunc.transforms.buckets import BufferPool, GradBuckets, KnownNorms, all_reduce_tree
+from colfunc.transforms.buckets import BufferPool, GradBuckets, all_reduce_tree
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
@@ -455,7 +455,6 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         return loss
 
     pool = BufferPool()  # the gradient buffers, kept from step to step
-    norms = KnownNorms()  # the norm the buffers took of the gradients, for the update
 
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
@@ -476,7 +475,6 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
             loss, grads = inner_fb(params, local_batch, extra)
         if buckets is not None:
             grads = buckets.finish(grads, params, loss=as_full(loss))
-            norms.keep(grads, buckets.norm)
             if buckets.loss is not None:
                 return buckets.loss, grads
         else:  # gradients take their parameter's placements (a rule may leave one Partial)
@@ -497,8 +495,6 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         assert dp is not None
         return all_reduce_tree(grads, dp, mesh)
 
-    if buffered and dp:
-        update = norms.wrap(update)
     return step.replace(
         layout=layout, forward=forward, forward_backward=forward_backward, sync=sync, update=update
     )

@@ -36,13 +36,7 @@ from colfunc import core, tree
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import (
-    BufferPool,
-    GradBuckets,
-    KnownNorms,
-    PackedBuckets,
-    all_reduce_tree,
-)
+from colfunc.transforms.buckets import BufferPool, GradBuckets, PackedBuckets, all_reduce_tree
 from colfunc.transforms.chunks import (
     Chunked,
     as_chunk,
@@ -321,7 +315,6 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             return inner_fwd(whole_rest(params, z), batch, extra)
 
     pool = BufferPool()  # stage 0's gradient buffers, kept from step to step
-    norms = KnownNorms()  # the norm stage 0's buffers took of the gradients, for the update
 
     def forward_backward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> Any:
         if stage < 3:
@@ -337,10 +330,7 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             )
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
-            grads = buckets.finish(grads, params)
-            if isinstance(buckets, GradBuckets):
-                norms.keep(grads, buckets.norm)
-            return loss, grads
+            return loss, buckets.finish(grads, params)
         z: ZeroLayout = extra["zero"]
         with core.context(LayerGather(z, prefetch)):
             loss, grads = inner_fb(whole_rest(params, z), batch, extra)
@@ -371,11 +361,9 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         chunks = [as_chunk(p, g, st) for p, (_, g), st in zip(pieces, flat, stacked)]
         return tree.unflatten(treedef, chunks)
 
-    stage0_update = norms.wrap(inner_update)
-
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         if stage == 0:
-            return stage0_update(grads, state)
+            return inner_update(grads, state)
         z: ZeroLayout = state.extra["zero"]
         m = z.mesh
         chunks = state.params if stage == 3 else cut(state.params)[0]
