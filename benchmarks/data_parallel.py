@@ -32,11 +32,16 @@ come from one extra untimed step after the timed ones (the counter slows a step 
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
+``--control`` also times two identical colfunc ``dp`` steps against each other, and two identical
+DDP peers, interleaved the same way: how far from 1.0 a ratio between equal sides lands in this
+harness on this machine (memory placement alone moves a step by a percent or two), so that a
+ratio within that distance of 1.0 is read as parity.
+
 Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory for the next step
 (:mod:`colfunc.sharding.host_malloc`); ``COLFUNC_MALLOC=system`` runs them on glibc's defaults.
 
     python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
-                                       [--procs 2,4] [--steps 10] [--warmup 3]
+                                       [--procs 2,4] [--steps 10] [--warmup 3] [--control]
     colfunc bench data_parallel
 """
 
@@ -319,6 +324,48 @@ def compare(
     }
 
 
+def control(
+    mesh: cf.Mesh, cfg: Config, batch_size: int, steps: int, warmup: int
+) -> dict[str, float]:
+    """The harness's own noise floor on ``{"dp": N}``: two identical colfunc ``dp`` steps
+    against each other, and two identical DDP peers, each pair interleaved as ``compare``
+    interleaves ours and theirs. Rank 0's median ratios (first instance over second); a
+    ratio off 1.0 by x says that differences of x between the two sides are not resolved."""
+    params = gpt.init(cfg, seed=0)
+    steps_ = [ours("dp", cfg, mesh) for _ in range(2)]
+    states = [s.init(params) for s in steps_]
+    peers = [torch_peer("dp", cfg, params, mesh.shape) for _ in range(2)]
+    dp, dp_index = mesh.shape["dp"], mesh.coords["dp"]
+    g = torch.Generator().manual_seed(0)
+    times: dict[str, list[list[float]]] = {"ours": [[], []], "torch": [[], []]}
+    losses: dict[str, list[float]] = {"ours": [0.0, 0.0], "torch": [0.0, 0.0]}
+    gap = 0.0  # between the two instances of each side: equal computations, so 0
+    for i in range(warmup + steps):
+        ids = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_seq_len), generator=g)
+        local = ids.chunk(dp, dim=0)[dp_index]
+        for side in ("ours", "torch"):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if side == "ours":
+                    states[k], metrics = steps_[k](states[k], {"input_ids": ids, "labels": ids})
+                    loss = metrics["loss"]
+                else:
+                    model, opts, _ = peers[k]
+                    for opt in opts:
+                        opt.zero_grad(set_to_none=True)
+                    loss = model(local, local)
+                    loss.backward()
+                    for opt in opts:
+                        opt.step()
+                if i >= warmup:
+                    times[side][k].append(time.perf_counter() - t0)
+                losses[side][k] = float(loss)
+            gap = max(gap, abs(losses[side][0] - losses[side][1]))
+    out = {side: statistics.median(a / b for a, b in zip(*pair)) for side, pair in times.items()}
+    return {**out, "loss_gap": gap}
+
+
 class CountingWorld(TorchWorld):
     """A ``TorchWorld`` that counts the collectives it runs (``calls``)."""
 
@@ -343,10 +390,21 @@ def scheme_mesh(scheme: str, n: int, rank: int) -> cf.Mesh:
 
 
 def worker(
-    mesh: cf.Mesh, schemes: list[str], cfg: Config, batch_size: int, steps: int, warmup: int
+    mesh: cf.Mesh,
+    schemes: list[str],
+    cfg: Config,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    with_control: bool = False,
 ) -> list[dict[str, Any]]:
-    """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme."""
+    """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme (and ``control``
+    first, as a row of scheme ``"control"``)."""
     rows = []
+    if with_control:
+        m = scheme_mesh("dp", mesh.size, mesh.rank)
+        with core.context(m):
+            rows.append({"scheme": "control", **control(m, cfg, batch_size, steps, warmup)})
     for scheme in schemes:
         m = scheme_mesh(scheme, mesh.size, mesh.rank)
         with core.context(m):
@@ -356,11 +414,23 @@ def worker(
 
 
 def run(
-    n: int, schemes: list[str], cfg: Config, batch_size: int, steps: int, warmup: int
+    n: int,
+    schemes: list[str],
+    cfg: Config,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    with_control: bool = False,
 ) -> list[dict[str, Any]]:
     """``worker`` on ``n`` gloo processes; rank 0's rows."""
     job = functools.partial(
-        worker, schemes=schemes, cfg=cfg, batch_size=batch_size, steps=steps, warmup=warmup
+        worker,
+        schemes=schemes,
+        cfg=cfg,
+        batch_size=batch_size,
+        steps=steps,
+        warmup=warmup,
+        with_control=with_control,
     )
     return cf.launch(job, mesh={"dp": n}, backend="gloo", timeout=600)[0]
 
@@ -372,6 +442,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--procs", help="gloo world sizes, e.g. 2,4 (default: per config)")
     ap.add_argument("--steps", type=int, help="timed steps (default: per config)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default: per config)")
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="also time two identical colfunc dp steps, and two identical DDP peers, against "
+        "each other: the noise floor of the ratios",
+    )
     args = ap.parse_args(argv)
     schemes = args.schemes.split(",")
     for name in [*args.configs.split(","), *schemes]:
@@ -393,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
-    details = []
+    details, controls = [], []
     for name in args.configs.split(","):
         make, batch_size, procs, steps, warmup = SIZES[name]
         cfg = make()
@@ -402,7 +478,13 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps if args.steps is not None else steps
         warmup = args.warmup if args.warmup is not None else warmup
         for n in procs:
-            for r in run(n, schemes, cfg, batch_size, steps, warmup):
+            for r in run(n, schemes, cfg, batch_size, steps, warmup, args.control):
+                if r["scheme"] == "control":
+                    controls.append(
+                        f"- {name} {n} ranks: colfunc dp against itself {r['ours']:.3f}, DDP "
+                        f"against itself {r['torch']:.3f}"
+                    )
+                    continue
                 mesh = "x".join(f"{a}{s}" for a, s in r["mesh"].items())
                 print(
                     f"| {name} {batch_size}x{cfg.max_seq_len} | {n} | {mesh} | {r['scheme']} "
@@ -413,6 +495,9 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
                 details.append((name, n, r))
+    if controls:
+        print("\nNoise floor (--control): the same median ratio between two identical sides")
+        print("\n".join(controls))
     print("\nMB per op and axis; 'counted' is the torch counter run over our step, which sees")
     print("collectives outside ShardedTensor dispatch only (so not tensor parallel's):")
     for name, n, r in details:

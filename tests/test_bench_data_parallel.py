@@ -35,3 +35,14 @@ def test_schemes_match_their_torch_peers_on_gloo() -> None:
     # the activation [B, T, D] fp32 each, (n - 1) / n * 2 of it sent with n = 2
     activation = 4 * cfg.max_seq_len * cfg.d_model * 4
     assert by["tp2"]["theirs_bytes"] == cfg.n_layer * 6 * activation
+
+
+def test_the_control_pairs_equal_sides() -> None:
+    """``--control`` times two instances of the same colfunc step, and of the same DDP peer:
+    their losses agree exactly at every step (the pairs compare equal computations), and the
+    control row comes first."""
+    cfg = data_parallel.gpt.Config(vocab_size=64, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
+    rows = data_parallel.run(2, ["dp"], cfg, batch_size=4, steps=2, warmup=1, with_control=True)
+    assert [r["scheme"] for r in rows] == ["control", "dp"]
+    assert rows[0]["loss_gap"] == 0.0
+    assert rows[0]["ours"] > 0 and rows[0]["torch"] > 0
