@@ -159,6 +159,20 @@ def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> 
     return model, opts, dp_group
 
 
+def peer_step(peer: Any, ids: torch.Tensor, mesh: cf.Mesh) -> torch.Tensor:
+    """One step of a ``torch_peer`` (model, optimizers, group) on this rank's ``dp`` slice of
+    the global batch ``ids``; its loss on that slice."""
+    model, opts, _ = peer
+    local = ids.chunk(mesh.shape.get("dp", 1), dim=0)[mesh.coords.get("dp", 0)]
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    loss = model(local, local)
+    loss.backward()
+    for opt in opts:
+        opt.step()
+    return loss.detach()
+
+
 def ours(scheme: str, cfg: Config, mesh: cf.Mesh) -> cf.Step:
     """The colfunc step of ``scheme`` on ``mesh`` (donating its state, as the training loop
     does: the peers update in place too)."""
@@ -259,21 +273,10 @@ def compare(
     params = gpt.init(cfg, seed=0)
     step = ours(scheme, cfg, mesh)
     state = step.init(params)
-    model, opts, dp_group = torch_peer(scheme, cfg, params, mesh.shape)
-    dp = mesh.shape.get("dp", 1)
-    dp_index = mesh.coords.get("dp", 0)
+    peer = torch_peer(scheme, cfg, params, mesh.shape)
+    dp_group = peer[2]
     g = torch.Generator().manual_seed(0)
     T = cfg.max_seq_len
-
-    def theirs(ids: torch.Tensor) -> torch.Tensor:
-        local = ids.chunk(dp, dim=0)[dp_index]
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        loss = model(local, local)
-        loss.backward()
-        for opt in opts:
-            opt.step()
-        return loss.detach()
 
     ours_t, theirs_t, gap = [], [], 0.0
     counter, check = (
@@ -297,7 +300,7 @@ def compare(
                     if side == "ours":
                         state, metrics = step(state, batch)
                     else:
-                        loss = theirs(ids)
+                        loss = peer_step(peer, ids, mesh)
                 times[side] = time.perf_counter() - t0
             if dp_group is not None:  # the global mean, as ours reports
                 dist.all_reduce(loss, group=dp_group)
@@ -335,14 +338,12 @@ def control(
     steps_ = [ours("dp", cfg, mesh) for _ in range(2)]
     states = [s.init(params) for s in steps_]
     peers = [torch_peer("dp", cfg, params, mesh.shape) for _ in range(2)]
-    dp, dp_index = mesh.shape["dp"], mesh.coords["dp"]
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[list[float]]] = {"ours": [[], []], "torch": [[], []]}
     losses: dict[str, list[float]] = {"ours": [0.0, 0.0], "torch": [0.0, 0.0]}
     gap = 0.0  # between the two instances of each side: equal computations, so 0
     for i in range(warmup + steps):
         ids = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_seq_len), generator=g)
-        local = ids.chunk(dp, dim=0)[dp_index]
         for side in ("ours", "torch"):
             for k in (0, 1) if i % 2 == 0 else (1, 0):
                 dist.barrier()
@@ -351,13 +352,7 @@ def control(
                     states[k], metrics = steps_[k](states[k], {"input_ids": ids, "labels": ids})
                     loss = metrics["loss"]
                 else:
-                    model, opts, _ = peers[k]
-                    for opt in opts:
-                        opt.zero_grad(set_to_none=True)
-                    loss = model(local, local)
-                    loss.backward()
-                    for opt in opts:
-                        opt.step()
+                    loss = peer_step(peers[k], ids, mesh)
                 if i >= warmup:
                     times[side][k].append(time.perf_counter() - t0)
                 losses[side][k] = float(loss)

@@ -12,8 +12,8 @@
 3. Against the peer: PyTorch FSDP2 (``fully_shard`` on every block and the root) with
    ``CPUOffloadPolicy`` on one rank, the same GPT as an ``nn.Module`` (``single_device.GPT``,
    each block checkpointed as ``cf.remat`` does) from the same weights on the same batches,
-   timed interleaved, which side goes first alternating every step; ours is ``"auto"`` at a quarter of the model states. Reported as the step
-   time ratio and each side's tokens/s. On a GPU (when there is one) both run there, FSDP2 with
+   timed interleaved, which side goes first alternating every step; ours is ``"auto"`` at a
+   quarter of the model states. Reported as the step time ratio and each side's tokens/s. On a GPU (when there is one) both run there, FSDP2 with
    pinned host memory and NCCL; on the CPU, FSDP2's "device" is the CPU as ours is.
 
     python benchmarks/offload.py [--steps 8] [--budget-mb 8] [--skip-fsdp2]
