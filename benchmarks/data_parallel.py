@@ -23,11 +23,14 @@ The peer is the nn.Module GPT-2 of ``single_device.py`` with fused ``torch.optim
 takes its rank's slice of the global batch. Printed per scheme, from rank 0: median step times,
 the median over steps of the ratio ours/torch (goal: at most 1.0), bytes each rank sends per
 step, collectives per step, and the largest gap between the two sides' losses (the global-batch
-mean on both). Our bytes come from the colfunc ledger. Torch's are counted from the collectives
-PyTorch issues in one step (a dispatch mode sees them, those of DDP's C++ reducer included) and
-sized with the ledger's ring formulas, so the two columns compare like with like; the same
-counter run over our step checks our ledger where it can see our collectives. Bytes and calls
-come from one extra untimed step after the timed ones (the counter slows a step down).
+mean on both). Beside the wall-clock ratio, the same median over each step's main-thread CPU
+time (``time.thread_time``): on a shared machine whose hypervisor takes cycles away (steal time),
+that one moves less, and it tells compute and overhead apart from waiting on the wire. Our
+bytes come from the colfunc ledger. Torch's are counted from the collectives PyTorch issues in
+one step (a dispatch mode sees them, those of DDP's C++ reducer included) and sized with the
+ledger's ring formulas, so the two columns compare like with like; the same counter run over our
+step checks our ledger where it can see our collectives. Bytes and calls come from one extra
+untimed step after the timed ones (the counter slows a step down).
 
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
@@ -279,6 +282,7 @@ def compare(
     T = cfg.max_seq_len
 
     ours_t, theirs_t, gap = [], [], 0.0
+    ours_c, theirs_c = [], []  # this rank's main-thread CPU seconds per step
     counter, check = (
         CollectiveCounter(_axes_by_group(mesh)),
         CollectiveCounter(_axes_by_group(mesh)),
@@ -291,17 +295,18 @@ def compare(
             if last:
                 led.reset()
                 calls = mesh.world.calls
-            times = {}
+            times, cpu = {}, {}
             for side in ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours"):
                 mode = (check if side == "ours" else counter) if last else contextlib.nullcontext()
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with mode:
                     if side == "ours":
                         state, metrics = step(state, batch)
                     else:
                         loss = peer_step(peer, ids, mesh)
                 times[side] = time.perf_counter() - t0
+                cpu[side] = time.thread_time() - c0
             if dp_group is not None:  # the global mean, as ours reports
                 dist.all_reduce(loss, group=dp_group)
                 loss /= dist.get_world_size(dp_group)
@@ -309,12 +314,15 @@ def compare(
             if warmup <= i and not last:
                 ours_t.append(times["ours"])
                 theirs_t.append(times["theirs"])
+                ours_c.append(cpu["ours"])
+                theirs_c.append(cpu["theirs"])
     gaps = torch.tensor([gap])
     dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
     return {
         "ours_s": statistics.median(ours_t),
         "theirs_s": statistics.median(theirs_t),
         "ratio": statistics.median(a / b for a, b in zip(ours_t, theirs_t)),
+        "cpu_ratio": statistics.median(a / b for a, b in zip(ours_c, theirs_c)),
         "ours_bytes": led.bytes(),
         "ours_calls": mesh.world.calls - calls,
         "ours_detail": _show(led),
@@ -456,13 +464,18 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "MB: sent per rank per step (ours: ledger; torch: its collectives counted, ring formulas)"
     )
-    print("calls: collectives per step\n")
+    print("calls: collectives per step")
     print(
-        "| config | ranks | mesh | ours | torch | ours ms | torch ms | ours/torch | ours MB "
-        "| torch MB | ours calls | torch calls | max loss gap |"
+        "CPU ratio: the same median over this rank's main-thread CPU time (time.thread_time),"
+        " which neither the\nwait for a collective nor time the machine gives to others counts\n"
     )
     print(
-        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| config | ranks | mesh | ours | torch | ours ms | torch ms | ours/torch | CPU ratio "
+        "| ours MB | torch MB | ours calls | torch calls | max loss gap |"
+    )
+    print(
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |"
     )
     details, controls = [], []
     for name in args.configs.split(","):
@@ -484,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"| {name} {batch_size}x{cfg.max_seq_len} | {n} | {mesh} | {r['scheme']} "
                     f"| {SCHEMES[r['scheme']]} | {r['ours_s'] * 1e3:.1f} "
-                    f"| {r['theirs_s'] * 1e3:.1f} | {r['ratio']:.3f} | {r['ours_bytes'] / 1e6:.3f} "
+                    f"| {r['theirs_s'] * 1e3:.1f} | {r['ratio']:.3f} | {r['cpu_ratio']:.3f} "
+                    f"| {r['ours_bytes'] / 1e6:.3f} "
                     f"| {r['theirs_bytes'] / 1e6:.3f} | {r['ours_calls']} | {r['theirs_calls']} "
                     f"| {r['loss_gap']:.1e} |",
                     flush=True,

@@ -23,6 +23,7 @@ def test_schemes_match_their_torch_peers_on_gloo() -> None:
     for r in rows:
         assert r["loss_gap"] < 1e-5, r
         assert r["ours_bytes"] > 0 and r["theirs_bytes"] > 0, r
+        assert r["ratio"] > 0 and r["cpu_ratio"] > 0, r
     by = {r["scheme"]: r for r in rows}
     # DDP all-reduces the whole gradient, FSDP2 gathers parameters and scatters gradients: the
     # traffic of stages 0 and 3, which also all-reduce the scalar loss (and stage 3 the squared

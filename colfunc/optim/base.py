@@ -21,6 +21,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "contiguous_pieces",
+    "flat_runs",
     "learning_rate",
 ]
 
@@ -168,3 +169,48 @@ def contiguous_pieces(*xs: torch.Tensor, at: int = 1) -> tuple[list[torch.Tensor
     if g.dim() > 1 and g[0].is_contiguous() and all(x.is_contiguous() for x in xs if x is not g):
         return tuple(list(x.unbind(0)) for x in xs)
     return tuple([x.contiguous() if x is g else x] for x in xs)
+
+
+def flat_runs(ts: Tensors) -> list[torch.Tensor] | None:
+    """The memory that ``ts`` cover together as the fewest 1-d contiguous views (runs), if they
+    are plain tensors of one dtype and device that tile ranges of shared storage without
+    overlapping, each contiguous or a stack of contiguous rows: data parallelism's gradients,
+    views into one flat buffer per dtype. None otherwise, and for no tensors.
+
+    A kernel over the runs (a norm) then makes a few large calls instead of one per row.
+    """
+    if not ts:
+        return None
+    first = ts[0]
+    # storage -> (start, length) of every contiguous segment the tensors cover, and a tensor
+    # on that storage to cut the runs from
+    segments: dict[int, list[tuple[int, int]]] = {}
+    owner: dict[int, torch.Tensor] = {}
+    for t in ts:
+        if type(t) is not torch.Tensor or t.dtype != first.dtype or t.device != first.device:
+            return None
+        if t.numel() == 0:
+            continue
+        if t.is_contiguous():
+            own = [(int(t.storage_offset()), t.numel())]
+        elif t.dim() > 1 and t.stride(0) > 0 and t[0].is_contiguous():
+            n, step, at = t[0].numel(), t.stride(0), int(t.storage_offset())
+            own = [(at + i * step, n) for i in range(t.shape[0])]
+        else:
+            return None
+        key = t.untyped_storage().data_ptr()
+        segments.setdefault(key, []).extend(own)
+        owner.setdefault(key, t)
+    runs = []
+    for key, segs in segments.items():
+        segs.sort()
+        start, end = segs[0][0], segs[0][0] + segs[0][1]
+        for at, n in segs[1:]:
+            if at < end:  # overlapping tensors: their union is not what a norm of each sees
+                return None
+            if at > end:
+                runs.append(owner[key].as_strided((end - start,), (1,), start))
+                start = at
+            end = at + n
+        runs.append(owner[key].as_strided((end - start,), (1,), start))
+    return runs or None

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from colfunc import core, torch_private, tree
-from colfunc.optim.base import GradientTransformation, check_number, contiguous_pieces
+from colfunc.optim.base import GradientTransformation, check_number, contiguous_pieces, flat_runs
 
 __all__ = ["clip_by_global_norm", "global_norm", "known_norm"]
 
@@ -40,9 +40,11 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     """The L2 norm of all tensor leaves together (0-d fp32), computed as torch's clipping does.
 
     One norm per tensor, then the norm of those norms: the same reduction order as
-    ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients. (A stacked leaf's
-    gradient that is a strided view, data parallelism's, is normed by its layers' rows, as
-    ``clip_grad_norm_`` norms a module's per-layer parameters.)
+    ``clip_grad_norm_``, so the two agree bit for bit on fp32 gradients. Gradients that tile flat
+    buffers with strided leaves among them (data parallelism's, whose stacked leaves are views
+    with their layers' rows apart) are normed over the buffers' runs instead, in blocks of
+    :data:`NORM_BLOCK` elements: a few calls instead of one per layer row, and no less accurate
+    (each block's sum of squares is short).
     """
     known = core.innermost(_KnownNorm)
     frame = core.innermost(core.NormReduction)
@@ -56,6 +58,11 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         return torch.zeros(())
     # fp32 at least (half-precision grads are accumulated in fp32); fp64 grads keep fp64
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    # strided leaves among gradients that tile flat buffers (data parallelism's): by the runs
+    strided = not all(t.is_contiguous() for t in ts)
+    runs = flat_runs(ts) if frame is None and strided else None
+    if runs is not None:
+        return torch.linalg.vector_norm(torch.cat([_blocked_norms(r, dtype) for r in runs]))
     pieces, counts = _pieces(ts)
     norms = list(torch_private.foreach_norm(pieces, 2.0, dtype=dtype))
     device = ts[0].device
@@ -66,6 +73,22 @@ def global_norm(grads: PyTree) -> torch.Tensor:
             at += k
         return frame.reduce(squares).sqrt()
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+# elements per partial norm over a flat run. CPU reductions of fp32 accumulate in fp32 lanes: a
+# norm over a 2M-element run is off by 3e-5 relative, over 1024-element blocks by about 1e-8
+NORM_BLOCK = 1024
+
+
+def _blocked_norms(run: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The norms of ``run`` (1-d) in blocks of :data:`NORM_BLOCK` elements, the last one short."""
+    k = run.numel() // NORM_BLOCK * NORM_BLOCK
+    parts = []
+    if k:
+        parts.append(torch.linalg.vector_norm(run[:k].view(-1, NORM_BLOCK), dim=1, dtype=dtype))
+    if k < run.numel():
+        parts.append(torch.linalg.vector_norm(run[k:], dtype=dtype).reshape(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _pieces(ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
