@@ -12,12 +12,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from colfunc import checkpoint, config, tree
 from colfunc import train as trainer
@@ -99,6 +102,39 @@ def test_a_flipped_bit_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
     _flip_one_bit(path / checkpoint.TENSORS, "params.w2")
     with pytest.raises(checkpoint.CheckpointError, match=r"tensor 'params\.w2' does not match"):
         checkpoint.load(path)
+
+
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
+def test_crc32_combine_equals_zlib_over_the_concatenation(a: bytes, b: bytes) -> None:
+    combined = checkpoint.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    assert combined == zlib.crc32(a + b)
+
+
+@given(
+    nbytes=st.integers(0, 5000), block=st.sampled_from([1, 7, 64, 1024]), seed=st.integers(0, 99)
+)
+def test_one_pass_gives_the_whole_and_the_block_checksums(nbytes: int, block: int, seed: int):
+    data = random.Random(seed).randbytes(nbytes)
+    t = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    whole, blocks = checkpoint._sums(t, block)
+    assert whole == f"{zlib.crc32(data):08x}" == checkpoint.checksum(t)
+    assert blocks == [f"{zlib.crc32(data[i : i + block]):08x}" for i in range(0, nbytes, block)]
+
+
+def test_a_saved_header_holds_zlibs_checksums(tmp_path: Path) -> None:
+    state = {"w": torch.randn(70_000), "b": torch.arange(5)}  # the first spans two 64 KiB blocks
+    path = checkpoint.commit(tmp_path / "s", 1, state)
+    meta = json.loads((path / checkpoint.META).read_text())
+    for key, t in safetensors.torch.load_file(str(path / checkpoint.TENSORS)).items():
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert meta["checksums"][key] == f"{zlib.crc32(data):08x}"
+        size = meta["block_bytes"]
+        assert len(meta["blocks"][key]) == -(-len(data) // size)
+        assert meta["blocks"][key][-1] == f"{zlib.crc32(data[-(len(data) % size or size) :]):08x}"
 
 
 def test_files_follow_the_umask_and_unreadable_ones_say_so(
