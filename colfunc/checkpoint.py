@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
@@ -819,6 +820,13 @@ class ShardReader:
         if self.tensors:  # every file there and its own (headers only: a replica may be unread)
             for rank in range(self.world):
                 self.header(rank)
+
+    def with_own_counts(self) -> ShardReader:
+        """This reader with byte counters of its own: the index and the headers already read are
+        shared, not read again. One per loading rank of a load that shares one reader."""
+        other = copy.copy(self)
+        other.bytes_read, other.runs_read = {}, {}
+        return other
 
     @property
     def config(self) -> Any:

@@ -134,11 +134,14 @@ class ShardedRun:
     Checkpoints written before that table load through :meth:`full`, which rebuilds the
     writing composition in this process (threads) to put the pieces back together."""
 
-    def __init__(self, path: Path, cfg: RunConfig, info: dict[str, Any]) -> None:
+    def __init__(
+        self, path: Path, cfg: RunConfig, info: dict[str, Any], reader: checkpoint.ShardReader
+    ) -> None:
         self.path, self.config, self.info = path, cfg, info
         self.step = int(info["step"])
         self.mesh_shape = dict(info["mesh"])
-        self.partial = bool(checkpoint.ShardReader(path).tensors)
+        self.reader = reader  # the index and headers, read once for every loading rank
+        self.partial = bool(reader.tensors)
         self.bytes_read: dict[int, dict[int, int]] = {}  # loading rank -> file rank -> bytes
 
     def resharded(self, step_fn: Any, mesh: Mesh | None, cfg: RunConfig) -> TrainState:
@@ -147,7 +150,7 @@ class ShardedRun:
         elements of this rank's pieces."""
         pieces = _layout_pieces(step_fn, cfg)
         fresh = _fresh_layout(step_fn, cfg)
-        reader = checkpoint.ShardReader(self.path)
+        reader = self.reader.with_own_counts()
         state = reshard.read_local(reader, fresh, pieces)
         self.bytes_read[0 if mesh is None else mesh.rank] = dict(reader.bytes_read)
         return state
@@ -248,17 +251,18 @@ def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
         )
     info = checkpoint.sharded_meta(path)
     if info is not None:
-        cfg = checkpoint.ShardReader(path).config  # (the index's, no tensor read)
+        reader = checkpoint.ShardReader(path)
+        cfg = reader.config  # (the index's, no tensor read)
         if not isinstance(cfg, RunConfig):
             raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
-        handle = ShardedRun(path, cfg, info)
+        handle = ShardedRun(path, cfg, info, reader)
         return (handle if not gather else handle.full()), cfg
     if not gather:  # one file: each rank of any layout reads the slices of its own pieces
         reader = checkpoint.ShardReader(path)
         cfg = reader.config
         if isinstance(cfg, RunConfig) and reader.tensors:
             step, _ = reader.step_and_extra()
-            return ShardedRun(path, cfg, {"step": step, "mesh": {}}), cfg
+            return ShardedRun(path, cfg, {"step": step, "mesh": {}}, reader), cfg
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")

@@ -223,7 +223,11 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
         raise AssertionError("the state was gathered")
 
     others = ("pp2", "tp2", "dp2-tp2-zero1", "dp2-tp2-zero3", "one")
+    files = 1 if source == "one" else 4
     for target in [t for t in others if t != source]:
+        headers: list[str] = []  # the files whose header a read of the whole load opened
+        name = "_safetensors_header" if source == "one" else "_colfunc_header"
+        monkeypatch.setattr(checkpoint, name, _noting(headers, getattr(checkpoint, name)))
         handle, _ = trainer.load_run(run, gather=False)
         own: dict[int, int] = {}
         reads: dict[int, int] = {}
@@ -245,6 +249,12 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
             m.setattr(checkpoint.ShardReader, "read", _counting(reads))
             cfg = _cfg(corpus, LAYOUTS[target])
             trainer.run(cfg, out, state=handle, stop_at=3, progress=False)
+        monkeypatch.undo()
+        monkeypatch.setattr(checkpoint, "BLOCK_BYTES", block)
+        # one reader serves the whole load: each file's header is read once, not once per
+        # loading rank and again for the config
+        ours = [f for f in headers if f.startswith(str(run) + "/")]
+        assert len(ours) == len(set(ours)) == files, sorted(ours)
         assert sorted(handle.bytes_read) == sorted(own) == list(range(len(own)))
         for rank, by_file in handle.bytes_read.items():
             read = sum(by_file.values())
@@ -296,6 +306,16 @@ def test_grid_offload_and_amp_layouts_load_the_same_way(
     got, _ = trainer.load_run(out)
     _same(got.params, want.params)
     _same(got.opt_state, want.opt_state)
+
+
+def _noting(files: list[str], read_header: Any) -> Any:
+    """A header reader that notes each file it opens."""
+
+    def noted(file: Path) -> Any:
+        files.append(str(file))
+        return read_header(file)
+
+    return noted
 
 
 def _counting(reads: dict[int, int]) -> Any:
