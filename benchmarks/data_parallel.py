@@ -35,6 +35,10 @@ untimed step after the timed ones (the counter slows a step down).
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
+``--peer-weights in_out`` builds the DDP peers' blocks from :class:`InOutLinear` layers, whose
+weights are stored ``[in, out]`` as colfunc's models store theirs: the same matmuls on both
+sides, so the ratio measures the data-parallel machinery (buckets, hooks, the update) alone.
+
 ``--control`` also times two identical colfunc ``dp`` steps against each other, and two identical
 DDP peers, interleaved the same way: how far from 1.0 a ratio between equal sides lands in this
 harness on this machine (memory placement alone moves a step by a percent or two), so that a
@@ -45,6 +49,7 @@ Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory f
 
     python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3] [--control]
+                                       [--peer-weights out_in|in_out]
     colfunc bench data_parallel
 """
 
@@ -118,8 +123,29 @@ class HeadsGPT(GPT):
         self.blocks = nn.ModuleList(HeadsBlock(cfg) for _ in range(cfg.n_layer))
 
 
-def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> Any:
-    """(model, optimizers, data-parallel process group) of the PyTorch peer of ``scheme``."""
+class InOutLinear(nn.Module):
+    """``nn.Linear`` with its weight stored ``[in, out]``, as colfunc's models store theirs (and
+    Hugging Face's GPT-2 ``Conv1D``): ``F.linear(x, weight.t(), bias)``, the matmuls our step
+    runs. On this CPU that layout's backward is a few percent slower than ``nn.Linear``'s, so a
+    DDP peer built from these compares the data-parallel machinery alone."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().t().contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.t(), self.bias)
+
+
+PEER_WEIGHTS = ("out_in", "in_out")  # nn.Linear's layout, or colfunc's (InOutLinear)
+
+
+def torch_peer(
+    scheme: str, cfg: Config, params: Any, shape: dict[str, int], weights: str = "out_in"
+) -> Any:
+    """(model, optimizers, data-parallel process group) of the PyTorch peer of ``scheme``;
+    ``weights="in_out"`` gives a DDP peer's blocks :class:`InOutLinear` layers."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -135,6 +161,10 @@ def torch_peer(scheme: str, cfg: Config, params: Any, shape: dict[str, int]) -> 
     model.load_colfunc(params)  # type: ignore[operator]
     dp_group = dist.group.WORLD
     if scheme in ("zero0", "zero2", "dp", "dp_after"):
+        if weights == "in_out":
+            for block in model.blocks:  # type: ignore[union-attr]
+                for name in ("q", "k", "v", "o", "fc", "proj"):
+                    setattr(block, name, InOutLinear(getattr(block, name)))
         model = DDP(model)
     elif scheme == "zero3":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -267,7 +297,13 @@ def _show(led: Ledger) -> str:
 
 
 def compare(
-    mesh: cf.Mesh, scheme: str, cfg: Config, batch_size: int, steps: int, warmup: int
+    mesh: cf.Mesh,
+    scheme: str,
+    cfg: Config,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    peer_weights: str = "out_in",
 ) -> dict[str, Any]:
     """Run ``scheme`` and its torch peer interleaved on every rank; rank 0's timings and bytes.
 
@@ -276,7 +312,7 @@ def compare(
     params = gpt.init(cfg, seed=0)
     step = ours(scheme, cfg, mesh)
     state = step.init(params)
-    peer = torch_peer(scheme, cfg, params, mesh.shape)
+    peer = torch_peer(scheme, cfg, params, mesh.shape, peer_weights)
     dp_group = peer[2]
     g = torch.Generator().manual_seed(0)
     T = cfg.max_seq_len
@@ -400,6 +436,7 @@ def worker(
     steps: int,
     warmup: int,
     with_control: bool = False,
+    peer_weights: str = "out_in",
 ) -> list[dict[str, Any]]:
     """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme (and ``control``
     first, as a row of scheme ``"control"``)."""
@@ -411,7 +448,7 @@ def worker(
     for scheme in schemes:
         m = scheme_mesh(scheme, mesh.size, mesh.rank)
         with core.context(m):
-            row = compare(m, scheme, cfg, batch_size, steps, warmup)
+            row = compare(m, scheme, cfg, batch_size, steps, warmup, peer_weights)
         rows.append({"scheme": scheme, "mesh": m.shape, **row})
     return rows
 
@@ -424,6 +461,7 @@ def run(
     steps: int,
     warmup: int,
     with_control: bool = False,
+    peer_weights: str = "out_in",
 ) -> list[dict[str, Any]]:
     """``worker`` on ``n`` gloo processes; rank 0's rows."""
     job = functools.partial(
@@ -434,6 +472,7 @@ def run(
         steps=steps,
         warmup=warmup,
         with_control=with_control,
+        peer_weights=peer_weights,
     )
     return cf.launch(job, mesh={"dp": n}, backend="gloo", timeout=600)[0]
 
@@ -451,6 +490,13 @@ def main(argv: list[str] | None = None) -> None:
         help="also time two identical colfunc dp steps, and two identical DDP peers, against "
         "each other: the noise floor of the ratios",
     )
+    ap.add_argument(
+        "--peer-weights",
+        choices=PEER_WEIGHTS,
+        default="out_in",
+        help="the DDP peers' Linear weights: nn.Linear's [out, in] (default), or [in, out] as "
+        "colfunc's models store them, which compares the data-parallel machinery alone",
+    )
     args = ap.parse_args(argv)
     schemes = args.schemes.split(",")
     for name in [*args.configs.split(","), *schemes]:
@@ -465,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
         "MB: sent per rank per step (ours: ledger; torch: its collectives counted, ring formulas)"
     )
     print("calls: collectives per step")
+    print(f"DDP peers' Linear weights: {args.peer_weights}")
     print(
         "CPU ratio: the same median over this rank's main-thread CPU time (time.thread_time),"
         " which neither the\nwait for a collective nor time the machine gives to others counts\n"
@@ -486,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps if args.steps is not None else steps
         warmup = args.warmup if args.warmup is not None else warmup
         for n in procs:
-            for r in run(n, schemes, cfg, batch_size, steps, warmup, args.control):
+            rows = run(n, schemes, cfg, batch_size, steps, warmup, args.control, args.peer_weights)
+            for r in rows:
                 if r["scheme"] == "control":
                     controls.append(
                         f"- {name} {n} ranks: colfunc dp against itself {r['ours']:.3f}, DDP "

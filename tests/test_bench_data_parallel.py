@@ -47,3 +47,19 @@ def test_the_control_pairs_equal_sides() -> None:
     assert [r["scheme"] for r in rows] == ["control", "dp"]
     assert rows[0]["loss_gap"] == 0.0
     assert rows[0]["ours"] > 0 and rows[0]["torch"] > 0
+
+
+def test_the_in_out_peer_computes_what_ours_computes() -> None:
+    """``--peer-weights in_out``: DDP over Linear layers whose weights are stored [in, out], as
+    ours are, runs the same matmuls: its losses equal ours at every step, and it starts from the
+    same weights (its layers hold ours, not their transposes)."""
+    cfg = data_parallel.gpt.Config(vocab_size=64, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
+    rows = data_parallel.run(
+        2, ["dp", "zero0"], cfg, batch_size=4, steps=2, warmup=1, peer_weights="in_out"
+    )
+    assert [r["loss_gap"] for r in rows] == [0.0, 0.0], rows
+    linear = data_parallel.GPT(cfg).blocks[0].fc
+    fc = data_parallel.InOutLinear(linear)
+    assert fc.weight.shape == (cfg.d_model, 4 * cfg.d_model)  # [in, out]
+    x = data_parallel.torch.randn(3, cfg.d_model)
+    data_parallel.torch.testing.assert_close(fc(x), linear(x), rtol=1e-6, atol=1e-6)
