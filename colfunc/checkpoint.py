@@ -271,7 +271,7 @@ def _zeros_operator(nbytes: int) -> tuple[int, ...]:
     return out
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``, as
     zlib's ``crc32_combine``."""
     return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 else crc1
@@ -284,7 +284,7 @@ def _sums(t: torch.Tensor, block: int) -> tuple[str, list[str]]:
     crcs = [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
     whole = 0  # the CRC-32 of no bytes
     for i, crc in enumerate(crcs):
-        whole = crc32_combine(whole, crc, min(block, len(data) - i * block))
+        whole = _crc32_combine(whole, crc, min(block, len(data) - i * block))
     return f"{whole:08x}", [f"{crc:08x}" for crc in crcs]
 
 
