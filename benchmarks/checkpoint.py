@@ -63,9 +63,8 @@ def main() -> None:
             copies.append(time.perf_counter() - t0)
             del host
 
-            t0 = time.perf_counter()
-            for x in tree.tensors(state):
-                checkpoint.checksum(x)
+            t0 = time.perf_counter()  # what a save computes: whole and per-block CRC-32s
+            checkpoint._checksums({str(k): x for k, x in enumerate(tree.tensors(state))})
             sums.append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()
