@@ -67,12 +67,20 @@ def runs_of(tags: torch.Tensor) -> torch.Tensor:
     """``[n, 3]`` int64 runs ``(local start, global start, length)`` of a tensor of tags (global
     index plus one; zero marks padding), maximal runs of consecutive indices."""
     flat = tags.reshape(-1)
+    zero = torch.zeros(1, dtype=torch.int64)
+    if flat.numel() and bool((flat > 0).all()):
+        # no padding (a replica, a shard, a whole chunk: the common case): the runs break only
+        # where the global index does not go up by one, so no element is gathered or indexed
+        breaks = torch.nonzero(torch.diff(flat) != 1).reshape(-1) + 1
+        starts = torch.cat([zero, breaks])
+        ends = torch.cat([breaks, torch.tensor([flat.numel()])])
+        return torch.stack([starts, flat[starts].to(torch.int64) - 1, ends - starts], dim=1)
     idx = torch.nonzero(flat > 0).reshape(-1)
     if idx.numel() == 0:
         return torch.zeros((0, 3), dtype=torch.int64)
     g = flat[idx].to(torch.int64) - 1
     breaks = ((idx[1:] - idx[:-1]) != 1) | ((g[1:] - g[:-1]) != 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).reshape(-1) + 1])
+    starts = torch.cat([zero, torch.nonzero(breaks).reshape(-1) + 1])
     ends = torch.cat([starts[1:], torch.tensor([idx.numel()])])
     return torch.stack([idx[starts], g[starts], ends - starts], dim=1)
 

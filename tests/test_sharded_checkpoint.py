@@ -4,6 +4,7 @@ under one layout loads under any other, the full state (parameters and optimizer
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -609,6 +610,25 @@ def test_runs_round_trip_any_tags(segments: list[tuple[int, int, int]]) -> None:
     if len(runs) > 1:  # maximal: no two neighbouring runs continue each other
         ends = runs[:-1, 0] + runs[:-1, 2], runs[:-1, 1] + runs[:-1, 2]
         assert not bool(((ends[0] == runs[1:, 0]) & (ends[1] == runs[1:, 1])).any())
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    hst.lists(hst.tuples(hst.integers(0, 40), hst.integers(1, 6)), min_size=1, max_size=12),
+    hst.sampled_from([torch.float64, torch.int64]),
+)
+def test_runs_of_unpadded_tags_equal_the_element_indices(
+    segments: list[tuple[int, int]], dtype: torch.dtype
+) -> None:
+    """Without padding (every element tagged), the runs still expand back to exactly the
+    elements' local and global indices, maximal."""
+    tags = [g for start, length in segments for g in range(start + 1, start + 1 + length)]
+    t = torch.tensor(tags, dtype=dtype)
+    runs = reshard.runs_of(t)
+    local, glob = reshard.expand_runs(runs)
+    assert torch.equal(local, torch.arange(len(tags))) and torch.equal(glob, t.to(torch.int64) - 1)
+    breaks = sum(1 for a, b in itertools.pairwise(tags) if b != a + 1)
+    assert len(runs) == breaks + 1
 
 
 def _runs(draw: Any, total: int) -> torch.Tensor:
