@@ -112,11 +112,21 @@ def _layout_key(cfg: RunConfig) -> Any:
 
 
 def _fresh_layout(step_fn: Any, cfg: RunConfig) -> TrainState:
-    """A new state of ``step_fn`` on this rank, for its layout only (a load replaces the
-    values): abstract parameters, each rank making its own pieces; a pipeline cuts made ones."""
+    """A new state of ``step_fn`` on this rank, for its layout only: abstract parameters made
+    as zeros (a load replaces every value, so the model's random initialisation would be
+    work thrown away), each rank making its own pieces; a pipeline cuts made ones."""
     model = model_module(cfg.model)
-    abstract = not cfg.parallel.get("pipeline")
-    return step_fn.init(model.init(cfg.model, seed=cfg.train.seed, abstract=abstract))
+    described = tree.map(
+        lambda x: (
+            random.abstract(x.shape, functools.partial(random.zeros, x.shape, x.dtype), x.dtype)
+            if isinstance(x, random.Abstract)
+            else x
+        ),
+        model.init(cfg.model, seed=cfg.train.seed, abstract=True),
+    )
+    if cfg.parallel.get("pipeline"):
+        described = random.materialize(described)
+    return step_fn.init(described)
 
 
 def _layout_pieces(step_fn: Any, cfg: RunConfig) -> dict[str, reshard.Piece]:
