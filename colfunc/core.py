@@ -26,7 +26,8 @@ frame                 pushed by                                    read by      
                                                                    dtype)
 ``LayerGrads``        ``shard`` and ``zero`` 0-2 forward-backward  the step's forward-backward (``track``),     call
                       (their gradient buckets)                     :func:`scan_layers` (take each layer's
-                                                                   gradients during the backward pass)
+                                                                   gradients during the backward pass),
+                                                                   :func:`loss_scale` (its ``scale``)
 ``NormReduction``     ``shard`` (local update), ``zero`` 1-3       ``optim.clip_by_global_norm``, the step's    call
                       update, ``pipeline`` update                  gradient norm; ``pipeline`` nests it
 ``SplitBackward``     ``pipeline`` with ``"zero_bubble"``          remat (full checkpoints), ZeRO-3 gathers     call
@@ -251,7 +252,8 @@ class LossScale:
 
 
 def loss_scale() -> float:
-    """The product of the active :class:`LossScale` frames (1.0 when there is none).
+    """The product of the active :class:`LossScale` frames and of the ``scale`` of the active
+    :class:`LayerGrads` frames (1.0 when there is none).
 
     Whatever differentiates a loss (the plain step, a pipeline schedule) multiplies by this first.
     """
@@ -259,6 +261,8 @@ def loss_scale() -> float:
     for f in _STACK.frames:
         if isinstance(f, LossScale):
             value *= f.value
+        elif isinstance(f, LayerGrads):
+            value *= f.scale
     return value
 
 
@@ -302,12 +306,21 @@ class LayerGrads:
 
     Data parallelism uses it to start reducing a layer's gradients while the earlier layers are
     still being differentiated, and to drop each one once it is packed for sending.
+
+    ``scale`` is a factor the receiver wants every gradient computed inside the frame multiplied
+    by (data parallelism's ``1/n`` of an average): :func:`loss_scale` includes it, so the
+    backward pass is seeded with it and no pass over the gradients divides them afterwards.
     """
 
     def __init__(
-        self, on_layer: Callable[[int, dict[str, Any], dict[str, torch.Tensor]], None]
+        self,
+        on_layer: Callable[[int, dict[str, Any], dict[str, torch.Tensor]], None],
+        scale: float = 1.0,
     ) -> None:
+        if not scale > 0:
+            raise ValueError(f"LayerGrads: scale must be > 0, got {scale!r}")
         self.on_layer = on_layer
+        self.scale = float(scale)
         self.paths: dict[int, str] = {}
         self.handed: dict[str, torch.Tensor] = {}
 

@@ -31,6 +31,10 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "foreach_addcmul_": ("torch._foreach_addcmul_", "Adam's second moment"),
     "foreach_addcdiv_": ("torch._foreach_addcdiv_", "Adam's update"),
     "foreach_sqrt": ("torch._foreach_sqrt", "Adam's denominator"),
+    "foreach_copy_": (
+        "torch._foreach_copy_",
+        "writing a layer's gradients into data parallelism's flat buffer in one call",
+    ),
     "foreach_maximum": ("torch._foreach_maximum", "AMSGrad's running maximum"),
     "foreach_norm": ("torch._foreach_norm", "gradient norms in one pass"),
     "top_saved_tensors_default_hooks": (

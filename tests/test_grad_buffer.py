@@ -113,13 +113,15 @@ def _copies_into_the_buffer(mesh):
     class Count(torch_private.get("TorchDispatchMode")):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            # a gradient is written by a copy, or divided into place for the average
-            dst = None
+            # a gradient is written by a copy (a layer's together), or divided into place
+            dsts = []
             if func is torch.ops.aten.copy_.default:
-                dst = args[0]
+                dsts = [args[0]]
+            elif func is torch.ops.aten._foreach_copy_.default:
+                dsts = list(args[0])
             elif func is torch.ops.aten.mul.out:
-                dst = (kwargs or {})["out"]
-            if dst is not None:
+                dsts = [(kwargs or {})["out"]]
+            for dst in dsts:
                 written.append((dst.untyped_storage().data_ptr(), dst.numel() * dst.element_size()))
             return out
 

@@ -16,6 +16,7 @@ results agree to rounding); new tensors come out and nothing passed in is writte
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ from colfunc.optim.base import (
     LearningRate,
     Tensors,
     check_lr,
+    by_rows,
     check_number,
     contiguous_pieces,
     learning_rate,
@@ -58,6 +60,19 @@ class AdamWHyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
+
+
+def _fused_ready(ps: Tensors, gs: Tensors, ms: Tensors, vs: Tensors) -> bool:
+    """Whether the fused kernel takes these lists: plain fp32 or fp64 tensors, each entry's
+    four of one dtype and device."""
+    for p, g, m, v in zip(ps, gs, ms, vs):
+        dtype, device = p.dtype, p.device
+        if type(p) is not torch.Tensor or dtype not in (torch.float32, torch.float64):
+            return False
+        for x in (g, m, v):
+            if type(x) is not torch.Tensor or x.dtype != dtype or x.device != device:
+                return False
+    return True
 
 
 def _scale_by_adam(
@@ -116,6 +131,26 @@ def _scale_by_adam(
     def current_lr(state: AdamState) -> float:
         return learning_rate(lr, state.step)
 
+    # with donate, each stacked parameter's rows and its moments' rows, kept for the next
+    # update (per thread: the threads backend's ranks may share an optimizer): the new state
+    # holds the same tensors, so the rows are cut once, not every step
+    local = threading.local()
+
+    def rows_of(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, fresh: dict[int, Any]) -> Any:
+        kept = getattr(local, "rows", {}).get(id(p))
+        if (
+            kept is not None
+            and kept[0] is p
+            and kept[1] is m
+            and kept[2] is v
+            and kept[3] == (p.data_ptr(), m.data_ptr(), v.data_ptr())
+        ):
+            fresh[id(p)] = kept
+            return kept[4:]
+        cut = (p.unbind(0), m.unbind(0), v.unbind(0))
+        fresh[id(p)] = (p, m, v, (p.data_ptr(), m.data_ptr(), v.data_ptr()), *cut)
+        return cut
+
     def apply(
         grads: PyTree, state: AdamState, params: PyTree, donate: bool = False
     ) -> tuple[PyTree, AdamState] | None:
@@ -127,13 +162,7 @@ def _scale_by_adam(
         gs: list[torch.Tensor] = treedef.flatten_up_to(grads)
         ms: list[torch.Tensor] = treedef.flatten_up_to(state.exp_avg)
         vs: list[torch.Tensor] = treedef.flatten_up_to(state.exp_avg_sq)
-        same = all(
-            type(x) is torch.Tensor and x.dtype == p.dtype and x.device == p.device
-            for p, g, m, v in zip(ps, gs, ms, vs)
-            for x in (p, g, m, v)
-        )
-        wide = all(p.dtype in (torch.float32, torch.float64) for p in ps)
-        if not (decoupled and not amsgrad and ps and same and wide):
+        if not (decoupled and not amsgrad and ps and _fused_ready(ps, gs, ms, vs)):
             return None
         t = state.step + 1
         new_p, new_m, new_v = (
@@ -143,10 +172,18 @@ def _scale_by_adam(
         # the fused kernel reads every tensor as contiguous: a strided gradient (data
         # parallelism's views into its flat buffer) goes in row by row, its rows contiguous
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-        for entry in zip(new_p, gs, new_m, new_v):
-            pieces = contiguous_pieces(*entry)
+        fresh: dict[int, Any] = {}
+        for p, g, m, v in zip(new_p, gs, new_m, new_v):
+            strided = not g.is_contiguous() and by_rows(g)
+            if donate and strided and p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
+                p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)
+                pieces: tuple[Any, ...] = (p_rows, g.unbind(0), m_rows, v_rows)
+            else:
+                pieces = contiguous_pieces(p, g, m, v)
             for out, piece in zip(lists, pieces):
                 out.extend(piece)
+        if donate:
+            local.rows = fresh
         # the kernel only reads the step count: one tensor per device serves every entry
         count: dict[torch.device, torch.Tensor] = {}
         for p in ps:

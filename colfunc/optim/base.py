@@ -7,6 +7,7 @@ the state decides what to keep.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -20,7 +21,9 @@ __all__ = [
     "LearningRate",
     "apply_updates",
     "chain",
+    "by_rows",
     "contiguous_pieces",
+    "dense",
     "flat_runs",
     "learning_rate",
 ]
@@ -157,6 +160,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update, lr, apply if has_apply else None)
 
 
+def dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` is contiguous (row-major, size-1 dims aside),
+    read off its geometry alone."""
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
 def contiguous_pieces(*xs: torch.Tensor, at: int = 1) -> tuple[list[torch.Tensor], ...]:
     """``xs``, alike in shape, as lists of matching contiguous pieces, for kernels that read
     every tensor as contiguous (the fused AdamW, a norm): whole if ``xs[at]`` is contiguous,
@@ -166,9 +180,15 @@ def contiguous_pieces(*xs: torch.Tensor, at: int = 1) -> tuple[list[torch.Tensor
     g = xs[at]
     if g.is_contiguous():
         return tuple([x] for x in xs)
-    if g.dim() > 1 and g[0].is_contiguous() and all(x.is_contiguous() for x in xs if x is not g):
+    if by_rows(g) and all(x.is_contiguous() for x in xs if x is not g):
         return tuple(list(x.unbind(0)) for x in xs)
     return tuple([x.contiguous() if x is g else x] for x in xs)
+
+
+def by_rows(g: torch.Tensor) -> bool:
+    """Whether ``g`` (not contiguous) is a stack of contiguous rows that
+    :func:`contiguous_pieces` cuts it into."""
+    return g.dim() > 1 and dense(tuple(g.shape[1:]), g.stride()[1:])
 
 
 def flat_runs(ts: Tensors) -> list[torch.Tensor] | None:
@@ -177,30 +197,47 @@ def flat_runs(ts: Tensors) -> list[torch.Tensor] | None:
     overlapping, each contiguous or a stack of contiguous rows: data parallelism's gradients,
     views into one flat buffer per dtype. None otherwise, and for no tensors.
 
-    A kernel over the runs (a norm) then makes a few large calls instead of one per row.
+    A kernel over the runs (a norm) then makes a few large calls instead of one per row. Where
+    the runs lie follows from the tensors' geometry alone (storage, offset, shape, strides),
+    so it is worked out once per geometry (the same buffers step after step).
     """
     if not ts:
         return None
     first = ts[0]
-    # storage -> (start, length) of every contiguous segment the tensors cover, and a tensor
-    # on that storage to cut the runs from
-    segments: dict[int, list[tuple[int, int]]] = {}
-    owner: dict[int, torch.Tensor] = {}
+    owner: dict[int, torch.Tensor] = {}  # storage -> a tensor on it to cut the runs from
+    geometry = []
     for t in ts:
         if type(t) is not torch.Tensor or t.dtype != first.dtype or t.device != first.device:
             return None
-        if t.numel() == 0:
+        key = t.untyped_storage().data_ptr()
+        owner.setdefault(key, t)
+        geometry.append((key, t.storage_offset(), tuple(t.shape), t.stride()))
+    spans = _spans(tuple(geometry))
+    if not spans:
+        return None
+    return [owner[key].as_strided((n,), (1,), start) for key, start, n in spans]
+
+
+@functools.lru_cache(maxsize=64)
+def _spans(
+    geometry: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...],
+) -> tuple[tuple[int, int, int], ...] | None:
+    """The runs (storage, start, length) that tensors of ``geometry`` (storage, offset, shape,
+    stride each) cover, or None where one is neither contiguous nor contiguous rows, or two
+    overlap."""
+    segments: dict[int, list[tuple[int, int]]] = {}
+    for key, at, shape, stride in geometry:
+        numel = math.prod(shape)
+        if numel == 0:
             continue
-        if t.is_contiguous():
-            own = [(int(t.storage_offset()), t.numel())]
-        elif t.dim() > 1 and t.stride(0) > 0 and t[0].is_contiguous():
-            n, step, at = t[0].numel(), t.stride(0), int(t.storage_offset())
-            own = [(at + i * step, n) for i in range(t.shape[0])]
+        if dense(shape, stride):
+            own = [(at, numel)]
+        elif len(shape) > 1 and stride[0] > 0 and dense(shape[1:], stride[1:]):
+            n = numel // shape[0]
+            own = [(at + i * stride[0], n) for i in range(shape[0])]
         else:
             return None
-        key = t.untyped_storage().data_ptr()
         segments.setdefault(key, []).extend(own)
-        owner.setdefault(key, t)
     runs = []
     for key, segs in segments.items():
         segs.sort()
@@ -209,8 +246,8 @@ def flat_runs(ts: Tensors) -> list[torch.Tensor] | None:
             if at < end:  # overlapping tensors: their union is not what a norm of each sees
                 return None
             if at > end:
-                runs.append(owner[key].as_strided((end - start,), (1,), start))
+                runs.append((key, start, end - start))
                 start = at
             end = at + n
-        runs.append(owner[key].as_strided((end - start,), (1,), start))
-    return runs or None
+        runs.append((key, start, end - start))
+    return tuple(runs)

@@ -11,6 +11,7 @@ they start. Both take each scanned layer's gradients from the backward pass thro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Any
@@ -224,35 +225,98 @@ def _cut(
     return _Layout(tuple(buffers), places, tuple(cuts))
 
 
+@dataclasses.dataclass
+class _Kept:
+    """Buffers a pool keeps, what was built on them, and how many tensors refer to each
+    buffer's memory when nothing but the pool and those views does."""
+
+    buffers: list[torch.Tensor]
+    views: Any
+    users: list[int]
+
+
 class BufferPool:
-    """Flat gradient buffers kept from one step for the next, as DDP keeps its buckets.
+    """Flat gradient buffers kept from one step for the next, as DDP keeps its buckets, with
+    the views a step cuts from them (each leaf's place, each layer's rows, each bucket).
 
     A fresh buffer per step costs the allocator: past glibc's mmap threshold (32 MiB at most)
-    every step maps new pages and faults each one in as the gradients are written. A buffer is
-    handed out again only once nothing refers to its memory any more (no gradient view, no
-    optimizer state, no saved tensor): a caller that keeps the gradients of a step (``optim.
-    accumulate``, a user's own loop) gets a new buffer, never one being written over. Safe
-    across threads (each rank of the threads backend takes its own). A buffer's contents are
-    undefined, as ``torch.empty``'s.
+    every step maps new pages and faults each one in as the gradients are written; and cutting
+    the views again costs a few microseconds of Python per leaf and layer. A buffer is handed
+    out again only once nothing refers to its memory beyond the pool and its kept views (no
+    gradient handed out, no optimizer state, no saved tensor, no caller still working on it):
+    a caller that keeps the gradients of a step (``optim.accumulate``, a user's own loop) gets
+    a new buffer, never one being written over. Safe across threads (each rank of the threads
+    backend takes its own). A buffer's contents are undefined, as ``torch.empty``'s.
     """
 
     KEPT = 2  # buffers kept per layout and dtype (two ranks' threads, say)
 
     def __init__(self) -> None:
-        self.kept: dict[Any, list[torch.Tensor]] = {}
+        self.kept: dict[Any, list[_Kept]] = {}
         self.lock = threading.Lock()
+
+    def take(
+        self,
+        key: Any,
+        specs: list[tuple[torch.dtype, torch.device, int]],
+        build: Any,
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """Flat 1-d buffers for ``specs`` (dtype, device, elements each) and ``build(buffers)``,
+        the views of them that the caller works through, both reused from an earlier call
+        under ``key`` when that one is free; and one *lease* per buffer (a view of it): while
+        a lease or anything cut from the buffers outside ``build`` lives, they are not handed
+        out again. The caller keeps the leases until what it hands out refers to the buffers."""
+        with self.lock:
+            kept = self.kept.setdefault(key, [])
+            for entry in kept:
+                if all(torch_private.storage_users(b) == n for b, n in zip(entry.buffers, entry.users)):
+                    return entry.views, [b.view(-1) for b in entry.buffers]  # taken under the lock
+            buffers = [torch.empty(numel, dtype=d, device=dev) for d, dev, numel in specs]
+            views = build(buffers)
+            if len(kept) < self.KEPT:
+                users = [torch_private.storage_users(b) for b in buffers]
+                kept.append(_Kept(buffers, views, users))
+            return views, [b.view(-1) for b in buffers]
 
     def empty(self, key: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-d buffer of ``numel`` elements, reused if one kept under ``key`` is free."""
-        with self.lock:
-            kept = self.kept.setdefault(key, [])
-            for buffer in kept:
-                if torch_private.storage_users(buffer) == 1:  # only the pool refers to it
-                    return buffer.view(-1)  # a view: taken before the lock is let go
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            if len(kept) < self.KEPT:
-                kept.append(buffer)
-            return buffer.view(-1)
+        _, (lease,) = self.take(key, [(dtype, device, numel)], lambda buffers: None)
+        return lease
+
+
+@dataclasses.dataclass
+class _Views:
+    """What a step cuts from its flat buffers: every leaf's gradient in place (``whole``), a
+    stacked leaf's rows per layer, each bucket's range, and which buckets hold each layer."""
+
+    whole: dict[str, torch.Tensor]
+    rows: dict[str, tuple[torch.Tensor, ...]]
+    buckets: list[torch.Tensor]
+    of_layer: dict[int, list[int]]  # layer -> indices of the buckets holding its rows
+    bucket_of: dict[str, dict[int, int]]  # scanned leaf -> layer -> index of its bucket
+
+
+def _views(layout: _Layout, buffers: list[torch.Tensor]) -> _Views:
+    whole: dict[str, torch.Tensor] = {}
+    rows: dict[str, tuple[torch.Tensor, ...]] = {}
+    for path, place in layout.places.items():
+        buffer, shape = buffers[place.buffer], place.shape
+        if place.row is not None:
+            inner = shape[1:]
+            strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
+            w = buffer.as_strided(shape, (place.row, *strides), place.offset)
+            whole[path], rows[path] = w, w.unbind(0)
+        else:
+            whole[path] = buffer[place.offset : place.offset + math.prod(shape)].view(shape)
+    views = [buffers[cut.buffer][cut.lo : cut.hi] for cut in layout.cuts]
+    of_layer: dict[int, list[int]] = {}
+    bucket_of: dict[str, dict[int, int]] = {}
+    for c, cut in enumerate(layout.cuts):
+        for i in cut.layers:
+            of_layer.setdefault(i, []).append(c)
+            for path in cut.paths:
+                bucket_of.setdefault(path, {})[i] = c
+    return _Views(whole, rows, views, of_layer, bucket_of)
 
 
 class GradBuckets:
@@ -292,14 +356,16 @@ class GradBuckets:
         early: bool = True,
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
-        # an average is divided as each gradient is written (as DDP divides as it copies into
-        # its buckets), so no pass over the reduced buffers divides them; the buckets sum
+        # an average seeds the backward pass with 1/n (the frame's scale: see
+        # core.loss_scale), so every gradient arrives divided, is copied into its place and
+        # the buckets sum: no pass divides, as DDP divides as it copies into its buckets
         n = mesh.axis_size(axis)
-        self.scale = 1.0 / n if op == "avg" and n > 1 else None
+        average = op == "avg" and n > 1
+        self.loss_div = 1.0 / n if average else None  # the carried loss is divided on its write
         self.reduce = "sum" if op == "avg" else op
         self.early = early  # start buckets as they fill (False: all of them in finish)
         self.pool = pool  # where the flat buffers come from (None: fresh ones every step)
-        self.frame = core.LayerGrads(self.on_layer)
+        self.frame = core.LayerGrads(self.on_layer, scale=1.0 / n if average else 1.0)
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
         self.local = {path: local_piece(p) for path, p in self.flat}
@@ -308,15 +374,15 @@ class GradBuckets:
         self.carry_loss = carry_loss
         self.loss: torch.Tensor | None = None
         self.buckets: list[_Bucket] | None = None  # None until the layout is fixed
+        self.views: _Views | None = None  # the views cut from this step's buffers
+        self.leases: list[torch.Tensor] = []  # the buffers, held while this step works on them
         self.whole: dict[str, torch.Tensor] = {}  # every leaf's gradient, in its buffer
         self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # a scanned leaf's rows, per layer
-        self.of_layer: dict[int, list[_Bucket]] = {}  # the buckets holding a layer's rows
-        self.bucket_of: dict[str, dict[int, _Bucket]] = {}  # a scanned leaf's, per layer
         self.filled: dict[int, set[str]] = {}  # per layer, the scanned leaves written
         self.reported: set[int] = set()
-        # what arrives after its bucket started is reduced apart; it also names the dtype each
-        # gradient is reduced in (amp's masters)
-        self.late = PackedBuckets(mesh, axis, bucket_bytes, op)
+        # what arrives after its bucket started is reduced apart (summed: it arrives divided);
+        # it also names the dtype each gradient is reduced in (amp's masters)
+        self.late = PackedBuckets(mesh, axis, bucket_bytes, self.reduce)
         self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
 
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
@@ -333,34 +399,19 @@ class GradBuckets:
             if len(_LAYOUTS) >= _LAYOUTS_KEPT:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = layout
-        buffers = [
-            torch.empty(numel, dtype=d, device=dev)
-            if self.pool is None
-            else self.pool.empty((key, k), numel, d, dev)
-            for k, (d, dev, numel) in enumerate(layout.buffers)
+        specs = list(layout.buffers)
+        build = functools.partial(_views, layout)
+        if self.pool is None:
+            buffers = [torch.empty(numel, dtype=d, device=dev) for d, dev, numel in specs]
+            views, self.leases = build(buffers), buffers
+        else:
+            views, self.leases = self.pool.take(key, specs, build)
+        self.views, self.whole, self.rows = views, views.whole, views.rows
+        self.buckets = [
+            _Bucket(view, cut.layers, cut.waiting, cut.paths)
+            for view, cut in zip(views.buckets, layout.cuts)
         ]
-        for path, place in layout.places.items():
-            buffer, shape = buffers[place.buffer], place.shape
-            if place.row is not None:
-                inner = shape[1:]
-                strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
-                whole = buffer.as_strided(shape, (place.row, *strides), place.offset)
-                self.whole[path], self.rows[path] = whole, whole.unbind(0)
-            else:
-                self.whole[path] = buffer[place.offset : place.offset + math.prod(shape)].view(
-                    shape
-                )
-        buckets = []
-        for cut in layout.cuts:
-            view = buffers[cut.buffer][cut.lo : cut.hi]
-            bucket = _Bucket(view, cut.layers, cut.waiting, cut.paths)
-            buckets.append(bucket)
-            for i in cut.layers:
-                self.of_layer.setdefault(i, []).append(bucket)
-                for path in cut.paths:
-                    self.bucket_of.setdefault(path, {})[i] = bucket
-        self.buckets = buckets
-        return buckets
+        return self.buckets
 
     def _start(self, bucket: _Bucket) -> None:
         for i in bucket.layers:  # rows no gradient came for are zero
@@ -370,44 +421,35 @@ class GradBuckets:
                     self.rows[path][i].zero_()
         bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.reduce, self.mesh)
 
-    def _write(self, into: torch.Tensor, g: torch.Tensor) -> None:
-        """``into = g``, divided for an average (an integer leaf's zeros are not)."""
-        if self.scale is None or not into.is_floating_point():
-            into.copy_(g)
-        elif g.dtype == into.dtype:
-            torch.mul(g, self.scale, out=into)
-        else:  # widened first (amp's masters), divided in the wide dtype
-            into.copy_(g).mul_(self.scale)
-
-    def _add(self, into: torch.Tensor, g: torch.Tensor) -> None:
-        """``into += g``, divided for an average."""
-        if self.scale is None or not into.is_floating_point():
-            into.add_(g)
-        else:
-            into.add_(g.to(into.dtype), alpha=self.scale)
-
     def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
-        if self.buckets is None:
-            self._plan(list(grads))
+        buckets = self._plan(list(grads)) if self.buckets is None else self.buckets
+        views = self.views
+        assert views is not None
         filled = self.filled.setdefault(i, set())
+        into: list[torch.Tensor] = []  # this layer's rows, written together
+        given: list[torch.Tensor] = []
         for path, g in grads.items():
             if g is None:
                 continue
-            row = local_piece(in_placement(g, params[path]))
+            row = g if type(g) is torch.Tensor else local_piece(in_placement(g, params[path]))
             rows = self.rows.get(path)
             if rows is None:  # not a leaf of the scan that fixed the layout
                 self.elsewhere.setdefault(path, []).append((i, row))
-            elif self.bucket_of[path][i].pending is not None:
+            elif buckets[views.bucket_of[path][i]].pending is not None:
                 self.late.add(("row", path, i), row)  # its bucket has started
             elif path in filled:
-                self._add(rows[i], row)
+                rows[i].add_(row)
             else:
-                self._write(rows[i], row)
+                into.append(rows[i])
+                given.append(row)
                 filled.add(path)
+        if into:
+            torch_private.foreach_copy_(into, given)  # widened in place (amp's masters)
         if i in self.reported or not any(p in self.rows for p in grads) or not self.early:
             return
         self.reported.add(i)
-        for bucket in self.of_layer.get(i, ()):
+        for c in views.of_layer.get(i, ()):
+            bucket = buckets[c]
             bucket.waiting -= 1
             if bucket.waiting == 0:
                 self._start(bucket)
@@ -421,7 +463,10 @@ class GradBuckets:
         slot = self.whole.get(LOSS)
         carried = slot is not None and loss is not None and loss.dtype == slot.dtype
         if slot is not None:
-            self._write(slot, loss.detach() if carried and loss is not None else torch.zeros(()))
+            value = loss.detach() if carried and loss is not None else torch.zeros(())
+            slot.copy_(value)
+            if self.loss_div is not None:
+                slot.mul_(self.loss_div)
         handed = self.frame.handed
         for path, g in tree.flatten_with_paths(grads)[0]:
             local = local_piece(in_placement(g, self.placed[path]))
@@ -432,9 +477,9 @@ class GradBuckets:
                     self.late.add(("whole", path), local)
                 continue
             whole = self.whole[path]
-            self._write(whole, local)
+            whole.copy_(local)
             for i, row in self.elsewhere.get(path, ()):
-                self._add(whole[i], row)
+                whole[i].add_(row)
         for bucket in buckets:  # what is still open: the unscanned leaves, and layers that
             if bucket.pending is None:  # never reported
                 self._start(bucket)
@@ -447,9 +492,11 @@ class GradBuckets:
             target = self.whole[key[1]] if key[0] == "whole" else self.rows[key[1]][key[2]]
             for part in parts:
                 target += part
-        out = [rewrap(p, self.whole[path]) for path, p in self.flat]
+        # fresh views for the caller: while it holds them, the pool hands the buffers to no one
+        out = [rewrap(p, self.whole[path].view_as(self.whole[path])) for path, p in self.flat]
         self.loss = slot.clone() if carried and slot is not None else None
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         for bucket in buckets:
             bucket.pending = None
+        self.leases = []
         return tree.unflatten(self.treedef, out)
