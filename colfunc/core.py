@@ -51,7 +51,7 @@ frame                 pushed by                                    read by      
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -310,17 +310,26 @@ class LayerGrads:
     ``scale`` is a factor the receiver wants every gradient computed inside the frame multiplied
     by (data parallelism's ``1/n`` of an average): :func:`loss_scale` includes it, so the
     backward pass is seeded with it and no pass over the gradients divides them afterwards.
+
+    ``early(paths, n)``, called by a scan over ``n`` layers of the tracked leaves ``paths``,
+    names the layers whose gradients the receiver wants the moment they exist (the default:
+    all). Each of those gets a node of its own in the backward pass; the others are handed over
+    together, last layer first, once the scan's backward pass is through (after layer 0), which
+    costs no node per layer: data parallelism wants early only the layers whose buckets start
+    before the backward pass ends.
     """
 
     def __init__(
         self,
         on_layer: Callable[[int, dict[str, Any], dict[str, torch.Tensor]], None],
         scale: float = 1.0,
+        early: Callable[[tuple[str, ...], int], Collection[int]] | None = None,
     ) -> None:
         if not scale > 0:
             raise ValueError(f"LayerGrads: scale must be > 0, got {scale!r}")
         self.on_layer = on_layer
         self.scale = float(scale)
+        self.early = early
         self.paths: dict[int, str] = {}
         self.handed: dict[str, torch.Tensor] = {}
 
@@ -333,8 +342,14 @@ class LayerGrads:
         method of its owner) makes a reference cycle that only the garbage collector would
         free, with whatever the owner still holds (a backend's reduced buffers)."""
         self.on_layer = _closed
+        self.early = None
         self.handed = {}
         self.paths = {}
+
+    def early_layers(self, paths: tuple[str, ...], n: int) -> Collection[int]:
+        """The layers of a scan over ``paths`` whose gradients go to the receiver as soon as
+        they are computed (see ``early``)."""
+        return range(n) if self.early is None else self.early(paths, n)
 
 
 def _closed(i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
@@ -350,21 +365,35 @@ class WidenGrads:
 
 
 class _Unstack(torch.autograd.Function):
-    """``unbind(0)`` of tracked stacked leaves; the backward hands back zeros (see LayerGrads).
+    """``unbind(0)`` of tracked stacked leaves; the backward hands the rows of the layers in
+    ``late`` (those without a :class:`_Tap`) to the frame, last layer first, and hands back
+    zeros (see LayerGrads).
 
     (Written with ``forward(ctx, ...)``: ``apply`` then skips binding the signature of
     ``forward``, which costs more than the node itself; this node and :class:`_Tap` run only
     under data parallelism, never under ``torch.func`` transforms.)"""
 
     @staticmethod
-    def forward(ctx: Any, frame: LayerGrads, paths: tuple[str, ...], *xs: torch.Tensor) -> Any:
-        ctx.frame, ctx.paths = frame, paths
+    def forward(
+        ctx: Any,
+        frame: LayerGrads,
+        paths: tuple[str, ...],
+        late: tuple[int, ...],
+        *xs: torch.Tensor,
+    ) -> Any:
+        ctx.frame, ctx.paths, ctx.late = frame, paths, late
         ctx.xs = [x.detach() for x in xs]
         ctx.set_materialize_grads(False)
         return tuple(r for x in xs for r in x.unbind(0))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        # the layers that had no node of their own (see LayerGrads.early), last layer first
+        n = len(grads) // len(ctx.paths) if ctx.paths else 0
+        for i in sorted(ctx.late, reverse=True):
+            layer = {p: grads[m * n + i] for m, p in enumerate(ctx.paths)}
+            params = {p: x[i] for p, x in zip(ctx.paths, ctx.xs)}
+            ctx.frame.on_layer(i, layer, params)
         zeros = []
         for path, x in zip(ctx.paths, ctx.xs):
             # one zero seen through a stride-0 view costs no memory; a distributed tensor's
@@ -375,7 +404,7 @@ class _Unstack(torch.autograd.Function):
                 z = torch.zeros_like(x)
             ctx.frame.handed[path] = z
             zeros.append(z)
-        return (None, None, *zeros)
+        return (None, None, None, *zeros)
 
 
 class _Tap(torch.autograd.Function):
@@ -424,17 +453,20 @@ def _plain_scan(
         else [k for k, x in enumerate(leaves) if id(x) in taps.paths]
     )
     taken: dict[int, Any] = {}  # leaf index -> its rows, through the node that takes grads
+    early: Collection[int] = ()
     if tracked:
         assert taps is not None
         paths = tuple(taps.paths[id(leaves[k])] for k in tracked)
-        rows = _Unstack.apply(taps, paths, *(leaves[k] for k in tracked))
+        early = taps.early_layers(paths, n)
+        late = tuple(i for i in range(n) if i not in early)
+        rows = _Unstack.apply(taps, paths, late, *(leaves[k] for k in tracked))
         taken = {k: rows[m * n : (m + 1) * n] for m, k in enumerate(tracked)}
     per_leaf = [taken[k] if k in taken else x.unbind(0) for k, x in enumerate(leaves)]
     x_rows = _rows(xs, n)
     ys: list[PyTree] = []
     for i in range(n):
         layer = [r[i] for r in per_leaf]
-        if tracked:
+        if i in early:
             tapped = _Tap.apply(taps, i, paths, *(layer[k] for k in tracked))
             for k, t in zip(tracked, tapped):
                 layer[k] = t

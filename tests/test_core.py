@@ -257,3 +257,40 @@ def test_random_errors():
         cfr.normal(0, "w", (2,), std=-1.0)
     with pytest.raises(ValueError, match="low < high"):
         cfr.uniform(0, "w", (2,), 1.0, 1.0)
+
+
+@given(
+    layers=st.integers(1, 5),
+    early=st.sets(st.integers(0, 4)),
+    seed=st.integers(0, 2**16),
+)
+def test_layer_grads_hands_every_layer_over_early_ones_first(layers, early, seed):
+    """A LayerGrads frame receives each scanned layer's gradients once: the layers it names
+    early during the backward pass, the others together afterwards, last layer first; each
+    is what autograd gives that layer's rows, and the stacked leaves get zeros."""
+    early = {i for i in early if i < layers}
+    blocks = make_blocks(layers, 4, seed)
+    h = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    got: list[tuple[int, dict]] = []
+    frame = core.LayerGrads(lambda i, g, p: got.append((i, g)), early=lambda paths, n: early)
+    leaves = {k: v.clone().requires_grad_() for k, v in blocks.items()}
+    frame.track(leaves)
+    weights = torch.linspace(-1, 1, 12).view(3, 4)
+    with core.context(frame):
+        out = cf.scan_layers(block, h, leaves)
+        stacked = torch.autograd.grad((out * weights).sum(), list(leaves.values()))
+    assert all(torch.equal(s, torch.zeros_like(s)) for s in stacked)  # taken, zeros handed back
+    order = [i for i, _ in got]
+    assert sorted(order) == list(range(layers))  # each layer once
+    late = [i for i in order if i not in early]
+    assert order[: len(order) - len(late)] == sorted(early, reverse=True)  # early ones first
+    assert late == sorted(late, reverse=True)
+    # against autograd on a plain loop over the rows
+    rows = {k: [r.clone().requires_grad_() for r in v] for k, v in blocks.items()}
+    x = h
+    for i in range(layers):
+        x = block({"w": rows["w"][i], "b": rows["b"][i]}, x)
+    ref = torch.autograd.grad((x * weights).sum(), [r for k in ("w", "b") for r in rows[k]])
+    for i, grads in got:
+        torch.testing.assert_close(grads["w"], ref[i], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grads["b"], ref[layers + i], rtol=1e-6, atol=1e-7)

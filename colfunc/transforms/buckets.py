@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -365,7 +366,9 @@ class GradBuckets:
         self.reduce = "sum" if op == "avg" else op
         self.early = early  # start buckets as they fill (False: all of them in finish)
         self.pool = pool  # where the flat buffers come from (None: fresh ones every step)
-        self.frame = core.LayerGrads(self.on_layer, scale=1.0 / n if average else 1.0)
+        self.frame = core.LayerGrads(
+            self.on_layer, scale=1.0 / n if average else 1.0, early=self.early_layers
+        )
         self.flat, self.treedef = tree.flatten_with_paths(params)
         self.placed = dict(self.flat)
         self.local = {path: local_piece(p) for path, p in self.flat}
@@ -375,6 +378,7 @@ class GradBuckets:
         self.loss: torch.Tensor | None = None
         self.buckets: list[_Bucket] | None = None  # None until the layout is fixed
         self.views: _Views | None = None  # the views cut from this step's buffers
+        self.layout_paths: tuple[str, ...] = ()  # the scanned leaves that fixed the layout
         self.leases: list[torch.Tensor] = []  # the buffers, held while this step works on them
         self.whole: dict[str, torch.Tensor] = {}  # every leaf's gradient, in its buffer
         self.rows: dict[str, tuple[torch.Tensor, ...]] = {}  # a scanned leaf's rows, per layer
@@ -407,11 +411,28 @@ class GradBuckets:
         else:
             views, self.leases = self.pool.take(key, specs, build)
         self.views, self.whole, self.rows = views, views.whole, views.rows
+        self.layout_paths = tuple(scanned)
         self.buckets = [
             _Bucket(view, cut.layers, cut.waiting, cut.paths)
             for view, cut in zip(views.buckets, layout.cuts)
         ]
         return self.buckets
+
+    def early_layers(self, paths: tuple[str, ...], n: int) -> Collection[int]:
+        """The layers of a scan whose gradients are wanted as soon as they are computed: those
+        of the buckets that start before the backward pass ends. The last bucket (it holds the
+        first layers and the unscanned leaves' tail) starts in :meth:`finish` anyway, so its
+        layers' gradients may come together once the scan's backward pass is through; without
+        ``early``, every bucket starts there. A scan of other leaves than the one that fixed
+        the layout gets every layer early, as any does before the layout is fixed."""
+        if not self.early:
+            return ()
+        if self.buckets is None:
+            self._plan(list(paths))
+        assert self.buckets is not None
+        if tuple(self.layout_paths) != paths:
+            return range(n)
+        return {i for b in self.buckets if b.waiting == len(b.layers) for i in b.layers}
 
     def _start(self, bucket: _Bucket) -> None:
         for i in bucket.layers:  # rows no gradient came for are zero
