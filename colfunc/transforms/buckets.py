@@ -270,7 +270,9 @@ class BufferPool:
         with self.lock:
             kept = self.kept.setdefault(key, [])
             for entry in kept:
-                if all(torch_private.storage_users(b) == n for b, n in zip(entry.buffers, entry.users)):
+                if all(
+                    torch_private.storage_users(b) == n for b, n in zip(entry.buffers, entry.users)
+                ):
                     return entry.views, [b.view(-1) for b in entry.buffers]  # taken under the lock
             buffers = [torch.empty(numel, dtype=d, device=dev) for d, dev, numel in specs]
             views = build(buffers)
