@@ -202,3 +202,32 @@ def test_buffer_pool_hands_out_a_buffer_only_when_nothing_refers_to_it() -> None
     d = pool.empty("k", 16, torch.float32, torch.device("cpu"))
     assert d.data_ptr() == ptr  # free again: the first is handed out again
     assert pool.empty("other", 4, torch.float64, torch.device("cpu")).dtype == torch.float64
+
+
+def test_buffer_pool_keeps_the_views_it_built_and_they_do_not_hold_the_buffer() -> None:
+    pool = buckets_module.BufferPool()
+    cpu = torch.device("cpu")
+    specs = [(torch.float32, cpu, 12), (torch.float64, cpu, 4)]
+    built: list[int] = []
+
+    def build(buffers):
+        built.append(len(built))
+        return {"rows": buffers[0].view(3, 4).unbind(0), "tail": buffers[1][1:]}
+
+    views, leases = pool.take("k", specs, build)
+    ptr = leases[0].data_ptr()
+    # while the leases live the buffers are in use: another caller gets new ones, built anew
+    other, other_leases = pool.take("k", specs, build)
+    assert other_leases[0].data_ptr() != ptr and other is not views and built == [0, 1]
+    del leases, other, other_leases
+    # the kept views alone do not hold a buffer: the next caller gets it, views and all
+    again, leases = pool.take("k", specs, build)
+    assert again is views and leases[0].data_ptr() == ptr and built == [0, 1]
+    # a tensor cut from a kept view and handed out (a gradient) holds it, as a lease does
+    grad = again["rows"][1].view_as(again["rows"][1])
+    del leases
+    fresh, fresh_leases = pool.take("k", specs, build)
+    assert fresh is not views and fresh_leases[0].data_ptr() != ptr and built == [0, 1]
+    del grad, fresh, fresh_leases
+    last, leases = pool.take("k", specs, build)
+    assert last is views and leases[0].data_ptr() == ptr and built == [0, 1]
