@@ -32,6 +32,9 @@ ledger's ring formulas, so the two columns compare like with like; the same coun
 step checks our ledger where it can see our collectives. Bytes and calls come from one extra
 untimed step after the timed ones (the counter slows a step down).
 
+The ``overhead`` config (width 16, 16 positions, batch 4) makes a step almost all per-step
+overhead: its CPU ratio is what colfunc's Python adds over DDP's C++ reducer and hooks.
+
 With 4 processes on a 2-core machine every rank gets one thread and two ranks share each core:
 those timings are contended and say more about scheduling than about either library.
 
@@ -47,7 +50,8 @@ ratio within that distance of 1.0 is read as parity.
 Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory for the next step
 (:mod:`colfunc.sharding.host_malloc`); ``COLFUNC_MALLOC=system`` runs them on glibc's defaults.
 
-    python benchmarks/data_parallel.py [--configs tiny,small] [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
+    python benchmarks/data_parallel.py [--configs tiny,small,overhead]
+                                       [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3] [--control]
                                        [--peer-weights out_in|in_out]
     colfunc bench data_parallel
@@ -87,11 +91,20 @@ SCHEMES = {
     "zero3": "FSDP2",
     "tp2": "DTensor TP",
 }
+
+
+def overhead_config() -> Config:
+    """Width 16, 4 layers, 16 positions: a step that is nearly all per-step overhead (Python,
+    hooks, launches), so its ratio shows what each library adds to a step, not its kernels."""
+    return Config(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=16)
+
+
 # config -> (batch size, world sizes, timed steps, warm-up steps): small runs on 2 processes only,
 # so that the whole benchmark stays within about five minutes on 2 cores
 SIZES = {
     "tiny": (Config.tiny, 16, (2, 4), 10, 3),
     "small": (Config.small, 8, (2,), 4, 1),
+    "overhead": (overhead_config, 4, (2,), 60, 10),
 }
 
 
