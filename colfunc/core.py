@@ -321,7 +321,7 @@ class LayerGrads:
 
     def __init__(
         self,
-        on_layer: Callable[[int, dict[str, Any], dict[str, torch.Tensor]], None],
+        on_layer: Callable[[int, dict[str, Any], Mapping[str, torch.Tensor]], None],
         scale: float = 1.0,
         early: Callable[[tuple[str, ...], int], Collection[int]] | None = None,
     ) -> None:
@@ -352,7 +352,7 @@ class LayerGrads:
         return range(n) if self.early is None else self.early(paths, n)
 
 
-def _closed(i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+def _closed(i: int, grads: dict[str, Any], params: Mapping[str, torch.Tensor]) -> None:
     raise RuntimeError("LayerGrads: the frame was closed; gradients arrived after the step")
 
 
@@ -391,20 +391,40 @@ class _Unstack(torch.autograd.Function):
         # the layers that had no node of their own (see LayerGrads.early), last layer first
         n = len(grads) // len(ctx.paths) if ctx.paths else 0
         for i in sorted(ctx.late, reverse=True):
-            layer = {p: grads[m * n + i] for m, p in enumerate(ctx.paths)}
-            params = {p: x[i] for p, x in zip(ctx.paths, ctx.xs)}
-            ctx.frame.on_layer(i, layer, params)
+            layer = dict(zip(ctx.paths, grads[i::n]))
+            ctx.frame.on_layer(i, layer, _LayerSlices(ctx.paths, ctx.xs, i))
         zeros = []
+        zero: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         for path, x in zip(ctx.paths, ctx.xs):
             # one zero seen through a stride-0 view costs no memory; a distributed tensor's
             # zeros must carry its placements
             if type(x) is torch.Tensor:
-                z = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
+                key = (x.dtype, x.device)
+                if key not in zero:
+                    zero[key] = torch.zeros((), dtype=x.dtype, device=x.device)
+                z = zero[key].expand(x.shape)
             else:
                 z = torch.zeros_like(x)
             ctx.frame.handed[path] = z
             zeros.append(z)
         return (None, None, None, *zeros)
+
+
+class _LayerSlices(Mapping[str, torch.Tensor]):
+    """Layer ``i``'s slice of each stacked leaf, by path, cut when asked for (a receiver reads
+    one only for a gradient that is not a plain tensor)."""
+
+    def __init__(self, paths: tuple[str, ...], xs: list[torch.Tensor], i: int) -> None:
+        self.paths, self.xs, self.i = paths, xs, i
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        return self.xs[self.paths.index(path)][self.i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
 
 
 class _Tap(torch.autograd.Function):

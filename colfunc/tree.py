@@ -76,9 +76,57 @@ def _paths_of(treedef: Any) -> tuple[str, ...]:
     return known
 
 
+# A training step flattens trees of the same few structures many times per step, and
+# ``optree.tree_flatten`` costs about ten times flattening along a known treedef (which checks
+# every node's type, keys and length as it goes). So the treedef last seen for a tree's
+# top-level signature (its type, and a dict's keys or a sequence's length) is tried first; its
+# result stands when every leaf it yields is a leaf (a tensor or a plain scalar), not a subtree
+# or a None in a leaf's place. Trees that optree deems equal in structure (dicts with the same
+# keys, whatever their order) share the treedef first seen.
+_KNOWN: dict[Any, Any] = {}
+_KNOWN_KEPT = 256
+_SCALARS = (int, float, bool, str, complex)
+
+
+def _signature(tree: PyTree) -> Any:
+    kind = type(tree)
+    if kind is dict:
+        return (kind, tuple(tree))
+    if kind is list or kind is tuple:
+        return (kind, len(tree))
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return (kind,)
+    return None
+
+
+def _is_plain_leaf(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) or type(x) in _SCALARS
+
+
+def _flatten(tree: PyTree) -> tuple[list[Any], Any]:
+    """``optree.tree_flatten(tree)``, along the treedef last seen for ``tree``'s signature
+    when ``tree`` has its structure."""
+    sig = _signature(tree)
+    if sig is not None:
+        treedef = _KNOWN.get(sig)
+        if treedef is not None:
+            try:
+                leaves_ = treedef.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                leaves_ = None
+            if leaves_ is not None and all(_is_plain_leaf(x) for x in leaves_):
+                return leaves_, treedef
+    leaves_, treedef = optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    if sig is not None:
+        if len(_KNOWN) >= _KNOWN_KEPT:
+            _KNOWN.clear()
+        _KNOWN[sig] = treedef
+    return leaves_, treedef
+
+
 def flatten_with_paths(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
     """Return ``([(path, leaf), ...], treedef)``, leaves in the canonical (sorted-key) order."""
-    leaves_, treedef = optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    leaves_, treedef = _flatten(tree)
     return list(zip(_paths_of(treedef), leaves_)), treedef
 
 
@@ -88,11 +136,11 @@ def unflatten(treedef: Any, leaves_: Iterable[Any]) -> PyTree:
 
 
 def structure(tree: PyTree) -> Any:
-    return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF)
+    return _flatten(tree)[1]
 
 
 def leaves(tree: PyTree) -> list[Any]:
-    return optree.tree_leaves(tree, none_is_leaf=_NONE_IS_LEAF)
+    return _flatten(tree)[0]
 
 
 def paths(tree: PyTree) -> list[str]:

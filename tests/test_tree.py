@@ -157,3 +157,81 @@ def test_tensors_and_size_bytes(t):
 def test_size_bytes_by_dtype():
     t = {"a": torch.zeros(3, 4), "b": [torch.zeros(5, dtype=torch.bfloat16)], "n": 7}
     assert tree.size_bytes(t) == 3 * 4 * 4 + 5 * 2
+
+
+# trees whose leaves may also be None, tuples or named tuples: shapes a cached treedef could
+# match only "up to" (a subtree or a None where it had a leaf)
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+loose = st.recursive(
+    st.one_of(leaf, st.none()),
+    lambda children: st.one_of(
+        st.dictionaries(keys, children, max_size=3),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.builds(Pair, children, children),
+    ),
+    max_leaves=8,
+)
+
+
+@given(st.lists(loose, min_size=2, max_size=4))
+def test_flatten_along_a_known_treedef_equals_a_fresh_flatten(ts):
+    """Trees flattened one after another (so a treedef seen before is tried first, whenever
+    the top level looks alike) give exactly optree's own leaves and an equal treedef."""
+    import optree
+
+    for t in ts:
+        want_leaves, want_def = optree.tree_flatten(t, none_is_leaf=False)
+        flat, treedef = tree.flatten_with_paths(t)
+        assert treedef == want_def
+        assert len(flat) == len(want_leaves)
+        assert all(x is y for (_, x), y in zip(flat, want_leaves))
+        assert [p for p, _ in flat] == [p for p, _ in walk_loose(t)]
+        assert tree.structure(t) == want_def
+        assert all(x is y for x, y in zip(tree.leaves(t), want_leaves))
+        assert same_loose(tree.unflatten(treedef, [x for _, x in flat]), t)
+
+
+def test_flatten_along_a_known_treedef_sees_a_subtree_or_none_in_a_leaf_slot():
+    """The same top-level keys with a subtree, a None or an extra key below are new
+    structures, not the cached one."""
+    first = {"a": torch.ones(1), "b": {"c": 1}}
+    tree.flatten_with_paths(first)
+    for later, paths in (
+        ({"a": (torch.ones(1), torch.zeros(1)), "b": {"c": 1}}, ["a.0", "a.1", "b.c"]),
+        ({"a": None, "b": {"c": 1}}, ["b.c"]),
+        ({"a": torch.ones(1), "b": {"c": 1, "d": 2}}, ["a", "b.c", "b.d"]),
+        ({"a": torch.ones(1), "b": Pair(1, 2)}, ["a", "b.a", "b.b"]),
+    ):
+        assert tree.paths(later) == paths
+        assert tree.structure(later) == tree.structure(dict(later))
+
+
+def walk_loose(t: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(t, Pair):
+        return walk_loose(t.a, f"{prefix}a.") + walk_loose(t.b, f"{prefix}b.")
+    return walk(t, prefix) if not isinstance(t, (dict, list, tuple)) else _walk_nodes(t, prefix)
+
+
+def _walk_nodes(t: Any, prefix: str) -> list[tuple[str, Any]]:
+    if isinstance(t, dict):
+        return [p for k in sorted(t) for p in walk_loose(t[k], f"{prefix}{k}.")]
+    return [p for i, x in enumerate(t) for p in walk_loose(x, f"{prefix}{i}.")]
+
+
+def same_loose(a: Any, b: Any) -> bool:
+    if isinstance(a, Pair):
+        return isinstance(b, Pair) and same_loose(a.a, b.a) and same_loose(a.b, b.b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_loose(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_loose, a, b))
+    if a is None:
+        return b is None
+    return same(a, b)

@@ -28,6 +28,7 @@ over ``axis`` like whole tensors, and ``shard`` leaves the data-parallel reducti
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,7 +137,7 @@ class ScatterBuckets(PackedBuckets):
     def pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(result.split([g.numel() // self.n for g in gs]))
 
-    def on_layer(self, i: int, grads: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+    def on_layer(self, i: int, grads: dict[str, Any], params: Mapping[str, torch.Tensor]) -> None:
         for path, g in grads.items():
             if g is None:
                 continue
