@@ -188,7 +188,7 @@ def _scale_by_adam(
         count: dict[torch.device, torch.Tensor] = {}
         for p in ps:
             if p.device not in count:
-                count[p.device] = torch.tensor(float(t), device=p.device)
+                count[p.device] = torch.full((), float(t), device=p.device)
         steps = [count[p.device] for p in lists[0]]
         torch_private.fused_adamw_(
             lists[0],

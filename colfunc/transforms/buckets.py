@@ -547,8 +547,9 @@ class GradBuckets:
             target = self.whole[key[1]] if key[0] == "whole" else self.rows[key[1]][key[2]]
             for part in parts:
                 target += part
-        # fresh views for the caller: while it holds them, the pool hands the buffers to no one
-        out = [rewrap(p, self.whole[path].view_as(self.whole[path])) for path, p in self.flat]
+        # fresh tensors on the buffers for the caller: while it holds them, the pool hands the
+        # buffers to no one
+        out = [rewrap(p, self.whole[path].detach()) for path, p in self.flat]
         self.loss = slot.clone() if carried and slot is not None else None
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         for bucket in buckets:
