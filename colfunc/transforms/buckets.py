@@ -297,11 +297,6 @@ class _Views:
     buckets: list[torch.Tensor]
     of_layer: dict[int, list[int]]  # layer -> indices of the buckets holding its rows
     bucket_of: dict[str, dict[int, int]]  # scanned leaf -> layer -> index of its bucket
-    # (scanned leaves, layer) -> that layer's rows of them, in that order: the row views
-    # above, listed once (a list of the same views holds no buffer)
-    layer_rows: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = dataclasses.field(
-        default_factory=dict
-    )
 
 
 def _views(layout: _Layout, buffers: list[torch.Tensor]) -> _Views:
@@ -453,9 +448,6 @@ class GradBuckets:
         buckets = self._plan(list(grads)) if self.buckets is None else self.buckets
         views = self.views
         assert views is not None
-        if i not in self.filled and self._write_layer(i, grads, buckets, views):
-            self._report(i, grads, buckets, views)
-            return
         filled = self.filled.setdefault(i, set())
         into: list[torch.Tensor] = []  # this layer's rows, written together
         given: list[torch.Tensor] = []
@@ -476,30 +468,6 @@ class GradBuckets:
                 filled.add(path)
         if into:
             torch_private.foreach_copy_(into, given)  # widened in place (amp's masters)
-        self._report(i, grads, buckets, views)
-
-    def _write_layer(
-        self, i: int, grads: dict[str, Any], buckets: list[_Bucket], views: _Views
-    ) -> bool:
-        """The common case in one call: layer ``i``'s first gradients, a plain tensor for every
-        leaf of the scan that fixed the layout, none of its buckets started. Whether it was."""
-        paths = tuple(grads)
-        if paths != self.layout_paths:
-            return False
-        gs = list(grads.values())
-        if not all(type(g) is torch.Tensor for g in gs):
-            return False
-        if any(buckets[c].pending is not None for c in views.of_layer.get(i, ())):
-            return False
-        rows = views.layer_rows.get((paths, i))
-        if rows is None:
-            rows = views.layer_rows[(paths, i)] = [self.rows[path][i] for path in paths]
-        torch_private.foreach_copy_(rows, gs)  # widened in place (amp's masters)
-        self.filled[i] = set(paths)
-        return True
-
-    def _report(self, i: int, grads: dict[str, Any], buckets: list[_Bucket], views: _Views) -> None:
-        """Layer ``i`` has reported: start the buckets that were waiting for it last."""
         if i in self.reported or not any(p in self.rows for p in grads) or not self.early:
             return
         self.reported.add(i)
