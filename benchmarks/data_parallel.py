@@ -47,13 +47,18 @@ DDP peers, interleaved the same way: how far from 1.0 a ratio between equal side
 harness on this machine (memory placement alone moves a step by a percent or two), so that a
 ratio within that distance of 1.0 is read as parity.
 
+``--runs R`` repeats each world R times, each in fresh processes (fresh memory placement, fresh
+core assignment), and reports the median over runs of each run's median ratio, with every run's
+ratio beside it: one run's ratio carries that run's placement luck (a few percent either way on
+this machine), which only separate runs average out.
+
 Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory for the next step
 (:mod:`colfunc.sharding.host_malloc`); ``COLFUNC_MALLOC=system`` runs them on glibc's defaults.
 
     python benchmarks/data_parallel.py [--configs tiny,small,overhead]
                                        [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3] [--control]
-                                       [--peer-weights out_in|in_out]
+                                       [--peer-weights out_in|in_out] [--runs 1]
     colfunc bench data_parallel
 """
 
@@ -490,6 +495,33 @@ def run(
     return cf.launch(job, mesh={"dp": n}, backend="gloo", timeout=600)[0]
 
 
+# the figures of a compared row that are medians over its run's steps
+TIMED = ("ours_s", "theirs_s", "ratio", "cpu_ratio")
+
+
+def combine(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of several runs of one world as one row per scheme: the median over runs of the
+    timings and ratios (each run's own being a median over its steps), the largest loss gap,
+    the bytes and calls of the first run (the same in every run), and ``"ratios"``: every run's
+    ratio, in order. A control row's two ratios are combined the same way."""
+    if not runs:
+        raise ValueError("combine: no runs to combine")
+    schemes = [[r["scheme"] for r in rows] for rows in runs]
+    if any(s != schemes[0] for s in schemes):
+        raise ValueError(f"combine: runs with different schemes {schemes}")
+    out = []
+    for k, first in enumerate(runs[0]):
+        same = [rows[k] for rows in runs]
+        row = dict(first)
+        timed = ("ours", "torch") if first["scheme"] == "control" else TIMED
+        for key in timed:
+            row[key] = statistics.median(r[key] for r in same)
+        row["loss_gap"] = max(r["loss_gap"] for r in same)
+        row["ratios"] = [r["ours" if first["scheme"] == "control" else "ratio"] for r in same]
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default=",".join(SIZES), help=f"of {', '.join(SIZES)}")
@@ -510,7 +542,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the DDP peers' Linear weights: nn.Linear's [out, in] (default), or [in, out] as "
         "colfunc's models store them, which compares the data-parallel machinery alone",
     )
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat each world this many times in fresh processes and report the median over "
+        "runs of each run's median (default 1)",
+    )
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
     schemes = args.schemes.split(",")
     for name in [*args.configs.split(","), *schemes]:
         if name not in SIZES and name not in SCHEMES:
@@ -525,6 +566,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("calls: collectives per step")
     print(f"DDP peers' Linear weights: {args.peer_weights}")
+    if args.runs > 1:
+        print(
+            f"each figure is the median over {args.runs} runs in fresh processes of that run's "
+            "median; each run's ratio is listed below the table"
+        )
     print(
         "CPU ratio: the same median over this rank's main-thread CPU time (time.thread_time),"
         " which neither the\nwait for a collective nor time the machine gives to others counts\n"
@@ -546,12 +592,18 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps if args.steps is not None else steps
         warmup = args.warmup if args.warmup is not None else warmup
         for n in procs:
-            rows = run(n, schemes, cfg, batch_size, steps, warmup, args.control, args.peer_weights)
+            rows = combine(
+                [
+                    run(n, schemes, cfg, batch_size, steps, warmup, args.control, args.peer_weights)
+                    for _ in range(args.runs)
+                ]
+            )
             for r in rows:
                 if r["scheme"] == "control":
                     controls.append(
                         f"- {name} {n} ranks: colfunc dp against itself {r['ours']:.3f}, DDP "
                         f"against itself {r['torch']:.3f}"
+                        + (f" (colfunc's per run: {_listed(r['ratios'])})" if args.runs > 1 else "")
                     )
                     continue
                 mesh = "x".join(f"{a}{s}" for a, s in r["mesh"].items())
@@ -565,6 +617,10 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
                 details.append((name, n, r))
+    if args.runs > 1:
+        print("\nours/torch in each run:")
+        for name, n, r in details:
+            print(f"- {name} {n} ranks {r['scheme']}: {_listed(r['ratios'])}")
     if controls:
         print("\nNoise floor (--control): the same median ratio between two identical sides")
         print("\n".join(controls))
@@ -577,6 +633,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         if r["unknown"]:
             print(f"  collectives not counted: {', '.join(r['unknown'])}")
+
+
+def _listed(ratios: list[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in ratios)
 
 
 if __name__ == "__main__":

@@ -63,3 +63,35 @@ def test_the_in_out_peer_computes_what_ours_computes() -> None:
     assert fc.weight.shape == (cfg.d_model, 4 * cfg.d_model)  # [in, out]
     x = data_parallel.torch.randn(3, cfg.d_model)
     data_parallel.torch.testing.assert_close(fc(x), linear(x), rtol=1e-6, atol=1e-6)
+
+
+def test_runs_combine_as_medians_over_runs() -> None:
+    """``--runs``: each figure of a combined row is the median over runs of that run's figure,
+    the loss gap the largest, and every run's ratio is kept in order; runs whose schemes differ,
+    or no runs, are refused."""
+
+    def row(scheme: str, ratio: float, gap: float = 0.0) -> dict:
+        return {
+            "scheme": scheme,
+            "ours_s": ratio,
+            "theirs_s": 1.0,
+            "ratio": ratio,
+            "cpu_ratio": 2 * ratio,
+            "loss_gap": gap,
+            "ours_bytes": 7,
+        }
+
+    runs = [
+        [{"scheme": "control", "ours": 1.0, "torch": 0.9, "loss_gap": 0.0}, row("dp", 1.2, 1e-7)],
+        [{"scheme": "control", "ours": 1.1, "torch": 1.0, "loss_gap": 0.0}, row("dp", 0.9)],
+        [{"scheme": "control", "ours": 0.8, "torch": 1.2, "loss_gap": 0.0}, row("dp", 1.0, 3e-7)],
+    ]
+    control, dp = data_parallel.combine(runs)
+    assert (control["ours"], control["torch"], control["ratios"]) == (1.0, 1.0, [1.0, 1.1, 0.8])
+    assert (dp["ratio"], dp["cpu_ratio"], dp["ours_s"]) == (1.0, 2.0, 1.0)
+    assert dp["ratios"] == [1.2, 0.9, 1.0]
+    assert dp["loss_gap"] == 3e-7 and dp["ours_bytes"] == 7
+    with pytest.raises(ValueError, match="different schemes"):
+        data_parallel.combine([[row("dp", 1.0)], [row("zero0", 1.0)]])
+    with pytest.raises(ValueError, match="no runs"):
+        data_parallel.combine([])
