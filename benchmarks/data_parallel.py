@@ -513,11 +513,11 @@ def combine(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for k, first in enumerate(runs[0]):
         same = [rows[k] for rows in runs]
         row = dict(first)
-        timed = ("ours", "torch") if first["scheme"] == "control" else TIMED
-        for key in timed:
+        control = first["scheme"] == "control"
+        for key in ("ours", "torch") if control else TIMED:
             row[key] = statistics.median(r[key] for r in same)
         row["loss_gap"] = max(r["loss_gap"] for r in same)
-        row["ratios"] = [r["ours" if first["scheme"] == "control" else "ratio"] for r in same]
+        row["ratios"] = [r["ours" if control else "ratio"] for r in same]
         out.append(row)
     return out
 
