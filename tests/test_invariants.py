@@ -18,7 +18,7 @@ import colfunc as cf
 from colfunc import models, optim, torch_private
 
 ROOT = Path(cf.__file__).parent
-SOURCES = sorted(ROOT.rglob("*.py")) + sorted((ROOT.parent / "kernels").rglob("*.py"))
+SOURCES = sorted(ROOT.rglob("*.py"))
 
 
 def _text(p: Path) -> str:
