@@ -647,3 +647,56 @@ def test_donated_fused_apply_over_strided_gradients_equals_the_plain_update():
         slow_p = optim.apply_updates(slow_p, updates)
         for k in slow_p:
             torch.testing.assert_close(fast_p[k], slow_p[k], rtol=1e-12, atol=1e-14)
+
+
+def _in_order(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``x`` (its values, its shape) stored with its dims in memory in ``order``, outermost
+    first: ``[1, 0]`` is a matrix stored column-major."""
+    inverse = [order.index(d) for d in range(x.dim())]
+    return x.permute(order).contiguous().permute(inverse)
+
+
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+    orders=st.tuples(st.randoms(use_true_random=False), st.booleans(), st.booleans()),
+    donate=st.booleans(),
+)
+def test_fused_adamw_follows_any_memory_order_of_params_moments_and_grads(
+    shape, seed, orders, donate
+):
+    """The fused AdamW reads raw memory: a parameter stored in another order (a transposed
+    view), with moments and gradients in the same or yet another order, gets torch.optim's
+    update all the same (fp64)."""
+    rng, moments_alike, grads_alike = orders
+    perm = lambda: rng.sample(range(len(shape)), len(shape))  # noqa: E731
+    p_order = perm()
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g, dtype=torch.float64)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = optim.adamw(**kw)
+    params = {"w": _in_order(w, p_order)}
+    state = opt.init(params)
+    if not moments_alike:  # moments made elsewhere (a checkpoint), in their own order
+        state = state._replace(
+            exp_avg={"w": _in_order(state.exp_avg["w"], perm())},
+            exp_avg_sq={"w": _in_order(state.exp_avg_sq["w"], perm())},
+        )
+    ref = w.clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([ref], **kw)
+    for _ in range(STEPS):
+        grad = torch.randn(shape, generator=g, dtype=torch.float64)
+        assert opt.apply is not None
+        given_grad = _in_order(grad, p_order if grads_alike else perm())
+        out = opt.apply({"w": given_grad}, state, params, donate=donate)
+        if out is None:  # declined: the unfused update, as the step does then
+            updates, state = opt.update({"w": given_grad}, state, params)
+            params = optim.apply_updates(params, updates)
+        else:
+            params, state = out
+        ref.grad = grad
+        torch_opt.step()
+    torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-12, atol=1e-14)
+    moments = torch_opt.state[ref]
+    torch.testing.assert_close(state.exp_avg["w"], moments["exp_avg"], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(state.exp_avg_sq["w"], moments["exp_avg_sq"], rtol=1e-12, atol=0)

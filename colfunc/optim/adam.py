@@ -30,6 +30,7 @@ from colfunc.optim.base import (
     check_lr,
     check_number,
     contiguous_pieces,
+    packed,
     learning_rate,
     state_zeros,
     wide_leaves,
@@ -169,17 +170,26 @@ def _scale_by_adam(
             list(xs) if donate else list(torch_private.foreach_mul(xs, 1.0))  # copies
             for xs in (ps, ms, vs)
         )
-        # the fused kernel reads every tensor as contiguous: a strided gradient (data
-        # parallelism's views into its flat buffer) goes in row by row, its rows contiguous
+        # the fused kernel reads each tensor's memory in order, as if contiguous: a strided
+        # gradient (data parallelism's views into its flat buffer) goes in row by row, its
+        # rows contiguous; a parameter packed in another order (a transposed view) goes in
+        # whole with its moments, which share its strides, and a gradient brought into them
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
         fresh: dict[int, Any] = {}
         for p, g, m, v in zip(new_p, gs, new_m, new_v):
-            strided = not g.is_contiguous() and by_rows(g)
-            if donate and strided and p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
-                p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)
-                pieces: tuple[Any, ...] = (p_rows, g.unbind(0), m_rows, v_rows)
-            else:
-                pieces = contiguous_pieces(p, g, m, v)
+            pieces: tuple[Any, ...]
+            if p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
+                if donate and not g.is_contiguous() and by_rows(g):
+                    p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)
+                    pieces = (p_rows, g.unbind(0), m_rows, v_rows)
+                else:
+                    pieces = contiguous_pieces(p, g, m, v)
+            elif m.stride() == p.stride() == v.stride() and packed(tuple(p.shape), p.stride()):
+                if g.stride() != p.stride():
+                    g = torch.empty_like(p).copy_(g)  # p's strides (empty_like keeps them)
+                pieces = ([p], [g], [m], [v])
+            else:  # laid out unlike each other: the unfused update, which follows strides
+                return None
             for out, piece in zip(lists, pieces):
                 out.extend(piece)
         if donate:

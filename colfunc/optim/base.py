@@ -26,6 +26,7 @@ __all__ = [
     "dense",
     "flat_runs",
     "learning_rate",
+    "packed",
 ]
 
 PyTree = Any
@@ -166,6 +167,20 @@ def dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     expected = 1
     for size, st in zip(reversed(shape), reversed(stride)):
         if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def packed(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` covers a block of memory exactly once, in
+    some order of its dims: contiguous, or a permutation of contiguous (a transposed view of a
+    contiguous tensor). Two tensors of one shape, both packed with the same strides, hold
+    matching elements at matching offsets, so an elementwise kernel that reads raw memory
+    pairs them right."""
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
             return False
         expected *= size
     return True
