@@ -30,8 +30,8 @@ from colfunc.optim.base import (
     check_lr,
     check_number,
     contiguous_pieces,
-    packed,
     learning_rate,
+    packed,
     state_zeros,
     wide_leaves,
 )
