@@ -98,3 +98,16 @@ def test_cli_main_has_its_docstring() -> None:
     from colfunc import cli
 
     assert cli.main.__doc__ is not None and "exit status" in cli.main.__doc__
+
+
+def test_no_folder_on_the_import_path_shadows_pypi_kernels() -> None:
+    """transformers imports PyPI's ``kernels`` package; a ``kernels.py`` or ``kernels/`` in a
+    folder that tests and benchmarks put on ``sys.path`` would be imported in its place (the
+    kernel sources live in ``colfunc/kernels``, the GPU kernel benchmark in
+    ``benchmarks/triton_kernels.py``)."""
+    repo = ROOT.parent
+    folders = [repo, *(repo / d for d in ("benchmarks", "tests", "examples"))]
+    shadows = [
+        str(f / name) for f in folders for name in ("kernels.py", "kernels") if (f / name).exists()
+    ]
+    assert shadows == []

@@ -12,8 +12,8 @@ Every kernel is first checked against torch on the benchmark's own inputs (the m
 printed). Timings are medians from ``triton.testing.do_bench``. Runs in a few minutes (mostly the
 attention autotuner); on a machine without a CUDA GPU it says so and exits 0.
 
-    python benchmarks/kernels.py [--peak-tflops 989] [--peak-gbps 4800]
-    colfunc bench kernels
+    python benchmarks/triton_kernels.py [--peak-tflops 989] [--peak-gbps 4800]
+    colfunc bench triton_kernels
 """
 
 from __future__ import annotations
