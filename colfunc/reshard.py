@@ -40,6 +40,7 @@ __all__ = [
     "Piece",
     "element_runs",
     "expand_runs",
+    "laid_out_as",
     "local_pieces",
     "read_local",
     "runs_of",
@@ -267,6 +268,16 @@ def element_runs(
     return out
 
 
+def laid_out_as(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (``like``'s shape and dtype) on ``like``'s device and in its memory order: a
+    checkpoint's tensors are read row-major, where a layout may keep some otherwise (the
+    column-major weights of :func:`colfunc.transforms.shard.matmul_order`), and a resumed run
+    must compute as the uninterrupted one did, bit for bit."""
+    if value.device == like.device and value.stride() == like.stride():
+        return value
+    return torch.empty_like(like).copy_(value)
+
+
 def read_local(
     reader: checkpoint.ShardReader,
     fresh: TrainState,
@@ -338,7 +349,7 @@ def read_local(
         for path, x in flat:
             key = f"{prefix}.{path}" if path else prefix
             if isinstance(x, torch.Tensor):
-                out.append(rewrap(x, values[key].to(local_piece(x).device)))
+                out.append(rewrap(x, laid_out_as(values[key], local_piece(x))))
             elif path not in saved or saved[path] is checkpoint.TENSOR:
                 raise checkpoint.CheckpointError(
                     f"{reader.path}: {key!r} is not in the checkpoint as a value; check the "

@@ -199,7 +199,7 @@ class ShardedRun:
                         f"{where}: {what} {path!r} is {got}, but this rank's layout holds "
                         f"{(tuple(mine.shape), mine.dtype)}"
                     )
-                out.append(rewrap(x, y.to(mine.device)))
+                out.append(rewrap(x, reshard.laid_out_as(y, mine)))
             return tree.unflatten(treedef, out)
 
         params = fill(fresh.params, saved.params, "parameter")

@@ -231,3 +231,35 @@ def test_buffer_pool_keeps_the_views_it_built_and_they_do_not_hold_the_buffer() 
     del grad, fresh, fresh_leases
     last, leases = pool.take("k", specs, build)
     assert last is views and leases[0].data_ptr() == ptr and built == [0, 1]
+
+
+def test_narrowing_weights_are_column_major_under_data_parallelism_and_so_are_their_grads():
+    """``shard``'s matmul order: a stacked weight ``[L, in, out]`` with ``in > out`` (GPT's MLP
+    down projection) is kept column-major per layer, the others row-major; its gradient comes
+    back from the flat buffer laid out as the parameter (no transposing copy anywhere), and
+    the steps equal the single-device ones (fp64 AdamW, moments included)."""
+    cfg = cf.models.gpt.Config(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=16)
+    params = cf.tree.map(lambda x: x.double(), cf.models.gpt.init(cfg, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    ref = cf.train_step(cf.models.gpt.loss(cfg), optim.adamw(1e-2), donate=True)
+
+    def main(mesh):
+        step = cf.shard(ref, mesh)
+        state = step.init(params)
+        w_out, w_in = state.params["blocks"]["mlp"]["w_out"], state.params["blocks"]["mlp"]["w_in"]
+        _, grads = step.forward_backward(state.params, batches[0], state.extra)
+        g_out = grads["blocks"]["mlp"]["w_out"]
+        layouts = (w_out.stride()[1:], w_in.stride()[1:], g_out.stride()[1:])
+        moments = state.opt_state.exp_avg["blocks"]["mlp"]["w_out"].stride()
+        cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-12)
+        return layouts, moments
+
+    (w_out, w_in, g_out), moments = cf.launch(main, mesh={"dp": 2})[0]
+    F, D = 4 * 16, 16
+    assert w_out == (1, F) and g_out == (1, F)  # [F, D] column-major, gradient alike
+    assert w_in == (F, 1)  # [D, F] widens: row-major
+    assert moments == (F * D, 1, F)

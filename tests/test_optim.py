@@ -580,7 +580,14 @@ def test_flat_runs_refuses_what_is_not_a_tiling():
     a, b = buffer[0:10], buffer[5:20]  # overlapping
     assert optim.base.flat_runs([a, b]) is None
     assert optim.base.flat_runs([buffer[:10], buffer[:10].double()]) is None  # two dtypes
-    assert optim.base.flat_runs([buffer.view(10, 10).t()]) is None  # columns are not rows
+    assert optim.base.flat_runs([buffer[::2]]) is None  # every other element: not a block
+    assert optim.base.flat_runs([buffer.view(2, 5, 10)[:, :, ::2]]) is None  # rows with holes
+    # a block read in another order of its dims (a column-major weight) covers its memory once:
+    # a norm reads it as one run
+    (run,) = optim.base.flat_runs([buffer.view(10, 10).t()])
+    assert (run.storage_offset(), run.numel()) == (0, 100)
+    (run,) = optim.base.flat_runs([buffer.view(4, 5, 5).transpose(1, 2)])  # rows transposed
+    assert (run.storage_offset(), run.numel()) == (0, 100)
     assert optim.base.flat_runs([]) is None
     # a gap between two tensors makes two runs, each exactly what the tensors cover
     runs = optim.base.flat_runs([buffer[20:30], buffer[0:10]])
@@ -696,6 +703,46 @@ def test_fused_adamw_follows_any_memory_order_of_params_moments_and_grads(
             params, state = out
         ref.grad = grad
         torch_opt.step()
+    torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-12, atol=1e-14)
+    moments = torch_opt.state[ref]
+    torch.testing.assert_close(state.exp_avg["w"], moments["exp_avg"], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(state.exp_avg_sq["w"], moments["exp_avg_sq"], rtol=1e-12, atol=0)
+
+
+@given(
+    layers=st.integers(1, 3),
+    rows=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    gap=st.integers(0, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_adamw_on_column_major_layers_with_bucket_view_gradients(layers, rows, gap, seed):
+    """Data parallelism's column-major weights (``shard``'s matmul order): the parameter and
+    moments ``[L, in, out]`` column-major per layer, the gradient a view into a flat buffer
+    whose layer rows lie ``in * out + gap`` elements apart, each column-major as well. The
+    fused update (donated, row by row) equals torch.optim.AdamW's (fp64)."""
+    shape = (layers, *rows)
+    n = rows[0] * rows[1]
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g, dtype=torch.float64)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = optim.adamw(**kw)
+    params = {"w": _in_order(w, [0, 2, 1])}
+    state = opt.init(params)
+    assert state.exp_avg["w"].stride() == params["w"].stride()  # moments follow the order
+    ref = w.clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([ref], **kw)
+    buffer = torch.full((gap + layers * (n + gap),), float("nan"), dtype=torch.float64)
+    view = buffer.as_strided(shape, (n + gap, 1, rows[0]), gap)  # rows column-major, apart
+    for _ in range(STEPS):
+        grad = torch.randn(shape, generator=g, dtype=torch.float64)
+        view.copy_(grad)
+        assert opt.apply is not None
+        out = opt.apply({"w": view}, state, params, donate=True)
+        assert out is not None  # the fused path
+        params, state = out
+        ref.grad = grad
+        torch_opt.step()
+    assert params["w"].stride() == _in_order(w, [0, 2, 1]).stride()
     torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-12, atol=1e-14)
     moments = torch_opt.state[ref]
     torch.testing.assert_close(state.exp_avg["w"], moments["exp_avg"], rtol=1e-12, atol=1e-14)

@@ -32,6 +32,8 @@ from colfunc.optim.base import (
     contiguous_pieces,
     learning_rate,
     packed,
+    packed_view,
+    rows_alike,
     state_zeros,
     wide_leaves,
 )
@@ -148,7 +150,7 @@ def _scale_by_adam(
         ):
             fresh[id(p)] = kept
             return kept[4:]
-        cut = (p.unbind(0), m.unbind(0), v.unbind(0))
+        cut = tuple([packed_view(r) for r in x.unbind(0)] for x in (p, m, v))
         fresh[id(p)] = (p, m, v, (p.data_ptr(), m.data_ptr(), v.data_ptr()), *cut)
         return cut
 
@@ -173,7 +175,9 @@ def _scale_by_adam(
         # the fused kernel reads each tensor's memory in order, as if contiguous: a strided
         # gradient (data parallelism's views into its flat buffer) goes in row by row, its
         # rows contiguous; a parameter packed in another order (a transposed view) goes in
-        # whole with its moments, which share its strides, and a gradient brought into them
+        # whole with its moments, which share its strides, and a gradient brought into them,
+        # or row by row where the gradient's rows are packed as the parameter's are (a
+        # column-major weight of shard's matmul order and its bucket view)
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
         fresh: dict[int, Any] = {}
         for p, g, m, v in zip(new_p, gs, new_m, new_v):
@@ -181,13 +185,19 @@ def _scale_by_adam(
             if p.is_contiguous() and m.is_contiguous() and v.is_contiguous():
                 if donate and not g.is_contiguous() and by_rows(g):
                     p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)
-                    pieces = (p_rows, g.unbind(0), m_rows, v_rows)
+                    pieces = (p_rows, [packed_view(r) for r in g.unbind(0)], m_rows, v_rows)
                 else:
                     pieces = contiguous_pieces(p, g, m, v)
             elif m.stride() == p.stride() == v.stride() and packed(tuple(p.shape), p.stride()):
-                if g.stride() != p.stride():
-                    g = torch.empty_like(p).copy_(g)  # p's strides (empty_like keeps them)
-                pieces = ([p], [g], [m], [v])
+                # each piece as the 1-d view of the memory it covers: the kernel copies a
+                # gradient that is not contiguous (into a copy it then never reads)
+                if donate and g.stride() != p.stride() and rows_alike(p, g):
+                    p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)  # a column-major weight
+                    pieces = (p_rows, [packed_view(r) for r in g.unbind(0)], m_rows, v_rows)
+                else:
+                    if g.stride() != p.stride():
+                        g = torch.empty_like(p).copy_(g)  # p's strides (empty_like keeps them)
+                    pieces = tuple([packed_view(x)] for x in (p, g, m, v))
             else:  # laid out unlike each other: the unfused update, which follows strides
                 return None
             for out, piece in zip(lists, pieces):

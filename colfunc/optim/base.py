@@ -27,6 +27,8 @@ __all__ = [
     "flat_runs",
     "learning_rate",
     "packed",
+    "packed_view",
+    "rows_alike",
 ]
 
 PyTree = Any
@@ -206,10 +208,24 @@ def by_rows(g: torch.Tensor) -> bool:
     return g.dim() > 1 and dense(tuple(g.shape[1:]), g.stride()[1:])
 
 
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """The 1-d contiguous view of the memory that ``t``, :func:`packed`, covers, in memory order
+    (``t`` itself flattened when contiguous): what a kernel reading raw memory sees of it."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def rows_alike(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether ``p`` and ``g`` (alike in shape) are stacks of rows that each cover their memory
+    once, laid out in the same order: their rows pair element by element in memory, as an
+    elementwise kernel that reads raw memory needs."""
+    inner = tuple(p.shape[1:])
+    return p.dim() > 1 and p.stride()[1:] == g.stride()[1:] and packed(inner, p.stride()[1:])
+
+
 def flat_runs(ts: Tensors) -> list[torch.Tensor] | None:
     """The memory that ``ts`` cover together as the fewest 1-d contiguous views (runs), if they
     are plain tensors of one dtype and device that tile ranges of shared storage without
-    overlapping, each contiguous or a stack of contiguous rows: data parallelism's gradients,
+    overlapping, each packed (:func:`packed`) or a stack of packed rows: data parallelism's gradients,
     views into one flat buffer per dtype. None otherwise, and for no tensors.
 
     A kernel over the runs (a norm) then makes a few large calls instead of one per row. Where
@@ -238,16 +254,18 @@ def _spans(
     geometry: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...],
 ) -> tuple[tuple[int, int, int], ...] | None:
     """The runs (storage, start, length) that tensors of ``geometry`` (storage, offset, shape,
-    stride each) cover, or None where one is neither contiguous nor contiguous rows, or two
-    overlap."""
+    stride each) cover, or None where one is neither packed (:func:`packed`) nor a stack of
+    packed rows, or two overlap."""
     segments: dict[int, list[tuple[int, int]]] = {}
     for key, at, shape, stride in geometry:
         numel = math.prod(shape)
         if numel == 0:
             continue
-        if dense(shape, stride):
+        # a norm reads every element once in any order: a block covered in another order of
+        # its dims (a column-major weight's rows) is a run as well as a row-major one
+        if packed(shape, stride):
             own = [(at, numel)]
-        elif len(shape) > 1 and stride[0] > 0 and dense(shape[1:], stride[1:]):
+        elif len(shape) > 1 and stride[0] > 0 and packed(shape[1:], stride[1:]):
             n = numel // shape[0]
             own = [(at + i * stride[0], n) for i in range(shape[0])]
         else:

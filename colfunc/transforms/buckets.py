@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from colfunc import core, torch_private, tree
+from colfunc.optim.base import packed
 from colfunc.sharding import Mesh, comm
 from colfunc.transforms.local import in_placement, local_piece, rewrap
 
@@ -137,12 +138,15 @@ class _Bucket:
 @dataclasses.dataclass(frozen=True)
 class _Place:
     """Where one leaf's gradient lies: in buffer ``buffer`` from ``offset``; a stacked leaf's
-    layer rows lie ``row`` elements apart (``row`` None: a leaf in one piece)."""
+    layer rows lie ``row`` elements apart (``row`` None: a leaf in one piece), each laid out
+    with ``strides`` (its parameter's layer strides: row-major, or column-major for weights
+    kept in :func:`matmul_order`)."""
 
     buffer: int
     offset: int
     shape: tuple[int, ...]
     row: int | None = None
+    strides: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +177,25 @@ _LAYOUTS: dict[Any, _Layout] = {}  # (leaves, scanned, bucket sizes) -> their la
 _LAYOUTS_KEPT = 256
 
 
+def row_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of one layer's block of the stacked ``x`` where it covers its memory once
+    (row-major, or any order of its dims: a column-major weight); row-major strides otherwise.
+    A gradient row laid out as its parameter's is written by a plain copy, and the optimizer
+    reads the two in step (see :func:`colfunc.optim.base.packed`)."""
+    inner, strides = tuple(x.shape[1:]), tuple(x.stride()[1:])
+    if packed(inner, strides):
+        return strides
+    return tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
+
+
 def _cut(
-    leaves: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]],
+    leaves: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]]],
     scanned: list[str],
     bucket_bytes: int,
 ) -> _Layout:
-    """The layout for ``leaves`` (path -> shape, dtype reduced in, device; the loss's slot
-    among them), of which ``scanned`` are stacked leaves taken per layer."""
+    """The layout for ``leaves`` (path -> shape, dtype reduced in, device, a stacked leaf's
+    layer strides; the loss's slot among them), of which ``scanned`` are stacked leaves taken
+    per layer."""
     n = leaves[scanned[0]][0][0] if scanned else 0
     by_dtype: dict[torch.dtype, tuple[list[str], list[str]]] = {}
     for path in [*scanned, *(p for p in leaves if p not in scanned)]:
@@ -200,7 +216,7 @@ def _cut(
         base, at = end, 0
         row = sum(math.prod(leaves[path][0][1:]) for path in rows)  # one layer's elements
         for path in rows:
-            places[path] = _Place(k, base + at, leaves[path][0], row)
+            places[path] = _Place(k, base + at, leaves[path][0], row, leaves[path][3])
             at += math.prod(leaves[path][0][1:])
         buffers.append((d, leaves[(rows or others)[0]][2], base + n * row))
         size = d.itemsize
@@ -305,9 +321,7 @@ def _views(layout: _Layout, buffers: list[torch.Tensor]) -> _Views:
     for path, place in layout.places.items():
         buffer, shape = buffers[place.buffer], place.shape
         if place.row is not None:
-            inner = shape[1:]
-            strides = tuple(math.prod(inner[k + 1 :]) for k in range(len(inner)))
-            w = buffer.as_strided(shape, (place.row, *strides), place.offset)
+            w = buffer.as_strided(shape, (place.row, *place.strides), place.offset)
             whole[path], rows[path] = w, w.unbind(0)
         else:
             whole[path] = buffer[place.offset : place.offset + math.prod(shape)].view(shape)
@@ -394,10 +408,13 @@ class GradBuckets:
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
         reduced_in = self.late.dtype_of
-        leaves = {p: (tuple(x.shape), reduced_in(x), x.device) for p, x in self.local.items()}
+        leaves = {
+            p: (tuple(x.shape), reduced_in(x), x.device, row_strides(x) if p in scanned else ())
+            for p, x in self.local.items()
+        }
         floating = [x for x in self.local.values() if x.is_floating_point()]
         if self.carry_loss and floating:  # the loss's slot: last of the unscanned leaves
-            leaves[LOSS] = ((), reduced_in(floating[0]), floating[0].device)
+            leaves[LOSS] = ((), reduced_in(floating[0]), floating[0].device, ())
         key = (tuple(scanned), tuple(leaves.items()), self.bucket_bytes)
         layout = _LAYOUTS.get(key)
         if layout is None:
