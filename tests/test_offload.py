@@ -617,7 +617,9 @@ def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composi
 ):
     """offload over data-parallel shard (dp=2 threads, with tensor parallelism dp=2 x tp=2) and
     zero (stages 0-3), GPT and LLaMA: each rank offloads its part. Losses, parameters and optimizer states
-    equal the same composition in memory, bitwise without tensor parallelism and under ZeRO-3
+    equal the same composition in memory, bitwise without tensor parallelism at stages 1-3
+    (within 1e-12 at stage 0, whose in-memory step keeps narrowing weights column-major) and
+    under ZeRO-3
     (within 1e-9 where device-homed chunks run ops.adamw_); with tensor-parallel pieces at
     stages 0-2 within 1e-12 (the tied embedding's two gradients add in another order). Under
     amp there the Partial sums reduce in the fp32 compute dtype, not in the masters' fp64: the
@@ -677,7 +679,11 @@ def test_offload_over_data_tensor_parallel_and_zero_equals_the_in_memory_composi
             assert abs(peak - tracked) <= 0.05 * peak, (i, peak, tracked)
             assert i == 0 or peak <= budget, (i, peak, budget)
         pieces = tensor and stage < 3 and policy != "device"
-        tol = (5e-4 if amp else 1e-12) if pieces else 1e-9 if homed else 0.0
+        # at stage 0 the in-memory data-parallel step keeps narrowing weights column-major
+        # (shard's matmul order) and offload's chunks keep them row-major: the same products,
+        # rounded in another order
+        ordered = stage == 0 and not tensor
+        tol = (5e-4 if amp else 1e-12) if pieces else 1e-9 if homed else 1e-12 if ordered else 0.0
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= min(tol, 1e-6)
         assert _max_diff(full.params, want.params) <= tol
         assert _max_diff(full.opt_state, want.opt_state) <= tol
