@@ -263,3 +263,45 @@ def test_narrowing_weights_are_column_major_under_data_parallelism_and_so_are_th
     assert w_out == (1, F) and g_out == (1, F)  # [F, D] column-major, gradient alike
     assert w_in == (F, 1)  # [D, F] widens: row-major
     assert moments == (F * D, 1, F)
+
+
+def test_a_cpu_buffer_within_one_bucket_is_reduced_in_one_call() -> None:
+    """DDP's small first bucket starts the reduction early on an accelerator and on a CPU buffer
+    larger than one bucket; a CPU buffer that fits in one bucket is reduced in one call per
+    dtype, at the end of the backward pass (a collective there shares the cores with it)."""
+    cpu, gpu, mb = torch.device("cpu"), torch.device("cuda"), 2**20
+    first = buckets_module.FIRST_BUCKET_BYTES
+    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 3 * mb) == 25 * mb
+    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 25 * mb) == 25 * mb
+    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 43 * mb) == first
+    assert buckets_module.first_bucket_bytes(gpu, 25 * mb, 3 * mb) == first
+    assert buckets_module.first_bucket_bytes(cpu, mb // 2, 3 * mb) == mb // 2
+    loss, params, batches = _toy()
+    started: dict[int, list[torch.Tensor]] = {}
+    start = buckets_module.comm.all_reduce_async
+
+    def spy(x, axis, op="sum", mesh=None):
+        started.setdefault(mesh.rank, []).append(x)
+        return start(x, axis, op, mesh)
+
+    def main(mesh):
+        step = cf.shard(cf.train_step(loss, optim.sgd(0.1)), mesh, bucket_mb=24.5)
+        state = step.init(params)
+        for batch in batches:
+            state, _ = step(state, batch)
+        return cf.full_state(state).params
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(buckets_module.comm, "all_reduce_async", spy)
+        # a first bucket smaller than one layer of the toy: it would cut one off on its own
+        mp.setattr(buckets_module, "FIRST_BUCKET_BYTES", 64)
+        results = cf.launch(main, mesh={"dp": 2})
+    for rank in (0, 1):  # one fp32 and one fp64 buffer, each whole, per step
+        dtypes = [x.dtype for x in started[rank]]
+        assert dtypes.count(torch.float32) == dtypes.count(torch.float64) == len(batches), dtypes
+    single = cf.train_step(loss, optim.sgd(0.1))
+    state = single.init(params)
+    for batch in batches:
+        state, _ = single(state, batch)
+    for got in results:
+        cf.testing.assert_trees_close(got, state.params, rtol=1e-6, atol=1e-7, what="params")
