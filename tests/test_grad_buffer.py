@@ -61,17 +61,25 @@ def _storages(grads) -> dict[torch.dtype, set[int]]:
     return out
 
 
-@settings(max_examples=6, deadline=None)
-@given(bucket_mb=st.sampled_from([1e-6, 1e-3, 25.0]), dp=st.sampled_from([2, 4]))
-def test_buckets_are_views_that_tile_one_buffer_per_dtype(bucket_mb, dp) -> None:
-    loss, params, batches = _toy()
-    ref = cf.train_step(loss, optim.sgd(0.1))
+def _spy_on_buckets(mp: pytest.MonkeyPatch) -> dict[int, list[torch.Tensor]]:
+    """Each rank's tensors handed to ``all_reduce_async`` by the buckets, in order, while
+    ``mp`` is in effect."""
     handed: dict[int, list[torch.Tensor]] = {}
     start = buckets_module.comm.all_reduce_async
 
     def spy(x, axis, op="sum", mesh=None):
         handed.setdefault(mesh.rank, []).append(x)
         return start(x, axis, op, mesh)
+
+    mp.setattr(buckets_module.comm, "all_reduce_async", spy)
+    return handed
+
+
+@settings(max_examples=6, deadline=None)
+@given(bucket_mb=st.sampled_from([1e-6, 1e-3, 25.0]), dp=st.sampled_from([2, 4]))
+def test_buckets_are_views_that_tile_one_buffer_per_dtype(bucket_mb, dp) -> None:
+    loss, params, batches = _toy()
+    ref = cf.train_step(loss, optim.sgd(0.1))
 
     def main(mesh):
         step = cf.shard(ref, mesh, bucket_mb=bucket_mb)
@@ -84,7 +92,7 @@ def test_buckets_are_views_that_tile_one_buffer_per_dtype(bucket_mb, dp) -> None
         return grads, first
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(buckets_module.comm, "all_reduce_async", spy)
+        handed = _spy_on_buckets(mp)
         results = cf.launch(main, mesh={"dp": dp})
     for grads, first in results:
         storages = _storages(grads)
@@ -277,31 +285,17 @@ def test_a_cpu_buffer_within_one_bucket_is_reduced_in_one_call() -> None:
     assert buckets_module.first_bucket_bytes(gpu, 25 * mb, 3 * mb) == first
     assert buckets_module.first_bucket_bytes(cpu, mb // 2, 3 * mb) == mb // 2
     loss, params, batches = _toy()
-    started: dict[int, list[torch.Tensor]] = {}
-    start = buckets_module.comm.all_reduce_async
-
-    def spy(x, axis, op="sum", mesh=None):
-        started.setdefault(mesh.rank, []).append(x)
-        return start(x, axis, op, mesh)
+    ref = cf.train_step(loss, optim.sgd(0.1))
 
     def main(mesh):
-        step = cf.shard(cf.train_step(loss, optim.sgd(0.1)), mesh, bucket_mb=24.5)
-        state = step.init(params)
-        for batch in batches:
-            state, _ = step(state, batch)
-        return cf.full_state(state).params
+        step = cf.shard(ref, mesh, bucket_mb=24.5)
+        cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-6, atol=1e-7)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(buckets_module.comm, "all_reduce_async", spy)
+        started = _spy_on_buckets(mp)
         # a first bucket smaller than one layer of the toy: it would cut one off on its own
         mp.setattr(buckets_module, "FIRST_BUCKET_BYTES", 64)
-        results = cf.launch(main, mesh={"dp": 2})
+        cf.launch(main, mesh={"dp": 2})
     for rank in (0, 1):  # one fp32 and one fp64 buffer, each whole, per step
         dtypes = [x.dtype for x in started[rank]]
         assert dtypes.count(torch.float32) == dtypes.count(torch.float64) == len(batches), dtypes
-    single = cf.train_step(loss, optim.sgd(0.1))
-    state = single.init(params)
-    for batch in batches:
-        state, _ = single(state, batch)
-    for got in results:
-        cf.testing.assert_trees_close(got, state.params, rtol=1e-6, atol=1e-7, what="params")

@@ -239,9 +239,9 @@ def _cut(
         for path in rows:
             places[path] = _Place(k, base + at, leaves[path][0], row, leaves[path][3])
             at += math.prod(leaves[path][0][1:])
-        buffers.append((d, leaves[(rows or others)[0]][2], base + n * row))
-        size = d.itemsize
-        limit = first_bucket_bytes(buffers[-1][1], bucket_bytes, buffers[-1][2] * size)
+        device, numel, size = leaves[(rows or others)[0]][2], base + n * row, d.itemsize
+        buffers.append((d, device, numel))
+        limit = first_bucket_bytes(device, bucket_bytes, numel * size)
         # the unscanned leaves in buckets of whole leaves; the last of them (its start:
         # ``tail``) joins the bucket of the first layers, when there are layers
         starts, lo = [], 0
@@ -367,9 +367,10 @@ class GradBuckets:
     rows of every scanned leaf side by side). Each gradient is written once, into its place
     (widened there to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters). A
     bucket is a contiguous range of whole layers, cut from the last layer down (the first one
-    small, as DDP's, unless a CPU buffer fits in one: :func:`first_bucket_bytes`), and is reduced in place as soon as its last layer has reported; the
-    bucket of the first layers also holds the last unscanned leaves (the embeddings, whose
-    gradients complete last), as DDP's last bucket does, so it starts at the end. :meth:`finish`
+    small, as DDP's, unless a CPU buffer fits in one: :func:`first_bucket_bytes`), and is
+    reduced in place as soon as its last layer has reported; the bucket of the first layers
+    also holds the last unscanned leaves (the embeddings, whose gradients complete last), as
+    DDP's last bucket does, so it starts at the end. :meth:`finish`
     writes the unscanned leaves, reduces what is left in buckets of whole leaves, waits, and
     returns gradients that are views into the buffers (a stacked leaf's is strided, its rows
     contiguous): no pass packs buckets and none copies results back. With ``early=False``
