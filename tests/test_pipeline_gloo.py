@@ -6,7 +6,7 @@ a 1F1B pipeline), which must equal the single-device step computed in each proce
 with clipping, relative 1e-9), with the point-to-point transfers checked on the way; and the
 measured bubble on 2 processes, one per core, with balanced stages: each rank's idle fraction
 must be within 10 percentage points of what the simulator predicts from the measured op times
-and transfer latency. The machine is shared, so the measurement takes the median of a few steps.
+and transfer latency. The machine is shared, so the measurement takes the median of five steps.
 """
 
 from __future__ import annotations
@@ -70,12 +70,15 @@ M = 8
 
 def _measure(mesh):
     model = models.gpt
-    # 4 equal layers, wide enough that an op takes well over the transfer latency
-    cfg = model.Config(vocab_size=64, n_layer=4, n_head=4, d_model=192, max_seq_len=64)
+    # 4 equal layers, wide enough that an op (tens of milliseconds) takes well over a transfer:
+    # on two shared cores a message can wait a few milliseconds for the sender's core, where the
+    # transport thread takes turns with the computation, and the simulator's latency is the one
+    # measured between idle ranks
+    cfg = model.Config(vocab_size=64, n_layer=4, n_head=4, d_model=384, max_seq_len=64)
     params = model.init(cfg, seed=1)
     ids = torch.randint(0, 64, (M * 4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    x = torch.zeros(4, 64, 192)
+    x = torch.zeros(4, 64, 384)
     peer = 1 - mesh.axis_index("pp")
     pings = []
     for _ in range(10):  # one-way latency of an activation, from round trips
@@ -92,7 +95,7 @@ def _measure(mesh):
         step = cf.pipeline(cf.train_step(model.loss(cfg), optim.sgd(0.01)), 2, M, schedule, v)
         state = step.init(params)
         traces = []
-        for _ in range(4):
+        for _ in range(6):
             comm.all_reduce(torch.zeros(1), "pp", mesh=mesh)  # start together
             with core.context(Trace()) as trace:
                 step.forward_backward(state.params, batch, state.extra)
