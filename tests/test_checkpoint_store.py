@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -179,17 +180,17 @@ def test_async_writes_a_snapshot_and_reports_its_errors(
     state = _state(1)
     want = _state(1)
     real_write = checkpoint._write
-    started = []
+    release, written = threading.Event(), threading.Event()
 
-    def slow_write(*args: Any) -> None:
-        started.append(time.monotonic())
-        time.sleep(0.3)
+    def held_write(*args: Any) -> None:
+        release.wait(timeout=10)  # held until submit has returned (a blocking submit: 10 s)
         real_write(*args)
+        written.set()
 
-    monkeypatch.setattr(checkpoint, "_write", slow_write)
-    t0 = time.monotonic()
+    monkeypatch.setattr(checkpoint, "_write", held_write)
     writer.submit(tmp_path / "s", 1, state)
-    assert time.monotonic() - t0 < 0.25  # returned before the write finished
+    assert not written.is_set()  # submit returned while the write was still held
+    release.set()
     for x in tree.tensors(state):  # the training loop goes on writing its state in place
         x.fill_(7.0)
     assert writer.wait() == tmp_path / "s" / "step-00000001"
