@@ -190,9 +190,9 @@ def test_async_writes_a_snapshot_and_reports_its_errors(
     monkeypatch.setattr(checkpoint, "_write", held_write)
     writer.submit(tmp_path / "s", 1, state)
     assert not written.is_set()  # submit returned while the write was still held
-    release.set()
     for x in tree.tensors(state):  # the training loop goes on writing its state in place
         x.fill_(7.0)
+    release.set()  # the write starts after the state changed: it writes the snapshot
     assert writer.wait() == tmp_path / "s" / "step-00000001"
     assert _same(checkpoint.load(tmp_path / "s" / "step-00000001")[0], want)
 
