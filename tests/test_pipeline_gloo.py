@@ -78,7 +78,7 @@ def _measure(mesh):
     params = model.init(cfg, seed=1)
     ids = torch.randint(0, 64, (M * 4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    x = torch.zeros(4, 64, 384)
+    x = torch.zeros(4, 64, cfg.d_model)  # one microbatch's activation
     peer = 1 - mesh.axis_index("pp")
     pings = []
     for _ in range(10):  # one-way latency of an activation, from round trips

@@ -370,12 +370,12 @@ class GradBuckets:
     small, as DDP's, unless a CPU buffer fits in one: :func:`first_bucket_bytes`), and is
     reduced in place as soon as its last layer has reported; the bucket of the first layers
     also holds the last unscanned leaves (the embeddings, whose gradients complete last), as
-    DDP's last bucket does, so it starts at the end. :meth:`finish`
-    writes the unscanned leaves, reduces what is left in buckets of whole leaves, waits, and
-    returns gradients that are views into the buffers (a stacked leaf's is strided, its rows
-    contiguous): no pass packs buckets and none copies results back. With ``early=False``
-    (``shard(overlap=False)``) every bucket starts in :meth:`finish`: the same buffers and the
-    same sums, after the backward pass. The buffers come from ``pool`` when one is given.
+    DDP's last bucket does, so it starts at the end. :meth:`finish` writes the unscanned
+    leaves, reduces what is left in buckets of whole leaves, waits, and returns gradients that
+    are views into the buffers (a stacked leaf's is strided, its rows contiguous): no pass packs
+    buckets and none copies results back. With ``early=False`` (``shard(overlap=False)``) every
+    bucket starts in :meth:`finish`: the same buffers and the same sums, after the backward
+    pass. The buffers come from ``pool`` when one is given.
 
     A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
     has that part reduced at the end: what arrives after its bucket has started is reduced apart
