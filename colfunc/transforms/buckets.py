@@ -363,19 +363,22 @@ class GradBuckets:
 
     Its :class:`~colfunc.core.LayerGrads` frame (``frame``) takes each scanned layer's gradients
     when they are computed. The first layer to report fixes the layout: per dtype, one buffer
-    holding every unscanned leaf, then the scanned leaves' rows layer by layer (layer ``i``'s
-    rows of every scanned leaf side by side). Each gradient is written once, into its place
-    (widened there to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters). A
-    bucket is a contiguous range of whole layers, cut from the last layer down (the first one
-    small, as DDP's, unless a CPU buffer fits in one: :func:`first_bucket_bytes`), and is
-    reduced in place as soon as its last layer has reported; the bucket of the first layers
-    also holds the last unscanned leaves (the embeddings, whose gradients complete last), as
-    DDP's last bucket does, so it starts at the end. :meth:`finish` writes the unscanned
-    leaves, reduces what is left in buckets of whole leaves, waits, and returns gradients that
-    are views into the buffers (a stacked leaf's is strided, its rows contiguous): no pass packs
-    buckets and none copies results back. With ``early=False`` (``shard(overlap=False)``) every
-    bucket starts in :meth:`finish`: the same buffers and the same sums, after the backward
-    pass. The buffers come from ``pool`` when one is given.
+    holding every unscanned leaf, then the scanned leaves' rows layer by layer (layer ``i``'s rows
+    of every scanned leaf side by side). Each gradient is written once, into its place (widened
+    there to the dtype :class:`~colfunc.core.WidenGrads` names, ``amp``'s masters): a weight's
+    gradient is computed apart and copied in, since a matmul writing it into its row itself
+    (``out=``) made the step 1.009-1.016x as long as the copy does on ``gpt.Config.small`` (2 gloo
+    ranks on 2 cores, 4 runs in fresh processes, interleaved, in either order). A bucket is a
+    contiguous range of whole layers, cut from the last layer down (the first one small, as DDP's,
+    unless a CPU buffer fits in one: :func:`first_bucket_bytes`), and is reduced in place as soon
+    as its last layer has reported; the bucket of the first layers also holds the last unscanned
+    leaves (the embeddings, whose gradients complete last), as DDP's last bucket does, so it starts
+    at the end. :meth:`finish` writes the unscanned leaves, reduces what is left in buckets of
+    whole leaves, waits, and returns gradients that are views into the buffers (a stacked leaf's is
+    strided, its rows contiguous): no pass packs buckets and none copies results back. With
+    ``early=False`` (``shard(overlap=False)``) every bucket starts in :meth:`finish`: the same
+    buffers and the same sums, after the backward pass. The buffers come from ``pool`` when one is
+    given.
 
     A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
     has that part reduced at the end: what arrives after its bucket has started is reduced apart
