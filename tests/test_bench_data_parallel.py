@@ -95,3 +95,22 @@ def test_runs_combine_as_medians_over_runs() -> None:
         data_parallel.combine([[row("dp", 1.0)], [row("zero0", 1.0)]])
     with pytest.raises(ValueError, match="no runs"):
         data_parallel.combine([])
+
+
+def test_median_interval_is_the_order_statistic_interval_and_covers_as_it_says() -> None:
+    """The interval printed beside each scheme's runs: the order statistics that enclose the
+    median with binomial coverage (9 runs: the 2nd and 8th, 1 - 2 * 10/512); too few runs give
+    none; and drawn samples contain their distribution's median as often as it says."""
+    xs = [1.011, 0.988, 0.998, 0.996, 1.006, 1.004, 0.997, 1.009, 0.995]
+    lo, hi, coverage = data_parallel.median_interval(xs)
+    assert (lo, hi) == (0.995, 1.009) and coverage == pytest.approx(1 - 20 / 512)
+    assert data_parallel.median_interval(xs[:4]) is None  # the extremes of 4 cover 0.875
+    assert data_parallel.median_interval(xs[:5])[:2] == (0.988, 1.011)  # 5 runs: 1 - 2/32
+    gen = data_parallel.torch.Generator().manual_seed(0)
+    trials, inside = 2000, 0
+    for _ in range(trials):  # runs drawn from a skewed distribution whose median is ln 2
+        draws = data_parallel.torch.empty(9).exponential_(generator=gen).tolist()
+        lo, hi, coverage = data_parallel.median_interval(draws)
+        inside += lo <= 0.6931471805599453 <= hi
+    assert abs(inside / trials - coverage) < 0.02  # binomial sd of the rate: 0.004
+    assert "96% interval 0.995-1.009" in data_parallel._listed(xs)
