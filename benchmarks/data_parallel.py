@@ -50,7 +50,9 @@ ratio within that distance of 1.0 is read as parity.
 ``--runs R`` repeats each world R times, each in fresh processes (fresh memory placement, fresh
 core assignment), and reports the median over runs of each run's median ratio, with every run's
 ratio beside it: one run's ratio carries that run's placement luck (a few percent either way on
-this machine), which only separate runs average out. With 5 runs or more, each scheme's list
+this machine), which only separate runs average out. Each run also builds each side's state at
+a drawn offset in the heap (``--placement drawn``, the default; :func:`shift_heap`): fresh
+processes alone repeat the offsets within their pages. With 5 runs or more, each scheme's list
 ends with a distribution-free interval for the median (:func:`median_interval`): a ratio whose
 interval holds 1.0 is at parity as far as those runs can tell.
 
@@ -61,6 +63,7 @@ Both sides run in the ranks ``cf.launch`` starts, which keep freed host memory f
                                        [--schemes dp,dp_after,zero0,zero2,zero3,tp2]
                                        [--procs 2,4] [--steps 10] [--warmup 3] [--control]
                                        [--peer-weights out_in|in_out] [--runs 1]
+                                       [--placement drawn|fixed]
     colfunc bench data_parallel
 """
 
@@ -71,6 +74,7 @@ import contextlib
 import functools
 import math
 import os
+import random
 import statistics
 import time
 from typing import Any
@@ -325,14 +329,19 @@ def compare(
     steps: int,
     warmup: int,
     peer_weights: str = "out_in",
+    placement: int | None = None,
 ) -> dict[str, Any]:
     """Run ``scheme`` and its torch peer interleaved on every rank; rank 0's timings and bytes.
 
     ``steps`` timed steps follow ``warmup`` untimed ones, and one more step counts the bytes.
+    With ``placement`` (a seed), each side builds its state after a block of a drawn size
+    (:func:`shift_heap`).
     """
     params = gpt.init(cfg, seed=0)
+    held = shift_heap(placement, mesh.rank, scheme, "ours")
     step = ours(scheme, cfg, mesh)
     state = step.init(params)
+    held += shift_heap(placement, mesh.rank, scheme, "torch")
     peer = torch_peer(scheme, cfg, params, mesh.shape, peer_weights)
     dp_group = peer[2]
     g = torch.Generator().manual_seed(0)
@@ -373,6 +382,7 @@ def compare(
                 theirs_t.append(times["theirs"])
                 ours_c.append(cpu["ours"])
                 theirs_c.append(cpu["theirs"])
+    held.clear()
     gaps = torch.tensor([gap])
     dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
     return {
@@ -390,6 +400,25 @@ def compare(
         "unknown": sorted(counter.unknown | check.unknown),
         "loss_gap": float(gaps),
     }
+
+
+def shift_heap(seed: int | None, *key: Any) -> list[torch.Tensor]:
+    """A block of a size drawn from ``(seed, *key)`` (up to 4 MiB, in 64-byte steps) for the
+    caller to hold while a side builds its state, so that what it allocates next lands at a
+    drawn offset; nothing for ``seed`` None.
+
+    Why: the C library gives the same sequence of requests the same offsets within their pages
+    in every process (only whole pages move between processes), so fresh processes alone repeat
+    one placement of each side's parameters, moments and buffers, and a placement that happens
+    to suit one side's memory better (caches, 4 KiB aliasing) stays with that side in every
+    run. Measured: two instances of the same colfunc step on ``gpt.Config.small``, built one
+    after the other, differed by 1.000, 1.013, 1.007, 1.007 in four fresh-process runs, and by
+    1.001, 1.005, 1.002, 0.990 with their heaps shifted by drawn amounts.
+    """
+    if seed is None:
+        return []
+    rnd = random.Random(":".join(str(k) for k in (seed, *key)))
+    return [torch.empty(rnd.randrange(64, 2**22, 64), dtype=torch.uint8)]
 
 
 def control(
@@ -458,6 +487,7 @@ def worker(
     warmup: int,
     with_control: bool = False,
     peer_weights: str = "out_in",
+    placement: int | None = None,
 ) -> list[dict[str, Any]]:
     """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme (and ``control``
     first, as a row of scheme ``"control"``)."""
@@ -469,7 +499,7 @@ def worker(
     for scheme in schemes:
         m = scheme_mesh(scheme, mesh.size, mesh.rank)
         with core.context(m):
-            row = compare(m, scheme, cfg, batch_size, steps, warmup, peer_weights)
+            row = compare(m, scheme, cfg, batch_size, steps, warmup, peer_weights, placement)
         rows.append({"scheme": scheme, "mesh": m.shape, **row})
     return rows
 
@@ -483,8 +513,9 @@ def run(
     warmup: int,
     with_control: bool = False,
     peer_weights: str = "out_in",
+    placement: int | None = None,
 ) -> list[dict[str, Any]]:
-    """``worker`` on ``n`` gloo processes; rank 0's rows."""
+    """``worker`` on ``n`` gloo processes; rank 0's rows (``placement``: see ``compare``)."""
     job = functools.partial(
         worker,
         schemes=schemes,
@@ -494,6 +525,7 @@ def run(
         warmup=warmup,
         with_control=with_control,
         peer_weights=peer_weights,
+        placement=placement,
     )
     return cf.launch(job, mesh={"dp": n}, backend="gloo", timeout=600)[0]
 
@@ -552,6 +584,14 @@ def main(argv: list[str] | None = None) -> None:
         help="repeat each world this many times in fresh processes and report the median over "
         "runs of each run's median (default 1)",
     )
+    ap.add_argument(
+        "--placement",
+        choices=("drawn", "fixed"),
+        default="drawn",
+        help="drawn (default): each run builds each side's state at a drawn offset in the heap "
+        "(run r's seed is r), so that runs also redraw where within its pages each side's "
+        "memory lies; fixed: as the allocation sequence puts it, the same in every run",
+    )
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
@@ -569,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("calls: collectives per step")
     print(f"DDP peers' Linear weights: {args.peer_weights}")
+    print(f"placement of each side's state in the heap: {args.placement}")
     if args.runs > 1:
         print(
             f"each figure is the median over {args.runs} runs in fresh processes of that run's "
@@ -597,8 +638,18 @@ def main(argv: list[str] | None = None) -> None:
         for n in procs:
             rows = combine(
                 [
-                    run(n, schemes, cfg, batch_size, steps, warmup, args.control, args.peer_weights)
-                    for _ in range(args.runs)
+                    run(
+                        n,
+                        schemes,
+                        cfg,
+                        batch_size,
+                        steps,
+                        warmup,
+                        args.control,
+                        args.peer_weights,
+                        r if args.placement == "drawn" else None,
+                    )
+                    for r in range(args.runs)
                 ]
             )
             for r in rows:

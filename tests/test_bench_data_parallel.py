@@ -114,3 +114,18 @@ def test_median_interval_is_the_order_statistic_interval_and_covers_as_it_says()
         inside += lo <= 0.6931471805599453 <= hi
     assert abs(inside / trials - coverage) < 0.02  # binomial sd of the rate: 0.004
     assert "96% interval 0.995-1.009" in data_parallel._listed(xs)
+
+
+def test_each_run_draws_where_each_side_builds_its_state() -> None:
+    """``--placement drawn``: the block held while a side builds its state has a size drawn from
+    (run, rank, scheme, side), the same every time for the same key, different across runs and
+    sides, in 64-byte steps; ``fixed`` (seed None) holds nothing."""
+    sizes = {
+        (run, side): data_parallel.shift_heap(run, 0, "dp", side)[0].numel()
+        for run in range(6)
+        for side in ("ours", "torch")
+    }
+    assert all(n % 64 == 0 and 64 <= n < 2**22 for n in sizes.values())
+    assert len(set(sizes.values())) == len(sizes)
+    assert data_parallel.shift_heap(3, 0, "dp", "ours")[0].numel() == sizes[3, "ours"]
+    assert data_parallel.shift_heap(None, 0, "dp", "ours") == []
