@@ -45,7 +45,8 @@ sides, so the ratio measures the data-parallel machinery (buckets, hooks, the up
 ``--control`` also times two identical colfunc ``dp`` steps against each other, and two identical
 DDP peers, interleaved the same way: how far from 1.0 a ratio between equal sides lands in this
 harness on this machine (memory placement alone moves a step by a percent or two), so that a
-ratio within that distance of 1.0 is read as parity.
+ratio within that distance of 1.0 is read as parity. Its instances are placed as ``--placement``
+places the compared sides.
 
 ``--runs R`` repeats each world R times, each in fresh processes (fresh memory placement, fresh
 core assignment), and reports the median over runs of each run's median ratio, with every run's
@@ -422,16 +423,29 @@ def shift_heap(seed: int | None, *key: Any) -> list[torch.Tensor]:
 
 
 def control(
-    mesh: cf.Mesh, cfg: Config, batch_size: int, steps: int, warmup: int
+    mesh: cf.Mesh,
+    cfg: Config,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    placement: int | None = None,
 ) -> dict[str, float]:
     """The harness's own noise floor on ``{"dp": N}``: two identical colfunc ``dp`` steps
     against each other, and two identical DDP peers, each pair interleaved as ``compare``
     interleaves ours and theirs. Rank 0's median ratios (first instance over second); a
-    ratio off 1.0 by x says that differences of x between the two sides are not resolved."""
+    ratio off 1.0 by x says that differences of x between the two sides are not resolved.
+    With ``placement`` (a seed), each instance is built after a block of a drawn size, as
+    ``compare`` builds its two sides."""
     params = gpt.init(cfg, seed=0)
-    steps_ = [ours("dp", cfg, mesh) for _ in range(2)]
-    states = [s.init(params) for s in steps_]
-    peers = [torch_peer("dp", cfg, params, mesh.shape) for _ in range(2)]
+    held: list[torch.Tensor] = []
+    steps_, states, peers = [], [], []
+    for k in range(2):
+        held += shift_heap(placement, mesh.rank, "control", "ours", k)
+        steps_.append(ours("dp", cfg, mesh))
+        states.append(steps_[k].init(params))
+    for k in range(2):
+        held += shift_heap(placement, mesh.rank, "control", "torch", k)
+        peers.append(torch_peer("dp", cfg, params, mesh.shape))
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[list[float]]] = {"ours": [[], []], "torch": [[], []]}
     losses: dict[str, list[float]] = {"ours": [0.0, 0.0], "torch": [0.0, 0.0]}
@@ -451,6 +465,7 @@ def control(
                     times[side][k].append(time.perf_counter() - t0)
                 losses[side][k] = float(loss)
             gap = max(gap, abs(losses[side][0] - losses[side][1]))
+    held.clear()
     out = {side: statistics.median(a / b for a, b in zip(*pair)) for side, pair in times.items()}
     return {**out, "loss_gap": gap}
 
@@ -495,7 +510,8 @@ def worker(
     if with_control:
         m = scheme_mesh("dp", mesh.size, mesh.rank)
         with core.context(m):
-            rows.append({"scheme": "control", **control(m, cfg, batch_size, steps, warmup)})
+            floor = control(m, cfg, batch_size, steps, warmup, placement)
+        rows.append({"scheme": "control", **floor})
     for scheme in schemes:
         m = scheme_mesh(scheme, mesh.size, mesh.rank)
         with core.context(m):
