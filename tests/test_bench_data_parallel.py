@@ -41,12 +41,20 @@ def test_schemes_match_their_torch_peers_on_gloo() -> None:
 def test_the_control_pairs_equal_sides() -> None:
     """``--control`` times two instances of the same colfunc step, and of the same DDP peer:
     their losses agree exactly at every step (the pairs compare equal computations), whether
-    the instances are built where the allocation sequence puts them or at drawn offsets, and
-    the control row comes first."""
+    the instances are built where the allocation sequence puts them or at drawn offsets (after
+    a process warm-up whose figures are dropped), and the control row comes first."""
     cfg = data_parallel.gpt.Config(vocab_size=64, n_layer=2, n_head=4, d_model=32, max_seq_len=16)
-    for placement in (None, 3):  # fixed, and each instance at a drawn offset
+    for placement, first in ((None, 0), (3, 2)):  # fixed, and at drawn offsets after a warm-up
         rows = data_parallel.run(
-            2, ["dp"], cfg, batch_size=4, steps=2, warmup=1, with_control=True, placement=placement
+            2,
+            ["dp"],
+            cfg,
+            batch_size=4,
+            steps=2,
+            warmup=1,
+            with_control=True,
+            placement=placement,
+            process_warmup=first,
         )
         assert [r["scheme"] for r in rows] == ["control", "dp"]
         assert rows[0]["loss_gap"] == 0.0
