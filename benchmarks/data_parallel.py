@@ -57,8 +57,9 @@ processes alone repeat the offsets within their pages. With 5 runs or more, each
 ends with a distribution-free interval for the median (:func:`median_interval`): a ratio whose
 interval holds 1.0 is at parity as far as those runs can tell.
 
-``--process-warmup STEPS`` first runs that many steps of a ``dp`` pair in every process and drops
-their figures: the scheme timed first in a process came out slower for ours than the one timed
+``--process-warmup STEPS`` first runs, in every process, a ``dp`` comparison of that many timed
+steps (after the config's warm-up steps, and with its byte-counting step) and drops its
+figures: the scheme timed first in a process came out slower for ours than the one timed
 second (small, 2 ranks, 27 runs each: 1.011 [1.000, 1.016] against 0.995 [0.991, 1.011]), and
 with 6 such steps first, dp and zero0 measured 1.002 [0.998, 1.008] and 0.996 [0.979, 1.007]
 (9 runs).
@@ -514,8 +515,8 @@ def worker(
     process_warmup: int = 0,
 ) -> list[dict[str, Any]]:
     """On every rank of a ``{"dp": N}`` world: ``compare`` for each scheme (and ``control``
-    first, as a row of scheme ``"control"``), after ``process_warmup`` steps of a ``dp`` pair
-    whose figures are dropped (none by default)."""
+    first, as a row of scheme ``"control"``), after a ``dp`` comparison of ``process_warmup``
+    timed steps (none by default) whose figures are dropped."""
     rows = []
     if process_warmup:  # so that no timed scheme is the first this process runs
         m = scheme_mesh("dp", mesh.size, mesh.rank)
@@ -629,8 +630,9 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         metavar="STEPS",
-        help="before the first scheme, run this many steps of a dp pair in every process and "
-        "drop their figures, so that no timed scheme is the first the process runs (default 0)",
+        help="before the first scheme, run a dp comparison of this many timed steps (after the "
+        "config's warm-up steps) in every process and drop its figures, so that no timed "
+        "scheme is the first the process runs (default 0)",
     )
     args = ap.parse_args(argv)
     if args.runs < 1:
