@@ -28,6 +28,9 @@ frame                 pushed by                                    read by      
                       (their gradient buckets)                     :func:`scan_layers` (take each layer's
                                                                    gradients during the backward pass),
                                                                    :func:`loss_scale` (its ``scale``)
+``StepRun``           ``Step.__call__`` (around its pieces)        ``shard`` and ``zero`` 0 forward-backward    call
+                                                                   (hand gradients in flight), the step's
+                                                                   update (update each part as it arrives)
 ``NormReduction``     ``shard`` (local update), ``zero`` 1-3       ``optim.clip_by_global_norm``, the step's    call
                       update, ``pipeline`` update                  gradient norm; ``pipeline`` nests it
 ``SplitBackward``     ``pipeline`` with ``"zero_bubble"``          remat (full checkpoints), ZeRO-3 gathers     call
@@ -61,6 +64,7 @@ from colfunc import tree
 
 __all__ = [
     "DryRun",
+    "GradArrival",
     "LayerGrads",
     "Layered",
     "LinearInterceptor",
@@ -69,6 +73,7 @@ __all__ = [
     "P",
     "SplitBackward",
     "SplitSequence",
+    "StepRun",
     "WidenGrads",
     "context",
     "frames",
@@ -289,6 +294,70 @@ class NormReduction:
 
     def __init__(self, reduce: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
         self.reduce = reduce
+
+
+@runtime_checkable
+class GradArrival(Protocol):
+    """Gradients handed over while parts of them are still being reduced.
+
+    ``grads`` is the tree handed over; its tensors lie in ``parts`` ranges of memory (data
+    parallelism's buckets), numbered in the order their collectives started. A reader waits
+    for the parts holding what it reads: ``part_of(t)`` is the last part that ``t``'s memory
+    touches (-1: none, ready now), ``wait(k)`` waits for parts ``0..k`` in order (every rank
+    waits in the same order), ``wait_for(t)`` for what ``t`` touches, ``wait_all()`` for the
+    rest (and settles what the step still owes: its loss, its buffers). Waiting again is free.
+    """
+
+    grads: PyTree
+    parts: int
+
+    def part_of(self, t: torch.Tensor) -> int: ...
+
+    def wait(self, part: int) -> None: ...
+
+    def wait_for(self, t: torch.Tensor) -> None: ...
+
+    def wait_all(self) -> None: ...
+
+
+class StepRun:
+    """The frame a :class:`~colfunc.step.Step` call pushes around its pieces (forward-backward,
+    sync, update), which it runs one after another.
+
+    With ``overlap`` (the step's ``overlap_update``: its composition reads no gradient between
+    the backward pass and the optimizer), data parallelism's forward-backward may hand its
+    gradients over before the last buckets are reduced (:meth:`hand`, a :class:`GradArrival`),
+    and the step's update may update each part as it arrives. Whatever is still in flight when
+    the update is done, or fails, is waited for by :meth:`complete`, which the call runs last.
+    """
+
+    def __init__(self, overlap: bool) -> None:
+        self.overlap = overlap
+        self.arrival: GradArrival | None = None
+
+    def hand(self, arrival: GradArrival) -> None:
+        """Take gradients in flight; only with ``overlap``, once per call."""
+        if not self.overlap or self.arrival is not None:
+            raise RuntimeError(
+                "StepRun: gradients in flight were handed to a step call that does not take "
+                "them (overlap off, or handed twice)"
+            )
+        self.arrival = arrival
+
+    def arrival_for(self, grads: PyTree) -> GradArrival | None:
+        """The gradients in flight if they are ``grads`` (the tree handed over, unchanged);
+        otherwise everything in flight is waited for first and None is returned."""
+        arrival = self.arrival
+        if arrival is not None and arrival.grads is not grads:
+            self.complete()
+            return None
+        return arrival
+
+    def complete(self) -> None:
+        """Wait for whatever is still in flight."""
+        arrival, self.arrival = self.arrival, None
+        if arrival is not None:
+            arrival.wait_all()
 
 
 class LayerGrads:

@@ -30,6 +30,14 @@ step records the plain step it was built from (``base``) and what was applied (`
 see :mod:`colfunc.transforms.composition`).
 A step never mutates the state or the batch passed in, unless built to donate the state (see
 :func:`train_step`).
+
+A call runs the pieces one after another inside a :class:`colfunc.core.StepRun` frame. Where the
+composition reads no gradient between the backward pass and the optimizer (``overlap_update``:
+plain data parallelism, ``shard`` or ZeRO stage 0, without ``amp`` or ``offload``), the
+forward-backward may return while its last gradient buckets are still being reduced, and an
+optimizer that updates in parts (``optim.adamw``) updates the layers whose gradients have
+arrived meanwhile; the call returns only once everything has arrived. The numbers are the
+same either way: the update is elementwise.
 """
 
 from __future__ import annotations
@@ -134,6 +142,23 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
 
 def _update(optimizer: GradientTransformation, donate: bool) -> Update:
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        run = core.innermost(core.StepRun)
+        arrival = run.arrival_for(grads) if run is not None else None
+        if arrival is not None and run is not None:
+            # gradients in flight (data parallelism's last buckets): an optimizer that updates
+            # in parts updates what has arrived while the rest is reduced; the norm reads the
+            # whole, after (the optimizer does not need it: no clipping updates in parts)
+            fast = (
+                optimizer.apply(
+                    grads, state.opt_state, state.params, donate=donate, arrival=arrival
+                )
+                if optimizer.apply is not None and optimizer.in_parts
+                else None
+            )
+            run.complete()
+            if fast is not None:
+                info = {"grad_norm": global_norm(grads), "lr": optimizer.lr(state.opt_state)}
+                return state._replace(params=fast[0], opt_state=fast[1]), info
         norm = global_norm(grads)
         info = {"grad_norm": norm, "lr": optimizer.lr(state.opt_state)}
         with known_norm(grads, norm):  # clipping reuses it
@@ -203,12 +228,17 @@ class Step:
     update: Update
     finish: Callable[[TrainState], TrainState]
     donate: bool = False  # whether the update writes into the buffers of the state passed in
+    # whether the update may start on gradients still being reduced (core.StepRun): set by the
+    # composition where nothing between the backward pass and the optimizer reads them, and
+    # cleared by ``replace``, since a piece swapped in may read them
+    overlap_update: bool = False
     base: Step | None = None  # the plain step the transforms were applied to (None: this one)
     composition: Composition | None = None  # the transforms applied to ``base``
 
     def replace(self, **pieces: Any) -> Step:
-        """A new step with some pieces swapped (the way transforms are written)."""
-        return dataclasses.replace(self, **pieces)
+        """A new step with some pieces swapped (the way transforms are written). It runs its
+        pieces one after another (``overlap_update`` off, unless given)."""
+        return dataclasses.replace(self, **{"overlap_update": False, **pieces})
 
     def init(self, params: PyTree) -> TrainState:
         """The initial state: parameters placed by ``layout`` and a fresh optimizer state.
@@ -274,9 +304,13 @@ class Step:
             raise TypeError(
                 f"a Step takes the TrainState from step.init(params), got {type(state).__name__}"
             )
-        loss, grads = self.forward_backward(state.params, batch, state.extra)
-        grads = self.sync(grads)
-        new_state, info = self.update(grads, state)
+        with core.context(core.StepRun(self.overlap_update)) as run:
+            try:
+                loss, grads = self.forward_backward(state.params, batch, state.extra)
+                grads = self.sync(grads)
+                new_state, info = self.update(grads, state)
+            finally:
+                run.complete()
         new_state = new_state._replace(step=state.step + 1, extra=dict(new_state.extra))
         return self.finish(new_state), {"loss": loss, **info}
 

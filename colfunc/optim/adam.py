@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from colfunc import torch_private, tree
+from colfunc.core import GradArrival
 from colfunc.optim.base import (
     GradientTransformation,
     LearningRate,
@@ -155,11 +156,17 @@ def _scale_by_adam(
         return cut
 
     def apply(
-        grads: PyTree, state: AdamState, params: PyTree, donate: bool = False
+        grads: PyTree,
+        state: AdamState,
+        params: PyTree,
+        donate: bool = False,
+        arrival: GradArrival | None = None,
     ) -> tuple[PyTree, AdamState] | None:
         # torch's fused kernel (in place) run on fresh copies of the parameters and moments:
         # nothing passed in is modified, in about half the passes over memory of `update`; with
-        # `donate`, on the buffers passed in (no copies)
+        # `donate`, on the buffers passed in (no copies). With `arrival` (gradients still being
+        # reduced), one kernel per part, each once its part has arrived: the same elementwise
+        # update, while the rest is on the wire
         treedef = tree.structure(params)
         ps: list[torch.Tensor] = treedef.flatten_up_to(params)
         gs: list[torch.Tensor] = treedef.flatten_up_to(grads)
@@ -187,6 +194,8 @@ def _scale_by_adam(
                     p_rows, m_rows, v_rows = rows_of(p, m, v, fresh)
                     pieces = (p_rows, [packed_view(r) for r in g.unbind(0)], m_rows, v_rows)
                 else:
+                    if arrival is not None and not (g.is_contiguous() or by_rows(g)):
+                        arrival.wait_for(g)  # copied now: read now
                     pieces = contiguous_pieces(p, g, m, v)
             elif m.stride() == p.stride() == v.stride() and packed(tuple(p.shape), p.stride()):
                 # each piece as the 1-d view of the memory it covers: the kernel copies a
@@ -196,6 +205,8 @@ def _scale_by_adam(
                     pieces = (p_rows, [packed_view(r) for r in g.unbind(0)], m_rows, v_rows)
                 else:
                     if g.stride() != p.stride():
+                        if arrival is not None:
+                            arrival.wait_for(g)  # copied now: read now
                         g = torch.empty_like(p).copy_(g)  # p's strides (empty_like keeps them)
                     pieces = tuple([packed_view(x)] for x in (p, g, m, v))
             else:  # laid out unlike each other: the unfused update, which follows strides
@@ -210,13 +221,7 @@ def _scale_by_adam(
             if p.device not in count:
                 count[p.device] = torch.full((), float(t), device=p.device)
         steps = [count[p.device] for p in lists[0]]
-        torch_private.fused_adamw_(
-            lists[0],
-            lists[1],
-            lists[2],
-            lists[3],
-            [],
-            steps,
+        kw = dict(
             lr=learning_rate(lr, state.step),
             beta1=beta1,
             beta2=beta2,
@@ -225,11 +230,27 @@ def _scale_by_adam(
             amsgrad=False,
             maximize=False,
         )
+        if arrival is None:
+            torch_private.fused_adamw_(*lists, [], steps, **kw)
+        else:
+            # the pieces by the part their gradient lies in (-1: not in flight), each part's
+            # kernel run once that part has arrived, parts in the order they were started
+            parts: dict[int, list[int]] = {}
+            for j, g in enumerate(lists[1]):
+                parts.setdefault(arrival.part_of(g), []).append(j)
+            for k in range(-1, arrival.parts):
+                if k >= 0:
+                    arrival.wait(k)
+                js = parts.get(k)
+                if js:
+                    torch_private.fused_adamw_(
+                        *([xs[j] for j in js] for xs in lists), [], [steps[j] for j in js], **kw
+                    )
         m_tree, v_tree = tree.unflatten(treedef, new_m), tree.unflatten(treedef, new_v)
         return tree.unflatten(treedef, new_p), AdamState(t, m_tree, v_tree, None)
 
     hyper = AdamWHyper(lr, beta1, beta2, eps, weight_decay) if decoupled and not amsgrad else None
-    return GradientTransformation(init, update, current_lr, apply, hyper)
+    return GradientTransformation(init, update, current_lr, apply, hyper, in_parts=True)
 
 
 def adamw(

@@ -56,6 +56,10 @@ class GradientTransformation(NamedTuple):
     # update with kernels of its own where the tensors live (``offload``: the CPU Adam on host
     # chunks, the fused device AdamW on device chunks); None for every other optimizer.
     adamw: Any = None
+    # Whether ``apply`` takes ``arrival=`` (a :class:`colfunc.core.GradArrival`: gradients of
+    # which parts are still being reduced) and updates each part as it arrives: only an update
+    # that is elementwise (no global norm, no per-tensor statistics) can.
+    in_parts: bool = False
 
 
 def learning_rate(lr: float | LearningRate, count: int) -> float:

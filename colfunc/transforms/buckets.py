@@ -6,6 +6,10 @@ gradient is written once (where the backward pass hands it over) and reduced whe
 ZeRO stages 1-2 reduce-scatter theirs in :class:`PackedBuckets`, whose buckets are packed when
 they start. Both take each scanned layer's gradients from the backward pass through
 :class:`~colfunc.core.LayerGrads`, as DDP's reducer takes them from autograd hooks.
+
+Where the step call takes them (:func:`finish_buckets`, :class:`~colfunc.core.StepRun`), the
+flat buffers' gradients are handed over before their last buckets have arrived, as an
+:class:`InFlight`: the optimizer updates each bucket's layers once that bucket is reduced.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ __all__ = [
     "FIRST_BUCKET_BYTES",
     "BufferPool",
     "GradBuckets",
+    "InFlight",
     "PackedBuckets",
     "all_reduce_buckets",
     "all_reduce_tree",
+    "finish_buckets",
     "first_bucket_bytes",
 ]
 
@@ -127,6 +133,10 @@ class PackedBuckets:
         """Start the reduction of one bucket."""
         flat = torch.cat([g.reshape(-1) for g in gs])
         return comm.all_reduce_async(flat, self.axis, self.op, self.mesh)
+
+    def pending(self) -> bool:
+        """Whether anything was added since the last :meth:`wait`."""
+        return bool(self.open or self.started)
 
     def pieces(self, result: torch.Tensor, gs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One bucket's result, cut back into its entries."""
@@ -429,6 +439,9 @@ class GradBuckets:
         # it also names the dtype each gradient is reduced in (amp's masters)
         self.late = PackedBuckets(mesh, axis, bucket_bytes, self.reduce)
         self.elsewhere: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rows of another scan
+        self.order: list[_Bucket] = []  # the buckets in the order their collectives started
+        # finish(defer=True): the gradients handed over in flight, until they have arrived
+        self.arrival: InFlight | None = None
 
     def _plan(self, scanned: list[str]) -> list[_Bucket]:
         """Lay out the buffers and cut the buckets; ``scanned`` are the leaves taken per layer."""
@@ -485,6 +498,7 @@ class GradBuckets:
                 if path not in filled:
                     self.rows[path][i].zero_()
         bucket.pending = comm.all_reduce_async(bucket.view, self.axis, self.reduce, self.mesh)
+        self.order.append(bucket)
 
     def on_layer(self, i: int, grads: dict[str, Any], params: Mapping[str, torch.Tensor]) -> None:
         buckets = self._plan(list(grads)) if self.buckets is None else self.buckets
@@ -519,11 +533,24 @@ class GradBuckets:
             if bucket.waiting == 0:
                 self._start(bucket)
 
-    def finish(self, grads: PyTree, params: PyTree, loss: torch.Tensor | None = None) -> PyTree:
+    def finish(
+        self,
+        grads: PyTree,
+        params: PyTree,
+        loss: torch.Tensor | None = None,
+        *,
+        defer: bool = False,
+    ) -> PyTree:
         """The reduced gradients, from the backward pass's ``grads`` for ``params``: views into
         the flat buffers, distributed like ``params``. With ``carry_loss``, ``loss`` (a 0-d
         tensor) is reduced in the last bucket and ``self.loss`` is the result, unless its dtype
-        is not the gradients' (``self.loss`` is then None: reduce it apart)."""
+        is not the gradients' (``self.loss`` is then None: reduce it apart).
+
+        With ``defer``, it returns as soon as every bucket has started, without waiting:
+        ``self.arrival`` (an :class:`InFlight`) then says which parts are still in flight, and
+        its ``wait_all()`` settles the rest (``self.loss`` included, whose value is written
+        then). It waits here anyway where a part arrives apart (a gradient that came after its
+        bucket started, a leaf used outside its scan): ``self.arrival`` stays None."""
         buckets = self.buckets if self.buckets is not None else self._plan([])
         slot = self.whole.get(LOSS)
         carried = slot is not None and loss is not None and loss.dtype == slot.dtype
@@ -548,21 +575,103 @@ class GradBuckets:
         for bucket in buckets:  # what is still open: the unscanned leaves, and layers that
             if bucket.pending is None:  # never reported
                 self._start(bucket)
-        for bucket in buckets:
-            assert bucket.pending is not None
-            got = bucket.pending.wait()
-            if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
-                bucket.view.copy_(got)
+        # fresh tensors on the buffers for the caller: while it holds them, the pool hands the
+        # buffers to no one
+        out = tree.unflatten(
+            self.treedef, [rewrap(p, self.whole[path].detach()) for path, p in self.flat]
+        )
+        self.loss = None
+        if carried and slot is not None:
+            self.loss = slot.new_empty(())
+        if defer and not self.late.pending():
+            self.arrival = InFlight(out, self.order, self._settle)
+            return out
+        for bucket in self.order:
+            _arrive(bucket)
         for key, parts in self.late.wait().items():
             target = self.whole[key[1]] if key[0] == "whole" else self.rows[key[1]][key[2]]
             for part in parts:
                 target += part
-        # fresh tensors on the buffers for the caller: while it holds them, the pool hands the
-        # buffers to no one
-        out = [rewrap(p, self.whole[path].detach()) for path, p in self.flat]
-        self.loss = slot.clone() if carried and slot is not None else None
+        self._settle()
+        return out
+
+    def _settle(self) -> None:
+        """What a step owes once every bucket has arrived: the carried loss, and letting go."""
+        slot = self.whole.get(LOSS)
+        if self.loss is not None and slot is not None:
+            self.loss.copy_(slot)
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
-        for bucket in buckets:
+        for bucket in self.order:
             bucket.pending = None
         self.leases = []
-        return tree.unflatten(self.treedef, out)
+
+
+def finish_buckets(
+    buckets: GradBuckets, grads: PyTree, params: PyTree, loss: torch.Tensor | None = None
+) -> PyTree:
+    """``buckets.finish(grads, params, loss)``, handing the gradients over in flight to the step
+    call running (:class:`colfunc.core.StepRun`) where it takes them: the step's update then
+    waits for each part as it needs it."""
+    run = core.innermost(core.StepRun)
+    defer = run is not None and run.overlap and run.arrival is None
+    out = buckets.finish(grads, params, loss, defer=defer)
+    if buckets.arrival is not None and run is not None:
+        run.hand(buckets.arrival)
+    return out
+
+
+def _arrive(bucket: _Bucket) -> None:
+    """Wait for ``bucket``'s reduction; its result in its view."""
+    if bucket.pending is None:
+        return
+    got = bucket.pending.wait()
+    if got.data_ptr() != bucket.view.data_ptr():  # a backend that reduced elsewhere
+        bucket.view.copy_(got)
+    bucket.pending = None
+
+
+class InFlight:
+    """Data-parallel gradients handed over before their buckets have all arrived
+    (:meth:`GradBuckets.finish` with ``defer``): a :class:`colfunc.core.GradArrival` whose parts
+    are the buckets, in the order their reductions started.
+
+    A part is a range of a flat buffer; a tensor's part is found from the memory it spans
+    (its data pointer, sizes and strides), so any view into the buffers can be asked about.
+    """
+
+    def __init__(self, grads: PyTree, buckets: list[_Bucket], settle: Any) -> None:
+        self.grads = grads
+        self.buckets = list(buckets)
+        self.parts = len(self.buckets)
+        self.ranges = [
+            (b.view.data_ptr(), b.view.data_ptr() + b.view.numel() * b.view.element_size())
+            for b in self.buckets
+        ]
+        self.arrived = 0  # parts 0 .. arrived - 1 have arrived
+        self.settle: Any = settle
+
+    def part_of(self, t: torch.Tensor) -> int:
+        if t.numel() == 0:
+            return -1
+        lo = t.data_ptr()
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        hi = lo + span * t.element_size()
+        found = -1
+        for k, (a, b) in enumerate(self.ranges):
+            if lo < b and a < hi:
+                found = k
+        return found
+
+    def wait(self, part: int) -> None:
+        while self.arrived <= min(part, self.parts - 1):
+            _arrive(self.buckets[self.arrived])
+            self.arrived += 1
+
+    def wait_for(self, t: torch.Tensor) -> None:
+        self.wait(self.part_of(t))
+
+    def wait_all(self) -> None:
+        self.wait(self.parts - 1)
+        if self.settle is not None:
+            settle, self.settle = self.settle, None
+            settle()

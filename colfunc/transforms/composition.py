@@ -92,6 +92,26 @@ class Composition:
         ``"device"``): ``amp`` then leaves the casts to compute dtype to those fetches."""
         return self.offload is not None and self.offload.policy != "device"
 
+    @property
+    def overlaps_update(self) -> bool:
+        """Whether the optimizer may start on data-parallel gradients while the last buckets
+        are still being reduced (a step's ``overlap_update``, :class:`colfunc.core.StepRun`):
+        plain data parallelism reduced in the backward pass (``shard``'s, or ZeRO stage 0's),
+        and nothing between the backward pass and the optimizer that reads gradients: no
+        ``amp`` (its overflow check), no ``offload``, no tensor or sequence layout (their
+        update works on local pieces), no pipeline, no ZeRO stage above 0."""
+        sh, z = self.shard, self.zero
+        plain_shard = sh is None or (
+            not sh.plan and not sh.sequence_parallel and sh.tensor_mode == "1d"
+        )
+        return (
+            plain_shard
+            and (z is None or z.stage == 0)
+            and self.amp is None
+            and self.offload is None
+            and self.reduce_in_backward
+        )
+
     def applied(self) -> tuple[Any, ...]:
         """The configs applied, innermost first."""
         return tuple(c for c in (getattr(self, n) for n in ORDER) if c is not None)
@@ -124,7 +144,9 @@ class Composition:
         step = base
         for config in self.applied():
             step = config.build(step, self)
-        return dataclasses.replace(step, base=base, composition=self)
+        return dataclasses.replace(
+            step, base=base, composition=self, overlap_update=self.overlaps_update
+        )
 
 
 def apply_transform(step: Step, name: str, config: Any) -> Step:

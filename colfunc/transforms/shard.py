@@ -33,7 +33,7 @@ from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_f
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms import grid
-from colfunc.transforms.buckets import BufferPool, GradBuckets, all_reduce_tree
+from colfunc.transforms.buckets import BufferPool, GradBuckets, all_reduce_tree, finish_buckets
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
@@ -508,7 +508,7 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
         if buckets is not None:
-            grads = buckets.finish(grads, params, loss=as_full(loss))
+            grads = finish_buckets(buckets, grads, params, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads
         else:  # gradients take their parameter's placements (a rule may leave one Partial)

@@ -37,7 +37,13 @@ from colfunc import core, tree
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import BufferPool, GradBuckets, PackedBuckets, all_reduce_tree
+from colfunc.transforms.buckets import (
+    BufferPool,
+    GradBuckets,
+    PackedBuckets,
+    all_reduce_tree,
+    finish_buckets,
+)
 from colfunc.transforms.chunks import (
     Chunked,
     as_chunk,
@@ -331,6 +337,8 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             )
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
+            if isinstance(buckets, GradBuckets):
+                return loss, finish_buckets(buckets, grads, params)
             return loss, buckets.finish(grads, params)
         z: ZeroLayout = extra["zero"]
         with core.context(LayerGather(z, prefetch)):
