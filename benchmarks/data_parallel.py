@@ -5,7 +5,8 @@ the same GPT-2 weights and the same global batches, in the same processes, inter
 step (the order alternates every step; every rank starts each side's step at a barrier):
 
 - ``dp``: ``cf.shard(step, mesh)`` on ``{"dp": N}`` against ``DistributedDataParallel``; both
-  start bucketed all_reduces during the backward pass;
+  start bucketed all_reduces during the backward pass, and ours also updates the layers of each
+  bucket that has arrived while the last ones are still being reduced (``Step.overlap_update``);
 - ``dp_after``: the same with ``overlap=False`` (buckets reduced after the backward pass), against
   DDP again, to show what the overlap is worth;
 - ``zero0``: ``cf.zero(cf.shard(step, mesh), stage=0)`` on ``{"dp": N}`` against

@@ -230,6 +230,9 @@ def _scale_by_adam(
             amsgrad=False,
             maximize=False,
         )
+        if arrival is not None and arrival.parts <= 1:  # one part: wait, then one kernel
+            arrival.wait_all()
+            arrival = None
         if arrival is None:
             torch_private.fused_adamw_(*lists, [], steps, **kw)
         else:
