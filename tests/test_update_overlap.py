@@ -114,6 +114,7 @@ def test_only_compositions_that_read_no_gradient_before_the_optimizer_overlap() 
     ref = cf.train_step(model.loss(cfg), optim.adamw(1e-2))
     mesh = cf.Mesh({"dp": 2, "tp": 2, "pp": 2}, 0)
     assert not ref.overlap_update  # one device: nothing in flight
+    assert not cf.remat(ref).overlap_update  # no data-parallel reduction either
     assert cf.shard(ref, mesh).overlap_update
     assert cf.zero(cf.shard(ref, mesh), 0).overlap_update
     assert cf.remat(cf.shard(ref, mesh)).overlap_update

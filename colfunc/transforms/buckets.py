@@ -601,8 +601,6 @@ class GradBuckets:
         if self.loss is not None and slot is not None:
             self.loss.copy_(slot)
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
-        for bucket in self.order:
-            bucket.pending = None
         self.leases = []
 
 

@@ -104,8 +104,10 @@ class Composition:
         plain_shard = sh is None or (
             not sh.plan and not sh.sequence_parallel and sh.tensor_mode == "1d"
         )
+        data_parallel = (sh is not None and sh.data_axis is not None) or z is not None
         return (
             plain_shard
+            and data_parallel
             and (z is None or z.stage == 0)
             and self.amp is None
             and self.offload is None
