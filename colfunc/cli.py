@@ -222,6 +222,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from colfunc import engines
     from colfunc.inference import Engine
     from colfunc.inference.server import EngineLoop, build_app, follow
     from colfunc.sharding import launch
@@ -242,7 +243,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # read the files once, on this thread (the ranks below are threads: two importing
     # transformers at once can trip over its lazy modules), then build an engine per rank
-    loaded = Engine.load_run(args.run) if args.run is not None else Engine.load_hf(args.hf)
+    loaded = engines.load_run(args.run) if args.run is not None else engines.load_hf(args.hf)
 
     def load(**extra: Any) -> Engine:
         return Engine(**loaded, **kw, **extra)

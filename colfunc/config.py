@@ -26,7 +26,6 @@ import dataclasses
 import importlib
 import importlib.util
 import math
-import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from colfunc import models
 
 __all__ = [
     "DataConfig",
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 SECTIONS = ("model", "optim", "data", "train")
-_MODELS_PACKAGE = "colfunc.models."
 
 
 def _check_positive(owner: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -199,7 +199,7 @@ class RunConfig:
     init: str | None = None
 
     def __post_init__(self) -> None:
-        model_module(self.model)  # a Config from colfunc.models.<family>
+        model_module(self.model)  # the Config of a registered model family
         for name, kind in (("optim", OptimConfig), ("data", DataConfig), ("train", TrainConfig)):
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -222,15 +222,13 @@ class RunConfig:
             )
 
 
-def model_module(model_cfg: Any) -> types.ModuleType:
-    """The module of a model config (``colfunc.models.gpt`` for a ``gpt.Config``)."""
-    module_name = type(model_cfg).__module__
-    if not (dataclasses.is_dataclass(model_cfg) and module_name.startswith(_MODELS_PACKAGE)):
-        raise ValueError(
-            f"model must be the Config of a colfunc.models module (e.g. "
-            f"colfunc.models.gpt.Config.tiny()), got {type(model_cfg).__name__} from {module_name}"
-        )
-    return sys.modules[module_name]
+def model_module(model_cfg: Any) -> Any:
+    """The module of a model config's registered family (``colfunc.models.gpt`` for a
+    ``gpt.Config``)."""
+    try:
+        return models.of_config(model_cfg).module
+    except TypeError as e:
+        raise ValueError(f"model: {e}") from None
 
 
 def default() -> RunConfig:
@@ -487,7 +485,7 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     for section in SECTIONS:
         value = getattr(cfg, section)
         out[section] = {n: _jsonable(getattr(value, n)) for n in _field_types(type(value))}
-    out["model"]["family"] = type(cfg.model).__module__.removeprefix(_MODELS_PACKAGE)
+    out["model"]["family"] = models.of_config(cfg.model).name
     out["parallel"] = cfg.parallel
     out["init"] = cfg.init
     return out
@@ -499,12 +497,13 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
         raise ValueError(f"a run config needs the sections {', '.join(SECTIONS)}")
     model = dict(d["model"])
     family = model.pop("family", None)
-    try:
-        module = importlib.import_module(_MODELS_PACKAGE + str(family))
-    except ImportError as e:
-        raise ValueError(f"model.family={family!r} is not a colfunc.models module") from e
+    if family not in models.FAMILIES:
+        raise ValueError(
+            f"model.family={family!r} is not a registered model family; registered: "
+            f"{sorted(models.FAMILIES)}"
+        )
     classes = {
-        "model": module.Config,
+        "model": models.get(family).config,
         "optim": OptimConfig,
         "data": DataConfig,
         "train": TrainConfig,

@@ -1,4 +1,5 @@
-"""Hugging Face weights in and out: GPT-2, LLaMA and OPT causal language models.
+"""Hugging Face weights in and out, for every registered model family with a Hugging Face side
+(GPT-2, LLaMA and OPT built in; see :mod:`colfunc.models.family`).
 
 ``from_hf(model) -> (cfg, params)`` reads a ``transformers`` model, ``load(folder)`` and
 ``read_config(folder)`` a ``save_pretrained`` folder (local files only), ``load_abstract(folder)``
@@ -7,7 +8,7 @@ the state dict that ``load_state_dict`` takes; ``hf_config(cfg)`` builds the mat
 ``transformers`` config. The mapping between the two layouts is a table per model: each entry
 names a Hugging Face key, the colfunc paths concatenated (along the output dim) to make it, and
 whether the weight is transposed (``nn.Linear`` stores ``[out, in]``, colfunc and GPT-2's
-``Conv1D`` store ``[in, out]``). The same table serves both directions, so ``to_hf`` also maps any
+``Conv1D`` store ``[in, out]``); each family declares its own (``family.hf.weights``). The same table serves both directions, so ``to_hf`` also maps any
 tree shaped like the params, such as gradients.
 
 Only the weights and the config cross over: nothing here downloads or needs ``transformers``
@@ -16,14 +17,13 @@ except :func:`hf_config`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from colfunc import nn, tree
-from colfunc.models import gpt, llama, opt
+from colfunc import models, nn, tree
+from colfunc.models import HFMapping, HFWeight
 
 __all__ = [
     "folder_of",
@@ -36,111 +36,26 @@ __all__ = [
     "to_hf",
 ]
 
-Config = gpt.Config | llama.Config | opt.Config
+Config = Any  # the Config of a registered model family with a Hugging Face side
 Params = dict[str, Any]
 
 
-class _Entry(NamedTuple):
-    key: str  # Hugging Face key; "{i}" stands for the layer index in per-layer entries
-    paths: tuple[str, ...]  # colfunc paths, concatenated along the last dim to make the key
-    transpose: bool = False  # nn.Linear [out, in] on the Hugging Face side
+def _mapping(cfg: Any) -> tuple[Any, HFMapping]:
+    """``(model module, Hugging Face side)`` of the registered family of ``cfg``."""
+    family = models.of_config(cfg)
+    if family.hf is None:
+        with_hf = sorted(f.name for f in models.FAMILIES.values() if f.hf is not None)
+        raise ValueError(
+            f"the {family.name!r} model family has no Hugging Face counterpart; Hugging Face "
+            f"weights and configs exist for {with_hf}"
+        )
+    return family.module, family.hf
 
 
-def _w(key: str, *paths: str) -> _Entry:
-    return _Entry(key, paths, transpose=True)
-
-
-def _gpt2_entries(cfg: gpt.Config) -> tuple[list[_Entry], list[_Entry]]:
-    h = "transformer.h.{i}."
-    layer = [
-        _Entry(h + "ln_1.weight", ("blocks.ln1.weight",)),
-        _Entry(h + "ln_1.bias", ("blocks.ln1.bias",)),
-        # GPT-2 fuses q, k, v into one Conv1D; colfunc keeps them apart for column parallelism
-        _Entry(h + "attn.c_attn.weight", ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv")),
-        _Entry(h + "attn.c_attn.bias", ("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv")),
-        _Entry(h + "attn.c_proj.weight", ("blocks.attn.wo",)),
-        _Entry(h + "attn.c_proj.bias", ("blocks.attn.bo",)),
-        _Entry(h + "ln_2.weight", ("blocks.ln2.weight",)),
-        _Entry(h + "ln_2.bias", ("blocks.ln2.bias",)),
-        _Entry(h + "mlp.c_fc.weight", ("blocks.mlp.w_in",)),
-        _Entry(h + "mlp.c_fc.bias", ("blocks.mlp.b_in",)),
-        _Entry(h + "mlp.c_proj.weight", ("blocks.mlp.w_out",)),
-        _Entry(h + "mlp.c_proj.bias", ("blocks.mlp.b_out",)),
-    ]
-    top = [
-        _Entry("transformer.wte.weight", ("embed.tokens",)),
-        _Entry("transformer.wpe.weight", ("embed.positions",)),
-        _Entry("transformer.ln_f.weight", ("final_norm.weight",)),
-        _Entry("transformer.ln_f.bias", ("final_norm.bias",)),
-        _Entry("lm_head.weight", ("embed.tokens",)),  # tied
-    ]
-    return top, layer
-
-
-def _llama_entries(cfg: llama.Config) -> tuple[list[_Entry], list[_Entry]]:
-    h = "model.layers.{i}."
-    layer = [
-        _Entry(h + "input_layernorm.weight", ("blocks.ln1.weight",)),
-        _w(h + "self_attn.q_proj.weight", "blocks.attn.wq"),
-        _w(h + "self_attn.k_proj.weight", "blocks.attn.wk"),
-        _w(h + "self_attn.v_proj.weight", "blocks.attn.wv"),
-        _w(h + "self_attn.o_proj.weight", "blocks.attn.wo"),
-        _Entry(h + "post_attention_layernorm.weight", ("blocks.ln2.weight",)),
-        _w(h + "mlp.gate_proj.weight", "blocks.mlp.w_gate"),
-        _w(h + "mlp.up_proj.weight", "blocks.mlp.w_up"),
-        _w(h + "mlp.down_proj.weight", "blocks.mlp.w_down"),
-    ]
-    top = [
-        _Entry("model.embed_tokens.weight", ("embed.tokens",)),
-        _Entry("model.norm.weight", ("final_norm.weight",)),
-        _Entry("lm_head.weight", ("embed.tokens",))
-        if cfg.tie_embeddings
-        else _w("lm_head.weight", "head.weight"),
-    ]
-    return top, layer
-
-
-def _opt_entries(cfg: opt.Config) -> tuple[list[_Entry], list[_Entry]]:
-    h = "model.decoder.layers.{i}."
-    layer = [
-        _Entry(h + "self_attn_layer_norm.weight", ("blocks.ln1.weight",)),
-        _Entry(h + "self_attn_layer_norm.bias", ("blocks.ln1.bias",)),
-        _w(h + "self_attn.q_proj.weight", "blocks.attn.wq"),
-        _Entry(h + "self_attn.q_proj.bias", ("blocks.attn.bq",)),
-        _w(h + "self_attn.k_proj.weight", "blocks.attn.wk"),
-        _Entry(h + "self_attn.k_proj.bias", ("blocks.attn.bk",)),
-        _w(h + "self_attn.v_proj.weight", "blocks.attn.wv"),
-        _Entry(h + "self_attn.v_proj.bias", ("blocks.attn.bv",)),
-        _w(h + "self_attn.out_proj.weight", "blocks.attn.wo"),
-        _Entry(h + "self_attn.out_proj.bias", ("blocks.attn.bo",)),
-        _Entry(h + "final_layer_norm.weight", ("blocks.ln2.weight",)),
-        _Entry(h + "final_layer_norm.bias", ("blocks.ln2.bias",)),
-        _w(h + "fc1.weight", "blocks.mlp.w_in"),
-        _Entry(h + "fc1.bias", ("blocks.mlp.b_in",)),
-        _w(h + "fc2.weight", "blocks.mlp.w_out"),
-        _Entry(h + "fc2.bias", ("blocks.mlp.b_out",)),
-    ]
-    top = [
-        _Entry("model.decoder.embed_tokens.weight", ("embed.tokens",)),
-        _Entry("model.decoder.embed_positions.weight", ("embed.positions",)),
-        _Entry("model.decoder.final_layer_norm.weight", ("final_norm.weight",)),
-        _Entry("model.decoder.final_layer_norm.bias", ("final_norm.bias",)),
-        _Entry("lm_head.weight", ("embed.tokens",)),  # tied
-    ]
-    return top, layer
-
-
-def _table(cfg: Any) -> tuple[Any, list[_Entry], list[_Entry]]:
+def _table(cfg: Any) -> tuple[Any, list[HFWeight], list[HFWeight]]:
     """``(model module, top-level entries, per-layer entries)`` for a colfunc config."""
-    if isinstance(cfg, gpt.Config):
-        return (gpt, *_gpt2_entries(cfg))
-    if isinstance(cfg, llama.Config):
-        return (llama, *_llama_entries(cfg))
-    if isinstance(cfg, opt.Config):
-        return (opt, *_opt_entries(cfg))
-    raise TypeError(
-        f"expected a colfunc.models.gpt/llama/opt Config, got {type(cfg).__name__}: {cfg!r}"
-    )
+    module, mapping = _mapping(cfg)
+    return (module, *mapping.weights(cfg))
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
@@ -148,103 +63,20 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-# --- Hugging Face config -> colfunc config, refusing what the colfunc models do not compute ----
-
-
-def _require(model: str, hf_cfg: Any, option: str, allowed: tuple[Any, ...]) -> None:
-    value = getattr(hf_cfg, option, allowed[0])  # absent in this version: the default behaviour
-    if value not in allowed:
-        raise ValueError(
-            f"from_hf: {model} with {option}={value!r} is not supported; colfunc's model "
-            f"computes {option} in {allowed!r}"
-        )
-
-
-def _gpt2_config(c: Any) -> gpt.Config:
-    _require("GPT-2", c, "activation_function", ("gelu_new", "gelu_pytorch_tanh"))
-    _require("GPT-2", c, "scale_attn_weights", (True,))
-    _require("GPT-2", c, "scale_attn_by_inverse_layer_idx", (False,))
-    _require("GPT-2", c, "add_cross_attention", (False,))
-    _require("GPT-2", c, "tie_word_embeddings", (True,))
-    return gpt.Config(
-        vocab_size=c.vocab_size,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        d_model=c.n_embd,
-        max_seq_len=c.n_positions,
-        d_ff=c.n_inner or 4 * c.n_embd,
-        norm_eps=c.layer_norm_epsilon,
-    )
-
-
-def _llama_config(c: Any) -> llama.Config:
-    _require("LLaMA", c, "hidden_act", ("silu",))
-    _require("LLaMA", c, "attention_bias", (False,))
-    _require("LLaMA", c, "mlp_bias", (False,))
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(
-            f"from_hf: LLaMA with head_dim={head_dim} and num_attention_heads="
-            f"{c.num_attention_heads} != hidden_size={c.hidden_size} is not supported; colfunc's "
-            "model uses head_dim = hidden_size / num_attention_heads"
-        )
-    # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or {
-        "rope_type": (getattr(c, "rope_scaling", None) or {}).get("rope_type", "default"),
-        "rope_theta": getattr(c, "rope_theta", 10000.0),
-    }
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"from_hf: LLaMA with rope_type={rope['rope_type']!r} is not supported; colfunc's "
-            "model computes the default rotary embedding"
-        )
-    return llama.Config(
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        d_model=c.hidden_size,
-        max_seq_len=c.max_position_embeddings,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        d_ff=c.intermediate_size,
-        rope_theta=float(rope["rope_theta"]),
-        norm_eps=c.rms_norm_eps,
-        tie_embeddings=bool(c.tie_word_embeddings),
-    )
-
-
-def _opt_config(c: Any) -> opt.Config:
-    _require("OPT", c, "activation_function", ("relu",))
-    _require("OPT", c, "do_layer_norm_before", (True,))
-    _require("OPT", c, "_remove_final_layer_norm", (False,))
-    _require("OPT", c, "enable_bias", (True,))
-    _require("OPT", c, "layer_norm_elementwise_affine", (True,))
-    _require("OPT", c, "tie_word_embeddings", (True,))
-    proj = getattr(c, "word_embed_proj_dim", None) or c.hidden_size
-    if proj != c.hidden_size:
-        raise ValueError(
-            f"from_hf: OPT with word_embed_proj_dim={proj} != hidden_size={c.hidden_size} "
-            "(project_in/project_out, as in opt-350m) is not supported"
-        )
-    return opt.Config(
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        d_model=c.hidden_size,
-        max_seq_len=c.max_position_embeddings,
-        d_ff=c.ffn_dim,
-        norm_eps=1e-5,  # OPT's LayerNorms use torch's default eps
-    )
-
-
-_FROM_HF_CONFIG: dict[str, Callable[[Any], Any]] = {
-    "GPT2LMHeadModel": _gpt2_config,
-    "LlamaForCausalLM": _llama_config,
-    "OPTForCausalLM": _opt_config,
-}
+def _read_hf_config(hf_cfg: Any, names: list[str], source: str | None = None) -> Any:
+    """The colfunc config of a ``transformers`` config, by the family that reads it (found by
+    the class ``names``, else the config's ``model_type``; ``source`` names the folder)."""
+    try:
+        family = models.of_hf(names, getattr(hf_cfg, "model_type", None))
+    except ValueError as e:
+        raise ValueError(f"{source!r}: {e}" if source else str(e)) from None
+    assert family.hf is not None  # of_hf finds only families with a Hugging Face side
+    return family.hf.read_config(hf_cfg)
 
 
 def from_hf(hf_model: Any) -> tuple[Config, Params]:
-    """``(cfg, params)`` from a ``transformers`` GPT2LMHeadModel, LlamaForCausalLM or OPTForCausalLM.
+    """``(cfg, params)`` from a ``transformers`` causal LM of a registered family
+    (GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM built in).
 
     The params are fresh tensors in the model's dtype (never views of its weights). Options
     the colfunc model does not compute (OPT's ``project_in``, LLaMA's scaled rope, ...) raise
@@ -254,12 +86,13 @@ def from_hf(hf_model: Any) -> tuple[Config, Params]:
         >>> cfg, params = from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2)))
     """
     name = type(hf_model).__name__
-    if name not in _FROM_HF_CONFIG:
+    known = [a for f in models.FAMILIES.values() if f.hf is not None for a in f.hf.architectures]
+    if name not in known:
         raise ValueError(
-            f"from_hf supports {sorted(_FROM_HF_CONFIG)}, got {name}; load the causal-LM class "
-            "(e.g. AutoModelForCausalLM)"
+            f"from_hf supports {sorted(known)}, got {name}; load the causal-LM class "
+            "(e.g. AutoModelForCausalLM), or register a family for it (colfunc.models.register)"
         )
-    cfg = _FROM_HF_CONFIG[name](hf_model.config)
+    cfg = _read_hf_config(hf_model.config, [name])
     return cfg, _from_state_dict(cfg, hf_model.state_dict())
 
 
@@ -267,7 +100,7 @@ def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
     module, top, layer = _table(cfg)
     shapes: dict[str, tuple[int, ...]] = module.param_shapes(cfg)
 
-    def pieces(key: str, entry: _Entry) -> tuple[torch.Tensor, ...]:
+    def pieces(key: str, entry: HFWeight) -> tuple[torch.Tensor, ...]:
         if key not in state:
             raise ValueError(f"from_hf: state dict has no {key!r} (needed for {entry.paths})")
         x = state[key].detach()
@@ -338,59 +171,9 @@ def hf_config(cfg: Config, **overrides: Any) -> Any:
     """
     import transformers  # only here: the rest of this module needs no transformers
 
-    if isinstance(cfg, gpt.Config):
-        kw: dict[str, Any] = dict(
-            vocab_size=cfg.vocab_size,
-            n_positions=cfg.max_seq_len,
-            n_embd=cfg.d_model,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_inner=cfg.d_ff,
-            activation_function="gelu_new",
-            layer_norm_epsilon=cfg.norm_eps,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=cfg.vocab_size - 1,  # GPT-2 keeps <|endoftext|> as the last token
-            eos_token_id=cfg.vocab_size - 1,
-            tie_word_embeddings=True,
-        )
-        return transformers.GPT2Config(**(kw | overrides))
-    if isinstance(cfg, llama.Config):
-        kw = dict(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.d_model,
-            intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head,
-            num_key_value_heads=cfg.n_kv_heads,
-            max_position_embeddings=cfg.max_seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            tie_word_embeddings=cfg.tie_embeddings,
-        )
-        return transformers.LlamaConfig(**(kw | overrides))
-    if isinstance(cfg, opt.Config):
-        if cfg.norm_eps != 1e-5:
-            raise ValueError(
-                f"hf_config: OPT's LayerNorms use eps=1e-5 and have no option for it; got "
-                f"norm_eps={cfg.norm_eps}"
-            )
-        kw = dict(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.d_model,
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head,
-            ffn_dim=cfg.d_ff,
-            max_position_embeddings=cfg.max_seq_len,
-            dropout=0.0,
-            attention_dropout=0.0,
-            tie_word_embeddings=True,
-        )
-        return transformers.OPTConfig(**(kw | overrides))
-    raise TypeError(
-        f"expected a colfunc.models.gpt/llama/opt Config, got {type(cfg).__name__}: {cfg!r}"
-    )
+    _, mapping = _mapping(cfg)
+    kw = mapping.write_config(cfg)
+    return transformers.AutoConfig.for_model(mapping.model_type, **(kw | overrides))
 
 
 def folder_of(source: str, what: str = "model") -> Path:
@@ -412,15 +195,7 @@ def read_config(source: str) -> Config:
     import transformers
 
     hf_cfg = transformers.AutoConfig.from_pretrained(folder_of(source), local_files_only=True)
-    names = [a for a in (getattr(hf_cfg, "architectures", None) or []) if a in _FROM_HF_CONFIG]
-    by_type = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}
-    name = names[0] if names else by_type.get(getattr(hf_cfg, "model_type", ""))
-    if name is None:
-        raise ValueError(
-            f"{source!r}: model_type {getattr(hf_cfg, 'model_type', None)!r} is not one colfunc "
-            f"reads; it reads {sorted(by_type)}"
-        )
-    return _FROM_HF_CONFIG[name](hf_cfg)
+    return _read_hf_config(hf_cfg, list(getattr(hf_cfg, "architectures", None) or []), source)
 
 
 def _safetensors_keys(folder: Path) -> dict[str, Path]:
@@ -464,7 +239,7 @@ def load_abstract(source: str) -> tuple[Config, Params]:
         with safetensors.safe_open(str(where[key]), framework="pt") as f:
             return f.get_tensor(key)
 
-    def piece(entry: _Entry, key: str, j: int) -> torch.Tensor:
+    def piece(entry: HFWeight, key: str, j: int) -> torch.Tensor:
         x = read(key)
         x = x.t() if entry.transpose else x
         sizes = [shapes[p][-1] for p in entry.paths]

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from colfunc import cli, data, tree
+from colfunc import cli, data, engines, tree
 from colfunc import train as trainer
 from colfunc.cli import main
 from colfunc.generate import sample
-from colfunc.inference import Engine, SamplingParams
+from colfunc.inference import SamplingParams
 from colfunc.models import gpt
 
 TIMINGS = ("elapsed", "tokens_per_s")
@@ -91,7 +91,7 @@ def test_generate_prints_the_seeded_sample(
     assert main([*argv, "--seed", "3"]) == 0
     out = capsys.readouterr().out
     # the engine's sample: 40 new bytes, or fewer where the model's context ends
-    engine = Engine.from_run(trained)
+    engine = engines.from_run(trained)
     p = SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=40)
     (want,) = engine.generate(["def "], p)
     room = engine.cfg.max_seq_len - 4

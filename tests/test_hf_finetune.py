@@ -96,9 +96,10 @@ def test_the_opt_example_fine_tunes_a_local_folder_under_offload(folder, tmp_pat
     assert val[-1] < val[0]
     assert hf.read_config(f"hf:{folder}").n_layer == 2
     # serving the run speaks its tokenizer, not bytes
-    from colfunc.inference import Engine, SamplingParams
+    from colfunc import engines
+    from colfunc.inference import SamplingParams
 
-    engine = Engine.from_run(tmp_path / "run", max_num_seqs=2)
+    engine = engines.from_run(tmp_path / "run", max_num_seqs=2)
     text = "def f(x):\n    return x"
     assert engine.encode_prompt(text) == tok.encode(text)
     (out,) = engine.generate([text], SamplingParams(temperature=0, max_tokens=4))

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import colfunc as cf
-from colfunc import hf
+from colfunc import engines, hf
 from colfunc.inference import ByteTokenizer, Engine, SamplingParams, next_token
 from colfunc.inference.sampling import filtered_probs
 
@@ -339,7 +339,7 @@ def test_bad_prompts_and_engines_are_refused() -> None:
 def test_from_hf_folder_with_its_tokenizer(tmp_path) -> None:
     m = _hf_model("gpt")
     m.save_pretrained(tmp_path)
-    engine = Engine.from_hf(tmp_path, dtype=torch.float64)
+    engine = engines.from_hf(tmp_path, dtype=torch.float64)
     assert engine.tokenizer is None  # the folder has no tokenizer: prompts are ids
     prompts = _prompts([5, 11])
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]

@@ -25,7 +25,8 @@ import transformers
 import uvicorn
 
 import colfunc as cf
-from colfunc.inference import Engine, SamplingParams
+from colfunc import engines
+from colfunc.inference import SamplingParams
 from colfunc.inference.server import EngineLoop, build_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,7 +60,7 @@ class Served:
     """A server on a thread: its base URL, its loop, and a way to stop it."""
 
     def __init__(self, folder: Path, max_waiting: int = 256, **engine_kw) -> None:
-        self.loop = EngineLoop(Engine.from_hf(folder, **engine_kw), max_waiting=max_waiting)
+        self.loop = EngineLoop(engines.from_hf(folder, **engine_kw), max_waiting=max_waiting)
         config = uvicorn.Config(
             build_app(self.loop, NAME), host="127.0.0.1", port=0, log_level="warning"
         )
@@ -104,7 +105,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}
 
 def test_completions_and_chat_through_the_openai_client(served, folder) -> None:
     client = _client(served)
-    direct = Engine.from_hf(folder)  # the same model, outside the server
+    direct = engines.from_hf(folder)  # the same model, outside the server
     prompt = "def load(self, path):"
     done = client.completions.create(model=NAME, prompt=prompt, **GREEDY)
     (want,) = direct.generate(
@@ -313,7 +314,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(folder) -> None:
 def test_serve_tp2_gives_the_tokens_of_one_device(folder) -> None:
     server = Process("--hf", str(folder), "--model-name", NAME, "--tp", "2")
     try:
-        direct = Engine.from_hf(folder)
+        direct = engines.from_hf(folder)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         prompts = ["def f(x):", "import json\n", "class Parser:"]
         p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

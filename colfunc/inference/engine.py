@@ -15,9 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-import types
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +24,7 @@ from colfunc import models, nn
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import Scheduler, Sequence
-from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer, load_hf_tokenizer
+from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer
 from colfunc.sharding import Mesh, ShardedTensor, from_local
 from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece
@@ -86,7 +84,8 @@ class _Request:
 
 
 class Engine:
-    """Serve a colfunc model: ``Engine(models.gpt, cfg, params)``, or from a run or a folder.
+    """Serve a colfunc model: ``Engine(models.gpt, cfg, params)`` (a run or a Hugging Face
+    folder: :func:`colfunc.engines.from_run`, :func:`colfunc.engines.from_hf`).
 
     ``block_size`` token slots per KV block; the cache has ``num_blocks`` blocks, or as many as
     ``kv_memory`` (bytes, or a size like ``"1GiB"``) holds, or by default enough for
@@ -96,14 +95,14 @@ class Engine:
     of the model's tensor-parallel plan and its heads of the cache, and samples the same tokens.
 
     Example:
-        >>> engine = Engine.from_run("runs/gpt_tiny-20260101-120000")
+        >>> engine = Engine(models.gpt, cfg, params)
         >>> out = engine.generate(["def "], SamplingParams(temperature=0, max_tokens=32))
         >>> print(out[0].outputs[0].text)
     """
 
     def __init__(
         self,
-        model: types.ModuleType | str,
+        model: Any,
         cfg: Any,
         params: Any,
         *,
@@ -118,14 +117,20 @@ class Engine:
         mesh: Mesh | None = None,
     ) -> None:
         if isinstance(model, str):
-            if model not in models.__all__:
-                raise ValueError(f"Engine: model must be one of {models.__all__}, got {model!r}")
-            model = getattr(models, model)
-        if not isinstance(model, types.ModuleType) or not hasattr(model, "paged_forward"):
-            raise TypeError(f"Engine: {model!r} has no paged_forward; pass a colfunc.models module")
+            model = models.get(model).module
+        if not callable(getattr(model, "paged_forward", None)):
+            raise TypeError(
+                f"Engine: {model!r} has no paged_forward; pass the module of a model family "
+                "that is served token by token (a causal language model)"
+            )
+        family = models.of_config(cfg)
+        if family.kv_cache is None:
+            raise TypeError(f"Engine: the {family.name!r} model family declares no KV cache")
+        spec = family.kv_cache(cfg, params)  # the layout is read before the params are placed
         self.model, self.cfg, self.mesh = model, cfg, mesh
         if mesh is not None:
-            params = self._place(params, mesh)
+            params = self._place(params, mesh, spec.kv_heads)
+        self.tp = mesh.axis_size("tp") if mesh is not None else 1
         self.params = params
         self.block_size = _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
@@ -140,12 +145,8 @@ class Engine:
         self.vocab = cfg.vocab_size
         if isinstance(tokenizer, ByteTokenizer):
             self.vocab = min(self.vocab, tokenizer.vocab_size)
-        table = local_piece(params["embed"]["tokens"])
-        L, E = cfg.n_layer, cfg.d_model // cfg.n_head
-        K = getattr(cfg, "n_kv_heads", None) or cfg.n_head
-        self.tp = mesh.axis_size("tp") if mesh is not None else 1
-        K //= self.tp  # this rank's key/value heads
-        per_block = 2 * L * self.block_size * K * E * table.element_size()
+        K = spec.kv_heads // self.tp  # this rank's key/value heads
+        per_block = self.block_size * spec.slot_bytes() // self.tp
         if num_blocks is not None and kv_memory is not None:
             raise ValueError("Engine: give num_blocks or kv_memory, not both")
         if num_blocks is None:
@@ -160,10 +161,10 @@ class Engine:
                 f"at the model's context of {cfg.max_seq_len} tokens; give at least "
                 f"{-(-cfg.max_seq_len // self.block_size)} blocks ({per_block} bytes each)"
             )
-        shape = (L, num_blocks, self.block_size, K, E)
+        shape = (spec.layers, num_blocks, self.block_size, K, spec.head_dim)
         self.cache = {
-            "k": torch.zeros(shape, dtype=table.dtype, device=table.device),
-            "v": torch.zeros(shape, dtype=table.dtype, device=table.device),
+            "k": torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            "v": torch.zeros(shape, dtype=spec.dtype, device=spec.device),
         }
         self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
@@ -171,7 +172,7 @@ class Engine:
         self._ids = itertools.count()
         self._default_seed = itertools.count()
 
-    def _place(self, params: Any, mesh: Mesh) -> Any:
+    def _place(self, params: Any, mesh: Mesh, kv_heads: int) -> Any:
         """The parameters laid out by the model's tensor-parallel plan over the ``tp`` axis
         (heads, MLP width and vocabulary split, as in training)."""
         if tuple(mesh.axis_names) != ("tp",):
@@ -180,8 +181,7 @@ class Engine:
                 f"{tuple(mesh.axis_names)}"
             )
         n = mesh.axis_size("tp")
-        K = getattr(self.cfg, "n_kv_heads", None) or self.cfg.n_head
-        for field, value in (("n_head", self.cfg.n_head), ("key/value heads", K)):
+        for field, value in (("n_head", self.cfg.n_head), ("key/value heads", kv_heads)):
             if value % n:
                 raise ValueError(f"Engine: {field}={value} is not divisible by tp={n}")
         return place(params, self.model.tp_plan, mesh)
@@ -195,72 +195,6 @@ class Engine:
             shape = (*c.shape[:3], c.shape[3] * self.tp, c.shape[4])
             out[key] = from_local(c, self.mesh, {"tp": Shard(3)}, shape)
         return out
-
-    # --- construction from files --------------------------------------------------------------
-    @staticmethod
-    def load_run(run: str | Path) -> dict[str, Any]:
-        """What :meth:`from_run` builds an engine from (the model module, config, parameters
-        and tokenizer of a ``colfunc train`` run: its ``data.tokenizer`` folder's, else bytes):
-        load once, build an engine per rank. Parameters that do not fit the run's model config,
-        or are not finite, are refused."""
-        from colfunc import config, hf, train
-        from colfunc.generate import check_params
-
-        state, run_cfg = train.load_run(run)
-        check_params(run_cfg.model, state.params)
-        model = config.model_module(run_cfg.model)
-        out: dict[str, Any] = {
-            "model": model,
-            "cfg": run_cfg.model,
-            "params": state.params,
-            "tokenizer": ByteTokenizer(),
-        }
-        if run_cfg.data.tokenizer is not None:  # the tokenizer the run was trained with
-            tok = load_hf_tokenizer(hf.folder_of(run_cfg.data.tokenizer, what="tokenizer"))
-            if tok is None:
-                raise ValueError(
-                    f"the run was trained with data.tokenizer={run_cfg.data.tokenizer!r}, which "
-                    "holds no tokenizer now"
-                )
-            out["tokenizer"] = tok
-        return out
-
-    @staticmethod
-    def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """What :meth:`from_hf` builds an engine from: the model module, config, parameters,
-        tokenizer (None if the folder has none) and end-of-sequence id of a Hugging Face folder."""
-        import transformers
-
-        from colfunc import hf
-
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"Engine.from_hf: {str(folder)!r} has no config.json")
-        cfg, params = hf.load(str(folder), dtype)
-        hf_cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        return {
-            "model": getattr(models, type(cfg).__module__.rsplit(".", 1)[-1]),
-            "cfg": cfg,
-            "params": params,
-            "tokenizer": load_hf_tokenizer(folder),
-            "eos_token_id": getattr(hf_cfg, "eos_token_id", None),
-        }
-
-    @classmethod
-    def from_run(cls, run: str | Path, **kwargs: Any) -> Engine:
-        """The engine of a ``colfunc train`` run folder (or its checkpoint folder)."""
-        return cls(**{**cls.load_run(run), **kwargs})
-
-    @classmethod
-    def from_hf(
-        cls, folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any
-    ) -> Engine:
-        """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
-        safetensors; GPT-2, LLaMA or OPT), with the folder's tokenizer when it has one. Local
-        files only."""
-        loaded = cls.load_hf(folder, dtype)
-        given = {k: v for k, v in kwargs.items() if v is not None or k not in loaded}
-        return cls(**{**loaded, **given})
 
     # --- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from colfunc import core, nn
+from colfunc import core, models, nn
 
 __all__ = ["Prediction", "plan"]
 
@@ -39,9 +39,7 @@ class Prediction:
 
 
 def _meta_params(model_cfg: Any, dtype: torch.dtype) -> Any:
-    from colfunc.config import model_module
-
-    shapes = model_module(model_cfg).param_shapes(model_cfg)
+    shapes = models.of_config(model_cfg).module.param_shapes(model_cfg)
     return nn.nest({p: torch.empty(s, dtype=dtype, device="meta") for p, s in shapes.items()})
 
 

@@ -2,9 +2,44 @@
 OPT, and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for video.
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
-``loss(cfg)`` (a ``layered`` loss) and ``tp_plan``.
+``loss(cfg)`` (a ``layered`` loss), ``tp_plan`` and ``family``: its :class:`Family`, which
+declares the rest the edges need (Hugging Face names, weights and config; the KV cache). The
+families are registered here; a new one is one module and one :func:`register` line (see
+:mod:`colfunc.models.family`).
 """
 
 from colfunc.models import dit, gpt, llama, opt
+from colfunc.models.family import (
+    FAMILIES,
+    Family,
+    HFMapping,
+    HFWeight,
+    KVCacheSpec,
+    get,
+    of_config,
+    of_hf,
+    register,
+    registered,
+    unregister,
+)
 
-__all__ = ["dit", "gpt", "llama", "opt"]
+for _module in (gpt, llama, opt, dit):
+    register(_module.family)
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "HFMapping",
+    "HFWeight",
+    "KVCacheSpec",
+    "dit",
+    "get",
+    "gpt",
+    "llama",
+    "of_config",
+    "of_hf",
+    "opt",
+    "register",
+    "registered",
+    "unregister",
+]

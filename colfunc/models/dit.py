@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -31,11 +32,13 @@ import torch.nn.functional as F
 
 from colfunc import diffusion, nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
+from colfunc.models.family import Family
 
 __all__ = [
     "Config",
     "apply",
     "example_batch",
+    "family",
     "init",
     "loss",
     "param_shapes",
@@ -389,3 +392,7 @@ def example_batch(cfg: Config, batch_size: int, seed: int = 0) -> dict[str, torc
     from colfunc.data import video
 
     return video.training_batch(cfg, batch_size, seed, step=0)
+
+
+# the family: no Hugging Face side, and no KV cache (a denoiser is not served token by token)
+family = Family(name="dit", module=sys.modules[__name__], config=Config)

@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
 
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
+from colfunc.models.family import Family, HFMapping, HFWeight, KVCacheSpec, linear, require
 
 __all__ = [
     "Config",
     "apply",
+    "family",
     "init",
     "loss",
     "paged_forward",
@@ -265,3 +268,104 @@ def loss(cfg: Config) -> Layered:
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}
     # only the residual stream has a sequence dim to split; the rotary tables stay whole
     return layered(pre, block, post, name="llama", divisors=divisors, sequence_dims={"h": 1})
+
+
+# --- the family: Hugging Face's LlamaForCausalLM, and the KV cache -----------------------------
+
+
+def _hf_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
+    h = "model.layers.{i}."
+    layer = [
+        HFWeight(h + "input_layernorm.weight", ("blocks.ln1.weight",)),
+        linear(h + "self_attn.q_proj.weight", "blocks.attn.wq"),
+        linear(h + "self_attn.k_proj.weight", "blocks.attn.wk"),
+        linear(h + "self_attn.v_proj.weight", "blocks.attn.wv"),
+        linear(h + "self_attn.o_proj.weight", "blocks.attn.wo"),
+        HFWeight(h + "post_attention_layernorm.weight", ("blocks.ln2.weight",)),
+        linear(h + "mlp.gate_proj.weight", "blocks.mlp.w_gate"),
+        linear(h + "mlp.up_proj.weight", "blocks.mlp.w_up"),
+        linear(h + "mlp.down_proj.weight", "blocks.mlp.w_down"),
+    ]
+    top = [
+        HFWeight("model.embed_tokens.weight", ("embed.tokens",)),
+        HFWeight("model.norm.weight", ("final_norm.weight",)),
+        HFWeight("lm_head.weight", ("embed.tokens",))
+        if cfg.tie_embeddings
+        else linear("lm_head.weight", "head.weight"),
+    ]
+    return top, layer
+
+
+def _read_hf_config(c: Any) -> Config:
+    require("LLaMA", c, "hidden_act", ("silu",))
+    require("LLaMA", c, "attention_bias", (False,))
+    require("LLaMA", c, "mlp_bias", (False,))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head_dim * c.num_attention_heads != c.hidden_size:
+        raise ValueError(
+            f"from_hf: LLaMA with head_dim={head_dim} and num_attention_heads="
+            f"{c.num_attention_heads} != hidden_size={c.hidden_size} is not supported; colfunc's "
+            "model uses head_dim = hidden_size / num_attention_heads"
+        )
+    # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
+    rope = getattr(c, "rope_parameters", None) or {
+        "rope_type": (getattr(c, "rope_scaling", None) or {}).get("rope_type", "default"),
+        "rope_theta": getattr(c, "rope_theta", 10000.0),
+    }
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"from_hf: LLaMA with rope_type={rope['rope_type']!r} is not supported; colfunc's "
+            "model computes the default rotary embedding"
+        )
+    return Config(
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        d_model=c.hidden_size,
+        max_seq_len=c.max_position_embeddings,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        d_ff=c.intermediate_size,
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=c.rms_norm_eps,
+        tie_embeddings=bool(c.tie_word_embeddings),
+    )
+
+
+def _write_hf_config(cfg: Config) -> dict[str, Any]:
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _kv_cache(cfg: Config, params: Params) -> KVCacheSpec:
+    # one key and one value of every key/value head per layer and token, as the embedding is stored
+    return KVCacheSpec.like(
+        params["embed"]["tokens"],
+        layers=cfg.n_layer,
+        kv_heads=cfg.n_kv_heads or cfg.n_head,
+        head_dim=cfg.d_model // cfg.n_head,
+    )
+
+
+family = Family(
+    name="llama",
+    module=sys.modules[__name__],
+    config=Config,
+    hf=HFMapping(
+        architectures=("LlamaForCausalLM",),
+        model_type="llama",
+        weights=_hf_weights,
+        read_config=_read_hf_config,
+        write_config=_write_hf_config,
+    ),
+    kv_cache=_kv_cache,
+)

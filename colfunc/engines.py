@@ -1,0 +1,84 @@
+"""Inference engines from files: a ``colfunc train`` run folder or a Hugging Face folder.
+
+An edge of the house: it reads runs (:mod:`colfunc.train`), run configs and Hugging Face
+folders (:mod:`colfunc.hf`), so that :class:`colfunc.inference.Engine` itself reads no file
+and imports nothing above the transforms.
+
+``load_run``/``load_hf`` return what ``Engine(**loaded)`` takes (read the files once, build an
+engine per rank, as ``colfunc serve --tp`` does); ``from_run``/``from_hf`` build the engine.
+
+Example:
+    >>> engine = engines.from_run("runs/gpt_tiny-20260101-120000")
+    >>> out = engine.generate(["def "], SamplingParams(temperature=0, max_tokens=32))
+    >>> print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colfunc import config, hf, models, train
+from colfunc.generate import check_params
+from colfunc.inference import ByteTokenizer, Engine, load_hf_tokenizer
+
+__all__ = ["from_hf", "from_run", "load_hf", "load_run"]
+
+
+def load_run(run: str | Path) -> dict[str, Any]:
+    """What :func:`from_run` builds an engine from: the model module, config, parameters and
+    tokenizer of a ``colfunc train`` run (its ``data.tokenizer`` folder's, else bytes). Parameters
+    that do not fit the run's model config, or are not finite, are refused."""
+    state, run_cfg = train.load_run(run)
+    check_params(run_cfg.model, state.params)
+    out: dict[str, Any] = {
+        "model": config.model_module(run_cfg.model),
+        "cfg": run_cfg.model,
+        "params": state.params,
+        "tokenizer": ByteTokenizer(),
+    }
+    if run_cfg.data.tokenizer is not None:  # the tokenizer the run was trained with
+        tok = load_hf_tokenizer(hf.folder_of(run_cfg.data.tokenizer, what="tokenizer"))
+        if tok is None:
+            raise ValueError(
+                f"the run was trained with data.tokenizer={run_cfg.data.tokenizer!r}, which "
+                "holds no tokenizer now"
+            )
+        out["tokenizer"] = tok
+    return out
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """What :func:`from_hf` builds an engine from: the model module, config, parameters,
+    tokenizer (None if the folder has none) and end-of-sequence id of a Hugging Face folder."""
+    import transformers
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"engines.from_hf: {str(folder)!r} has no config.json")
+    cfg, params = hf.load(str(folder), dtype)
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    return {
+        "model": models.of_config(cfg).module,
+        "cfg": cfg,
+        "params": params,
+        "tokenizer": load_hf_tokenizer(folder),
+        "eos_token_id": getattr(hf_cfg, "eos_token_id", None),
+    }
+
+
+def from_run(run: str | Path, **kwargs: Any) -> Engine:
+    """The engine of a ``colfunc train`` run folder (or its checkpoint folder); ``kwargs`` go to
+    :class:`~colfunc.inference.Engine` (``max_num_seqs``, ``kv_memory``, ``mesh``, ...)."""
+    return Engine(**{**load_run(run), **kwargs})
+
+
+def from_hf(folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any) -> Engine:
+    """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
+    safetensors; any registered family), with the folder's tokenizer when it has one. Local files
+    only; ``kwargs`` go to :class:`~colfunc.inference.Engine`."""
+    loaded = load_hf(folder, dtype)
+    given = {k: v for k, v in kwargs.items() if v is not None or k not in loaded}
+    return Engine(**{**loaded, **given})

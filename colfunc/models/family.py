@@ -1,0 +1,270 @@
+"""Model families as registered adapters: what the edges and the engine need to know of a model.
+
+A family is one module of pure functions (``Config``, ``init``, ``loss``, ``apply``,
+``param_shapes``, ``tp_plans``; ``paged_forward`` for serving) and a :class:`Family` value
+beside them that declares the rest:
+
+- ``hf``: its Hugging Face side (:class:`HFMapping`): the architecture names and ``model_type``
+  it reads, the weight table (:class:`HFWeight` entries, one table for both directions), and the
+  config conversion both ways. :mod:`colfunc.hf` reads and writes any registered family through it.
+- ``kv_cache``: the shape of its KV cache (:class:`KVCacheSpec`), which
+  :class:`colfunc.inference.Engine` allocates without reading any parameter path.
+
+Families are found by config type (:func:`of_config`), by name (:func:`get`) and by Hugging Face
+architecture or ``model_type`` (:func:`of_hf`). ``colfunc.models`` registers the built-in ones;
+a new family is one file that builds its ``Family`` and one :func:`register` call::
+
+    family = Family(name="mistral", module=mistral, config=mistral.Config, hf=..., kv_cache=...)
+    colfunc.models.register(family)
+
+Nothing here imports ``transformers``: a family's ``hf.write_config`` returns the keyword
+arguments of its ``transformers`` config (built by ``AutoConfig.for_model(model_type, ...)``)
+and ``hf.read_config`` reads attributes of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "HFMapping",
+    "HFWeight",
+    "KVCacheSpec",
+    "get",
+    "of_config",
+    "of_hf",
+    "register",
+    "registered",
+    "require",
+    "unregister",
+]
+
+Params = dict[str, Any]
+
+
+class HFWeight(NamedTuple):
+    """One Hugging Face tensor and the colfunc parameters that make it.
+
+    ``key``: the Hugging Face key (``"{i}"`` stands for the layer index in per-layer entries);
+    ``paths``: the colfunc paths, concatenated along the last dim to make it (GPT-2's fused
+    ``c_attn`` is ``wq``, ``wk``, ``wv``); ``transpose``: stored ``[out, in]`` on the Hugging
+    Face side (``nn.Linear``), where colfunc keeps ``[in, out]``.
+    """
+
+    key: str
+    paths: tuple[str, ...]
+    transpose: bool = False
+
+
+def linear(key: str, *paths: str) -> HFWeight:
+    """An ``nn.Linear`` weight: transposed between the two layouts."""
+    return HFWeight(key, paths, transpose=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFMapping:
+    """A family's Hugging Face side.
+
+    ``architectures``: the ``transformers`` causal-LM class names it reads (``config.json``'s
+    ``architectures``); ``model_type``: the config's ``model_type``, also what
+    ``AutoConfig.for_model`` builds on the way out; ``weights(cfg) -> (top, per_layer)``: the
+    weight table; ``read_config(hf_config) -> Config``, refusing options the family does not
+    compute (see :func:`require`); ``write_config(cfg) -> dict``, the ``transformers`` config's
+    keyword arguments.
+    """
+
+    architectures: tuple[str, ...]
+    model_type: str
+    weights: Callable[[Any], tuple[list[HFWeight], list[HFWeight]]]
+    read_config: Callable[[Any], Any]
+    write_config: Callable[[Any], dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.architectures, str) or not self.architectures:
+            raise ValueError(
+                f"HFMapping: architectures must be a non-empty tuple of class names, got "
+                f"{self.architectures!r}"
+            )
+        for name in ("weights", "read_config", "write_config"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"HFMapping: {name} must be callable, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """The KV cache a family's ``paged_forward`` reads: per layer and token slot, ``kv_heads``
+    keys and values of ``head_dim``, in ``dtype`` on ``device``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVCacheSpec: {name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def like(cls, table: torch.Tensor, *, layers: int, kv_heads: int, head_dim: int) -> KVCacheSpec:
+        """A cache in ``table``'s dtype and on its device (a model's embedding, say)."""
+        return cls(
+            layers=layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=table.dtype,
+            device=table.device,
+        )
+
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot across every layer (keys and values), on one rank."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Family:
+    """A model family: its module of pure functions and what the edges and the engine need.
+
+    ``name``: how configs and the CLI name it (``"llama"``); ``module``: the functions (a module
+    or any object with them); ``config``: its ``Config`` class (:func:`of_config` looks families
+    up by it); ``hf``: its Hugging Face side, or None; ``kv_cache(cfg, params)``: its cache, or
+    None for a model that is not served token by token.
+    """
+
+    name: str
+    module: Any
+    config: type
+    hf: HFMapping | None = None
+    kv_cache: Callable[[Any, Params], KVCacheSpec] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"Family: name must be an identifier, got {self.name!r}")
+        if not isinstance(self.config, type):
+            raise TypeError(f"Family {self.name!r}: config must be a class, got {self.config!r}")
+        for fn in ("init", "loss", "param_shapes"):
+            if not callable(getattr(self.module, fn, None)):
+                raise TypeError(
+                    f"Family {self.name!r}: module {_name(self.module)} has no {fn}(); a "
+                    "family's module defines init, loss and param_shapes"
+                )
+        if self.hf is not None and not isinstance(self.hf, HFMapping):
+            raise TypeError(f"Family {self.name!r}: hf must be an HFMapping, got {self.hf!r}")
+        if self.kv_cache is not None and not callable(getattr(self.module, "paged_forward", None)):
+            raise TypeError(
+                f"Family {self.name!r}: a kv_cache is given but module {_name(self.module)} has "
+                "no paged_forward() to read it"
+            )
+
+
+def _name(module: Any) -> str:
+    return getattr(module, "__name__", type(module).__name__)
+
+
+# The registry, name -> family, in registration order: like the op layer's rule table, the one
+# table every edge reads (``colfunc.models`` fills it with the built-in families).
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the registry; refuses a name, config class, architecture or
+    ``model_type`` another family already has. Returns the family."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register takes a colfunc.models.Family, got {family!r}")
+    for other in FAMILIES.values():
+        clash = None
+        if other.name == family.name:
+            clash = f"the name {family.name!r}"
+        elif other.config is family.config:
+            clash = f"the config class {family.config.__qualname__}"
+        elif family.hf is not None and other.hf is not None:
+            shared = set(family.hf.architectures) & set(other.hf.architectures)
+            if shared:
+                clash = f"the architecture {sorted(shared)[0]!r}"
+            elif family.hf.model_type == other.hf.model_type:
+                clash = f"the model_type {family.hf.model_type!r}"
+        if clash is not None:
+            raise ValueError(
+                f"register: family {other.name!r} already has {clash}; unregister it first or "
+                "give the new family its own"
+            )
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> Family:
+    """Remove the family named ``name`` from the registry and return it."""
+    if name not in FAMILIES:
+        raise ValueError(f"unregister: no family named {name!r}; registered: {sorted(FAMILIES)}")
+    return FAMILIES.pop(name)
+
+
+@contextmanager
+def registered(family: Family) -> Iterator[Family]:
+    """``family`` registered for the ``with`` block only (tests, notebooks)."""
+    register(family)
+    try:
+        yield family
+    finally:
+        unregister(family.name)
+
+
+def get(name: str) -> Family:
+    """The family registered as ``name``."""
+    if name not in FAMILIES:
+        raise ValueError(f"no model family named {name!r}; registered: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def of_config(cfg: Any) -> Family:
+    """The family registered for the class of ``cfg`` (exactly that class: a family whose
+    ``Config`` subclasses another's is its own family, and is not mistaken for the other's
+    while it is not registered). A TypeError for anything else."""
+    for family in FAMILIES.values():
+        if type(cfg) is family.config:
+            return family
+    raise TypeError(
+        f"expected the Config of a registered model family (e.g. "
+        f"colfunc.models.gpt.Config.tiny()), got {type(cfg).__name__} from "
+        f"{type(cfg).__module__}; registered: {sorted(FAMILIES)} (colfunc.models.register adds one)"
+    )
+
+
+def of_hf(architectures: list[str] | tuple[str, ...], model_type: str | None) -> Family:
+    """The family that reads a Hugging Face config: by its ``architectures`` first, then by its
+    ``model_type``."""
+    with_hf = [f for f in FAMILIES.values() if f.hf is not None]
+    for name in architectures:
+        for f in with_hf:
+            if f.hf is not None and name in f.hf.architectures:
+                return f
+    for f in with_hf:
+        if f.hf is not None and f.hf.model_type == model_type:
+            return f
+    known = sorted(a for f in with_hf if f.hf is not None for a in f.hf.architectures)
+    raise ValueError(
+        f"no registered model family reads architectures={list(architectures)!r}, "
+        f"model_type={model_type!r}; colfunc reads {known}"
+    )
+
+
+def require(model: str, hf_cfg: Any, option: str, allowed: tuple[Any, ...]) -> None:
+    """Refuse a Hugging Face config whose ``option`` is not in ``allowed`` (a ValueError naming
+    both): what the family's functions do not compute must not load as a silently different
+    model. An option the config lacks (an older ``transformers``) counts as ``allowed[0]``."""
+    value = getattr(hf_cfg, option, allowed[0])
+    if value not in allowed:
+        raise ValueError(
+            f"from_hf: {model} with {option}={value!r} is not supported; colfunc's model "
+            f"computes {option} in {allowed!r}"
+        )
