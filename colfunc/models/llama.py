@@ -264,8 +264,8 @@ def loss(cfg: Config) -> Layered:
         head = lambda h: _logits(params, h, cfg)  # noqa: E731
         return nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
 
-    # the heads and the vocabulary are what the tensor-parallel plan splits
-    divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}
+    # whole heads per rank: the attention splits by head (any vocabulary splits, unevenly)
+    divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads}
     # only the residual stream has a sequence dim to split; the rotary tables stay whole
     return layered(pre, block, post, name="llama", divisors=divisors, sequence_dims={"h": 1})
 

@@ -234,8 +234,8 @@ def loss(cfg: Config) -> Layered:
         head = lambda h: _logits(params, h, cfg)  # noqa: E731
         return nn.causal_lm_loss(head, x_BTD, nn.batch_field(batch, "labels"))
 
-    # the heads and the vocabulary are what the tensor-parallel plan splits
-    divisors = {"n_head": cfg.n_head, "vocab_size": cfg.vocab_size}
+    # whole heads per rank: the attention splits by head (any vocabulary splits, unevenly)
+    divisors = {"n_head": cfg.n_head}
     return layered(pre, block, post, name="opt", divisors=divisors)
 
 
