@@ -71,6 +71,14 @@ ENTRIES: dict[str, tuple[str, str]] = {
         "kernels falling back to the reference under torch.func",
     ),
     "OpOverload": ("torch._ops.OpOverload", "the type of the ATen ops the sharding rules key on"),
+    "flash_attention_cpu": (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "the CPU flash attention's log-sum-exp (ring attention's blocks; cf.memory's dry run)",
+    ),
+    "flash_attention_cpu_backward": (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+        "the CPU flash attention's backward, one key/value block at a time (ring attention)",
+    ),
     "storage_use_count": (
         "torch._C._storage_Use_Count",
         "reusing a gradient buffer between steps only when no tensor refers to it any more",

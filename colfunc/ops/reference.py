@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from colfunc import torch_private
+
 __all__ = [
     "adamw_",
     "attention",
@@ -74,7 +76,7 @@ def attention(
         if q_BHTD.is_meta and not gqa:
             # a meta tensor stands for a CPU one (cf.memory.plan's dry run): the kernel the CPU
             # runs (flash, saving only the log-sum-exp), not the math path meta would take
-            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            out, _ = torch_private.flash_attention_cpu(
                 q_BHTD, k_BHSD, v_BHSD, 0.0, causal, scale=scale
             )
             return out
@@ -175,7 +177,7 @@ def attention_block(
     _check_attention(q_BHTD, k_BHSD, v_BHSD)
     if _fused_cpu(q_BHTD) and (not causal or q_BHTD.shape[2] == k_BHSD.shape[2]):
         H = q_BHTD.shape[1]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = torch_private.flash_attention_cpu(
             q_BHTD, _heads(k_BHSD, H), _heads(v_BHSD, H), 0.0, causal, scale=scale
         )
         return out, lse
@@ -208,7 +210,7 @@ def attention_block_backward(
     square = not causal or k_BHSD.shape[2] == T
     if out_BHTD is not None and _fused_cpu(q_BHTD) and square:
         k, v = _heads(k_BHSD, H), _heads(v_BHSD, H)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = torch_private.flash_attention_cpu_backward(
             dout_BHTD, q_BHTD, k, v, out_BHTD, lse_BHT, 0.0, causal, scale=scale
         )
         if G > 1:
