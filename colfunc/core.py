@@ -45,7 +45,7 @@ frame                 pushed by                                    read by      
                       ``"3d"``)                                    the mode's matmul on the grid)
 ``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
                                                                    each layer's chunks)
-``DryRun``            :func:`colfunc.memory.plan`                  ``offload`` (its state, pool and update:     call
+``DryRun``            :func:`colfunc.memory.predict`               ``offload`` (its state, pool and update:     call
                                                                    meta tensors, no kernels)
 ``Trace``             the user, around a step                      the pipeline runner (records its actions)    call
 ===================== ============================================ ============================================ =====
@@ -273,7 +273,7 @@ def loss_scale() -> float:
 
 class DryRun:
     """A frame saying that what runs inside is a dry run on the meta device: tensors have
-    shapes, dtypes and lifetimes but no values (:func:`colfunc.memory.plan` predicts memory
+    shapes, dtypes and lifetimes but no values (:func:`colfunc.memory.predict` predicts memory
     and traffic this way), so no kernel that needs values may run."""
 
 

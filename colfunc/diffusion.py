@@ -6,7 +6,7 @@ A clean sample ``x0`` and Gaussian noise are joined by the straight line
 (:func:`flow_loss`). Training times are logit-normal (``sigmoid`` of a standard normal) and then
 shifted towards the noisy end for larger videos (:func:`timestep_shift`, :func:`shift_ratio`), as
 more pixels keep more of the signal at a given noise level. Sampling integrates the velocity
-from ``t = 1`` (noise) to ``t = 0`` with Euler steps on the same shifted schedule, with
+from ``t = 1`` (noise) to ``t = 0`` with Euler steps on the same shifted timesteps, with
 classifier-free guidance between the conditional and the unconditional velocity
 (:func:`euler_sample`).
 """
@@ -84,7 +84,7 @@ def euler_sample(
     null_cond: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Integrate ``dx/dt = v(x, t, cond)`` from ``t = 1`` (``noise``) to ``t = 0`` in ``steps``
-    Euler steps on the shifted schedule; returns the sample.
+    Euler steps on the shifted timesteps; returns the sample.
 
     With ``guidance != 1`` the velocity is ``v(x, null) + guidance * (v(x, cond) - v(x, null))``
     (classifier-free guidance; ``null_cond`` is the empty condition, e.g. all zeros).

@@ -437,14 +437,14 @@ def test_config_sections_read_as_offload():
     ],
 )
 def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, amp, policy, kw):
-    """cf.memory.plan, a dry run on the meta device before anything runs, against the third
+    """cf.memory.predict, a dry run on the meta device before anything runs, against the third
     step's measured figures (after any chunk is device-homed)."""
     mod = getattr(models, name)
     cfg = mod.Config(vocab_size=VOCAB, n_layer=6, n_head=2, d_model=32, max_seq_len=SEQ)
     step = cf.offload(cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), policy, "3MB", **kw)
     step = cf.remat(step) if remat else step
     step = cf.amp(step, "bf16") if amp else step
-    pred = memory.plan(cfg, step, (BATCH, SEQ))
+    pred = memory.predict(cfg, step, (BATCH, SEQ))
     _, ms = _run(step, mod.init(cfg), _batches(3))
     m = ms[-1]
     assert pred.feasible and pred.smallest_budget <= pred.budget == 3_000_000
@@ -455,13 +455,13 @@ def test_the_planner_predicts_peak_and_traffic_within_5_percent(name, remat, amp
     for key in ("h2d_bytes", "d2h_bytes"):
         assert abs(getattr(pred, key) - m[f"offload/{key}"]) <= 0.05 * max(m[f"offload/{key}"], 1)
     # a budget below the least it can run in: predicted infeasible, with that least
-    low = memory.plan(cfg, step, (BATCH, SEQ), pred.smallest_budget - 1)
+    low = memory.predict(cfg, step, (BATCH, SEQ), pred.smallest_budget - 1)
     assert not low.feasible and low.smallest_budget == pred.smallest_budget
     with pytest.raises(ValueError, match=r"has no cf\.offload"):
-        memory.plan(cfg, cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), (BATCH, SEQ))
+        memory.predict(cfg, cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), (BATCH, SEQ))
     over = cf.zero(cf.shard(cf.train_step(mod.loss(cfg), optim.adamw(1e-3)), cf.Mesh({"dp": 1})), 3)
-    with pytest.raises(ValueError, match="also has shard and zero; plan the same offload"):
-        memory.plan(cfg, cf.offload(over, "auto", "8MiB"), (BATCH, SEQ))
+    with pytest.raises(ValueError, match="also has shard and zero; predict the same offload"):
+        memory.predict(cfg, cf.offload(over, "auto", "8MiB"), (BATCH, SEQ))
 
 
 def _init_both(step, abstract, full):

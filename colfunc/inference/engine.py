@@ -91,7 +91,7 @@ class Engine:
     ``kv_memory`` (bytes, or a size like ``"1GiB"``) holds, or by default enough for
     ``max_num_seqs`` sequences at full context (at most 2 GiB). A step computes at most
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` sequences. With ``mesh`` (one
-    ``tp`` axis, inside :func:`colfunc.launch`), every rank runs the same schedule on its shards
+    ``tp`` axis, inside :func:`colfunc.launch`), every rank runs the same steps on its shards
     of the model's tensor-parallel plan and its heads of the cache, and samples the same tokens.
 
     Example:

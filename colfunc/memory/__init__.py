@@ -7,11 +7,11 @@ be measured without a GPU.
 
 ``chunks``, ``pool`` and ``placement`` are the parts of :func:`colfunc.offload`: model states in
 fixed-size chunks, the device pool's exact account, and where chunks live under a budget;
-``plan`` predicts an offloaded step's device peak and traffic by a dry run on the meta device.
+``predict`` predicts an offloaded step's device peak and traffic by a dry run on the meta device.
 """
 
-from colfunc.memory.plan import Prediction, plan
+from colfunc.memory.predict import Prediction, predict
 from colfunc.memory.report import MemoryReport, report
 from colfunc.memory.track import Tracker, track
 
-__all__ = ["MemoryReport", "Prediction", "Tracker", "plan", "report", "track"]
+__all__ = ["MemoryReport", "Prediction", "Tracker", "predict", "report", "track"]

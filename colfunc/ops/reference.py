@@ -74,7 +74,7 @@ def attention(
     gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
     if not causal or T == S:
         if q_BHTD.is_meta and not gqa:
-            # a meta tensor stands for a CPU one (cf.memory.plan's dry run): the kernel the CPU
+            # a meta tensor stands for a CPU one (cf.memory.predict's dry run): the kernel the CPU
             # runs (flash, saving only the log-sum-exp), not the math path meta would take
             out, _ = torch_private.flash_attention_cpu(
                 q_BHTD, k_BHSD, v_BHSD, 0.0, causal, scale=scale

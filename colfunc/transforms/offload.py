@@ -270,7 +270,7 @@ class OffloadState:
         pinned = (
             _first_fraction(sizes, 1.0 - cfg.params_fraction) if cfg.policy == "static" else set()
         )
-        self.planned: set[int] = homed  # chunks to keep on the device (mirrors made on first use)
+        self.to_home: set[int] = homed  # chunks to keep on the device (mirrors made on first use)
         self.pool = DevicePool(
             layout,
             self.device,
@@ -332,9 +332,9 @@ class OffloadState:
         return x if piece.row is None else x[piece.row]
 
     def make_mirrors(self, leaves: list[torch.Tensor]) -> None:
-        """Device-home the planned chunks not yet homed: parameters copied now, moments at the
+        """Device-home the chunks chosen for the device and not yet homed: parameters copied now, moments at the
         next update (before the step's account starts, so they count as resident)."""
-        for c in sorted(self.planned - set(self.pool.mirrors)):
+        for c in sorted(self.to_home - set(self.pool.mirrors)):
             chunk = self.layout.chunks[c]
             master = torch.float64 if chunk.dtype == torch.float64 else torch.float32
             m = Mirror(chunk, self.device, master)
@@ -906,7 +906,7 @@ def _host_adamw(
 
 
 def _dry_update(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """A dry run's update (cf.memory.plan): no values, so nothing to update."""
+    """A dry run's update (cf.memory.predict): no values, so nothing to update."""
     return state, {"grad_norm": torch.zeros((), device="meta"), "lr": 0.0}
 
 
@@ -947,7 +947,8 @@ def _check_floor(state: OffloadState, gathered: int = 1) -> None:
 
 
 def _check_warmup(state: OffloadState) -> None:
-    """After the warm-up step: refuse a budget its streaming peak exceeded; plan ``margin``."""
+    """After the warm-up step: refuse a budget its streaming peak exceeded; home chunks on the
+    device in ``margin`` of the room left."""
     pool = state.pool
     peak = pool.window_peak
     pool.end_warmup()
@@ -974,7 +975,7 @@ def _check_warmup(state: OffloadState) -> None:
         if used + cost > spare:
             break
         used += cost
-        state.planned.add(c)
+        state.to_home.add(c)
 
 
 def _pieces(state: TrainState) -> TrainState:

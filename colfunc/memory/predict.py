@@ -1,4 +1,4 @@
-"""``cf.memory.plan``: the device peak and traffic of an offloaded step, predicted before running.
+"""``cf.memory.predict``: the device peak and traffic of an offloaded step, predicted before running.
 
 No peer predicts these; we can because an offloaded step's placement is a pure function of the
 order in which the step uses its chunks and of the memory it allocates between uses, and both can
@@ -18,7 +18,7 @@ import torch
 
 from colfunc import core, models, nn
 
-__all__ = ["Prediction", "plan"]
+__all__ = ["Prediction", "predict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _run(step: Any, params: Any, batch: Any, steps: int) -> dict[str, Any]:
     return metrics
 
 
-def plan(
+def predict(
     model_cfg: Any,
     step: Any,
     batch_shape: tuple[int, int],
@@ -70,24 +70,26 @@ def plan(
 
     Example:
         >>> step = cf.remat(cf.offload(cf.train_step(loss, optim.adamw(3e-4)), "auto", "2GiB"))
-        >>> p = cf.memory.plan(cfg, step, (8, 1024), "1GiB")
+        >>> p = cf.memory.predict(cfg, step, (8, 1024), "1GiB")
         >>> p.device_peak_bytes, p.h2d_bytes, p.smallest_budget
     """
     comp = getattr(step, "composition", None)
     if comp is None or comp.offload is None:
         raise ValueError(
-            "memory.plan: the step has no cf.offload in its composition; plan an offloaded "
+            "memory.predict: the step has no cf.offload in its composition; predict an offloaded "
             "step (cf.offload(step, policy, device_budget))"
         )
     over = [n for n in ("shard", "zero") if getattr(comp, n) is not None]
     if over:
         raise ValueError(
-            f"memory.plan: predicts one rank's offloaded step, and this one also has "
-            f"{' and '.join(over)}; plan the same offload without them (a data-parallel rank "
+            f"memory.predict: predicts one rank's offloaded step, and this one also has "
+            f"{' and '.join(over)}; predict the same offload without them (a data-parallel rank "
             f"holds what one device does, for its rows of the batch)"
         )
     if not (isinstance(batch_shape, tuple) and len(batch_shape) == 2):
-        raise ValueError(f"memory.plan: batch_shape must be (batch, sequence), got {batch_shape!r}")
+        raise ValueError(
+            f"memory.predict: batch_shape must be (batch, sequence), got {batch_shape!r}"
+        )
     from colfunc.memory.placement import device_budget
 
     target = (
@@ -108,8 +110,8 @@ def plan(
         smallest = int(_run(floor_step, params, batch, 1)["offload/device_peak_bytes"])
         if at < smallest:
             return Prediction(at, smallest, 0, 0, smallest, False)
-        planned = dataclasses.replace(comp, offload=target).build(step.base)
-        m = _run(planned, params, batch, 3)  # the third: after any chunk is device-homed
+        target_step = dataclasses.replace(comp, offload=target).build(step.base)
+        m = _run(target_step, params, batch, 3)  # the third: after any chunk is device-homed
     return Prediction(
         budget=at,
         device_peak_bytes=int(m["offload/device_peak_bytes"]),
