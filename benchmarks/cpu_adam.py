@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from colfunc.ops import cpu_adamw_
+from colfunc.ops import AdamWHyper, cpu_adamw_
 
 HP: dict[str, Any] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 
@@ -60,7 +60,8 @@ def bench(n: int, reps: int, grad_dtype: torch.dtype, simd: bool) -> dict[str, f
 
     def ours() -> None:
         step[0] += 1
-        cpu_adamw_([param], [grad], [exp_avg], [exp_avg_sq], step=step[0], simd=simd, **HP)
+        hyper = AdamWHyper(step=step[0], **HP)
+        cpu_adamw_([param], [grad], [exp_avg], [exp_avg_sq], hyper, simd=simd)
 
     runs: dict[str, Callable[[], object]] = {
         "ours": ours,

@@ -135,6 +135,7 @@ def _randn(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
 
 def _adamw_row(peak_gbps: float | None) -> None:
     """AdamW over many fp32 tensors; the peer is torch's fused AdamW."""
+    from colfunc import ops
     from colfunc.kernels import adamw
 
     hp = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -153,14 +154,14 @@ def _adamw_row(peak_gbps: float | None) -> None:
         eps=hp["eps"],
         weight_decay=hp["weight_decay"],
     )
-    adamw.adamw_(params, grads, *states, step=1, **hp)
+    adamw.adamw_(params, grads, *states, ops.AdamWHyper(step=1, **hp))
     opt.step()
     err = max(_err(p, t) for p, t in zip(params, theirs))
     step = [1]
 
     def ours() -> None:
         step[0] += 1
-        adamw.adamw_(params, grads, *states, step=step[0], **hp)
+        adamw.adamw_(params, grads, *states, ops.AdamWHyper(step=step[0], **hp))
 
     n = count * size
     _bandwidth_row(f"adamw_ {count} x {size} fp32", 28 * n, ours, opt.step, peak_gbps, err)

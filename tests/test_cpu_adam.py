@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colfunc.kernels import cpu_adam
-from colfunc.ops import cpu_adamw_
+from colfunc.ops import AdamWHyper, cpu_adamw_
 
 # Sizes around the SIMD width (8) and the work chunk (16384 elements).
 SHAPES = [(3, 5), (1,), (0,), (8,), (16383,), (2, 16385)]
@@ -49,7 +49,13 @@ def _run_against_torch(
             r.grad = g.float()
         opt.step()
         cpu_adamw_(
-            params, grads, exp_avgs, exp_avg_sqs, step=step, params_bf16_out=copies, simd=simd, **hp
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            AdamWHyper(step=step, **hp),
+            params_bf16_out=copies,
+            simd=simd,
         )
         for p, r, m, v, c in zip(params, ref, exp_avgs, exp_avg_sqs, copies):
             torch.testing.assert_close(p, r.detach(), atol=1e-6, rtol=1e-6)
@@ -104,12 +110,7 @@ def test_bf16_copy_rounds_to_nearest_even_and_keeps_nan() -> None:
             [zeros],
             [zeros.clone()],
             [zeros.clone()],
-            step=1,
-            lr=0.0,
-            beta1=0.9,
-            beta2=0.99,
-            eps=1e-8,
-            weight_decay=0.0,
+            AdamWHyper(step=1, lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0),
             params_bf16_out=[copy],
             simd=simd,
         )
@@ -163,6 +164,7 @@ def test_bad_inputs_raise(case: tuple[str, dict[str, Any], str]) -> None:
     }
     kwargs.update(override)
     before = p.clone()
+    hyper = {k: kwargs.pop(k) for k in ("step", *HP)}
     with pytest.raises(ValueError, match=message):
-        cpu_adamw_(**kwargs)
+        cpu_adamw_(**kwargs, hyper=AdamWHyper(**hyper))
     assert torch.equal(p, before)

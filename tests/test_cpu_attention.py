@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from colfunc import ops
 from colfunc.kernels import cpu_attention as kernel
-from colfunc.ops import cpu_attention, reference
+from colfunc.ops import PagedBatch, cpu_attention, reference
 
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
 
@@ -56,6 +56,12 @@ def _case(block, heads, head_dim, lens, dtype, seed):
     return (q, k, v, kc, vc, tables, context_lens, query_lens)
 
 
+def _paged(args):
+    """``_case``'s arguments as the ops take them: the tensors, then the batch."""
+    q, k, v, kc, vc, tables, context_lens, query_lens = args
+    return (q, k, v, kc, vc, PagedBatch(tables, context_lens, query_lens))
+
+
 def _need_kernel():
     if kernel.extension() is None:
         pytest.skip("no C++ compiler: paged_attention decodes by the reference (tested below)")
@@ -78,7 +84,7 @@ def test_decode_kernel_equals_dense_attention(block, heads, head_dim, lens, dtyp
     _need_kernel()
     args = _case(block, heads, head_dim, lens, dtype, seed)
     assert cpu_attention.supports(*args[:6])
-    got = ops.paged_attention(*args)
+    got = ops.paged_attention(*_paged(args))
     want = _dense(*args)
     tol = TOL[dtype]
     assert got.dtype == dtype
@@ -94,20 +100,22 @@ def test_the_kernel_runs_the_decodes_and_the_reference_the_rest(monkeypatch) -> 
     real = cpu_attention.paged_decode_into
 
     def counted(*a, **kw):
-        calls.append(len(a[-1]))
+        calls.append(len(a[-1].query_lens))
         return real(*a, **kw)
 
     monkeypatch.setattr(cpu_attention, "paged_decode_into", counted)
-    want = reference.paged_attention(*args)
-    got = ops.paged_attention(*args)
+    want = reference.paged_attention(*_paged(args))
+    got = ops.paged_attention(*_paged(args))
     assert calls == [3]
     assert torch.allclose(got, want, atol=1e-12, rtol=1e-12)
     monkeypatch.setenv("COLFUNC_KERNELS", "torch")
-    assert torch.equal(ops.paged_attention(*args), want)
+    assert torch.equal(ops.paged_attention(*_paged(args)), want)
     assert calls == [3]
     monkeypatch.setenv("COLFUNC_KERNELS", "auto")  # a batch of prefill chunks only: no call
     prefill = _case(4, (2, 2), 8, [(5, 2), (0, 4)], torch.float64, 1)
-    assert torch.equal(ops.paged_attention(*prefill), reference.paged_attention(*prefill))
+    assert torch.equal(
+        ops.paged_attention(*_paged(prefill)), reference.paged_attention(*_paged(prefill))
+    )
     assert calls == [3]
 
 
@@ -118,7 +126,7 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference() -> None:
     assert not cpu_attention.supports(q, k, v, kc.transpose(0, 1), vc.transpose(0, 1), tables)
     assert not cpu_attention.supports(q, k, v, kc, vc, tables.long())
     half = [t.bfloat16() for t in (q, k, v, kc, vc)]
-    got = ops.paged_attention(*half, tables, *args[6:])
+    got = ops.paged_attention(*half, PagedBatch(tables, *args[6:]))
     want = _dense(*half, tables, *args[6:])
     assert torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2)
 
@@ -132,14 +140,14 @@ def test_bad_tables_are_refused_not_read() -> None:
     bad = tables.clone()
     bad[1, 0] = kc.shape[0]
     with pytest.raises(ValueError, match=r"outside \[0, \d+\): the cache has"):
-        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, bad, ctx, ql)
+        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, PagedBatch(bad, ctx, ql))
     bad[1, 0] = -1
     with pytest.raises(ValueError, match="outside"):
-        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, bad, ctx, ql)
+        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, PagedBatch(bad, ctx, ql))
     with pytest.raises(ValueError, match="needs more than the block table's"):
-        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, tables, [9, 400], ql)
+        cpu_attention.paged_decode_into(out, q, k, v, kc, vc, PagedBatch(tables, [9, 400], ql))
     with pytest.raises(ValueError, match="must sum to"):
-        ops.paged_attention(q, k, v, kc, vc, tables, ctx, [1, 2])
+        ops.paged_attention(q, k, v, kc, vc, PagedBatch(tables, ctx, [1, 2]))
 
 
 def test_without_a_compiler_decoding_runs_the_reference(monkeypatch) -> None:
@@ -152,7 +160,7 @@ def test_without_a_compiler_decoding_runs_the_reference(monkeypatch) -> None:
     try:
         args = _case(4, (2, 2), 8, [(9, 1), (0, 2)], torch.float64, 3)
         with pytest.warns(UserWarning, match="cannot build the C\\+\\+ CPU decode attention"):
-            got = ops.paged_attention(*args)
-        assert torch.equal(got, reference.paged_attention(*args))
+            got = ops.paged_attention(*_paged(args))
+        assert torch.equal(got, reference.paged_attention(*_paged(args)))
     finally:
         kernel.extension.cache_clear()

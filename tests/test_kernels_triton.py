@@ -26,7 +26,7 @@ import itertools
 
 import colfunc.ops as ops
 from colfunc.kernels import adamw, attention, cross_entropy, norms, paged_attention, rope
-from colfunc.ops import reference
+from colfunc.ops import AdamWHyper, PagedBatch, reference
 
 _STALE = [
     m.__name__
@@ -273,7 +273,7 @@ def test_adamw_equals_torch_optim(beta1: float) -> None:
         for r, g in zip(ref, grads):
             r.grad = g.clone()
         opt.step()
-        adamw.adamw_(params, grads, exp_avgs, exp_avg_sqs, step=step, **hp)
+        adamw.adamw_(params, grads, exp_avgs, exp_avg_sqs, AdamWHyper(step=step, **hp))
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r.detach(), atol=1e-6, rtol=1e-6)
     for m, r in zip(exp_avgs, ref):
@@ -289,8 +289,9 @@ def test_adamw_low_precision_params_and_grads() -> None:
     states = [[torch.zeros(s) for s in SHAPES] for _ in range(4)]
     for step in range(1, 4):
         grads = [torch.randn(s, generator=gen).to(d) for s, d in zip(SHAPES, dtypes)]
-        adamw.adamw_(params, grads, states[0], states[1], step=step, **_adamw_hparams())
-        reference.adamw_(ref_params, grads, states[2], states[3], step=step, **_adamw_hparams())
+        hyper = AdamWHyper(step=step, **_adamw_hparams())
+        adamw.adamw_(params, grads, states[0], states[1], hyper)
+        reference.adamw_(ref_params, grads, states[2], states[3], hyper)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, atol=1e-3, rtol=0)  # one fp16 rounding of the same value
     for m, r in zip(states[0], states[2]):
@@ -344,9 +345,10 @@ def test_paged_attention_matches_the_reference(block, heads, head_dim, lens, dty
 
     q, k, v = rand(N, H, head_dim), rand(N, K, head_dim), rand(N, K, head_dim)
     kc, vc = rand(C, block, K, head_dim), rand(C, block, K, head_dim)
-    got = paged_attention.paged_attention(q, k, v, kc, vc, perm, context_lens, query_lens)
+    batch = PagedBatch(perm, context_lens, query_lens)
+    got = paged_attention.paged_attention(q, k, v, kc, vc, batch)
     f32 = [t.float() for t in (q, k, v, kc, vc)]
-    want = reference.paged_attention(*f32, perm, context_lens, query_lens)
+    want = reference.paged_attention(*f32, batch)
     tol = TOL[dtype]
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
 
@@ -357,12 +359,12 @@ def test_paged_attention_refuses_what_it_cannot_take() -> None:
     cache = torch.zeros(4, 6, 2, 16)  # a block size that is not a power of two
     tables = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="power-of-two block size"):
-        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [4], [3])
+        paged_attention.paged_attention(q, kv, kv, cache, cache, PagedBatch(tables, [4], [3]))
     cache = torch.zeros(4, 4, 2, 16)
     with pytest.raises(ValueError, match="sum to 3"):
-        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [4], [2])
+        paged_attention.paged_attention(q, kv, kv, cache, cache, PagedBatch(tables, [4], [2]))
     with pytest.raises(ValueError, match="longer than its block table"):
-        paged_attention.paged_attention(q, kv, kv, cache, cache, tables, [9], [3])
+        paged_attention.paged_attention(q, kv, kv, cache, cache, PagedBatch(tables, [9], [3]))
 
 
 def test_varlen_attention_is_each_sequence_alone() -> None:

@@ -48,8 +48,9 @@ def _inputs() -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
                 [p.clone() for p in params],
                 [torch.zeros_like(p) for p in params],
                 [torch.ones_like(p) for p in params],
+                ops.AdamWHyper(**hp),
             ),
-            hp,
+            {},
         ),
     }
 
@@ -127,6 +128,7 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], str]]:
     cos = torch.randn(5, 8)
     p = [torch.randn(4)]
     hp: dict[str, Any] = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0}
+    H = ops.AdamWHyper  # built inside each call: a bad value is refused there
     return [
         ("head dim 8", lambda: ops.attention(q[..., :8], kv[..., :8], kv[..., :8]), "head dim 8"),
         ("head dim 256", lambda: ops.attention(*(torch.randn(1, 1, 2, 256),) * 3), "head dim 256"),
@@ -145,11 +147,11 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], str]]:
         ("odd D", lambda: ops.rope(torch.randn(2, 5, 7), cos[:, :3], cos[:, :3]), "even D"),
         ("cos shape", lambda: ops.rope(q, cos[:4], cos[:4]), "cos and sin"),
         ("cos grad", lambda: ops.rope(q, cos.clone().requires_grad_(), cos), "no gradient"),
-        ("lengths", lambda: ops.adamw_(p, [], p, p, step=1, **hp), "lengths"),
-        ("fp16 moments", lambda: ops.adamw_(p, p, [p[0].half()], p, step=1, **hp), "fp32"),
-        ("strided", lambda: ops.adamw_(*[[x.t()]] * 4, step=1, **hp), "contiguous"),
-        ("step 0", lambda: ops.adamw_(p, p, p, p, step=0, **hp), "step=0"),
-        ("beta1 1", lambda: ops.adamw_(p, p, p, p, step=1, **{**hp, "beta1": 1.0}), "beta1"),
+        ("lengths", lambda: ops.adamw_(p, [], p, p, H(step=1, **hp)), "lengths"),
+        ("fp16 moments", lambda: ops.adamw_(p, p, [p[0].half()], p, H(step=1, **hp)), "fp32"),
+        ("strided", lambda: ops.adamw_(*[[x.t()]] * 4, H(step=1, **hp)), "contiguous"),
+        ("step 0", lambda: ops.adamw_(p, p, p, p, H(step=0, **hp)), "step=0"),
+        ("beta1 1", lambda: ops.adamw_(p, p, p, p, H(step=1, **{**hp, "beta1": 1.0})), "beta1"),
         ("meta device", lambda: ops.rms_norm(torch.ones(2, 8, device="meta"), None), "meta"),
         ("subclass", lambda: ops.rms_norm(x.as_subclass(_Subclass), None), "_Subclass"),
         (
@@ -215,12 +217,7 @@ def test_reference_adamw_equals_torch_optim() -> None:
             grads,
             m,
             v,
-            step=step,
-            lr=3e-2,
-            beta1=0.8,
-            beta2=0.95,
-            eps=1e-6,
-            weight_decay=0.05,
+            ops.AdamWHyper(step=step, lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.05),
         )
         for p, r in zip(params, ref):
             assert torch.equal(p, r.detach())
@@ -241,7 +238,8 @@ def test_reference_adamw_rounds_low_precision_params_once() -> None:
         "eps": 1e-8,
         "weight_decay": 0.0,
     }
-    reference.adamw_([p16], [grad.to(torch.bfloat16)], states[0], states[1], **hp)
-    reference.adamw_([start], [grad.to(torch.bfloat16).float()], states[2], states[3], **hp)
+    h = ops.AdamWHyper(**hp)
+    reference.adamw_([p16], [grad.to(torch.bfloat16)], states[0], states[1], h)
+    reference.adamw_([start], [grad.to(torch.bfloat16).float()], states[2], states[3], h)
     assert p16.dtype == torch.bfloat16
     assert torch.equal(p16, start.to(torch.bfloat16))

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from colfunc.kernels import checks
+from colfunc.ops.values import AdamWHyper
 
 __all__ = ["adamw_"]
 
@@ -78,23 +79,17 @@ def adamw_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """One AdamW update in place, with the contract of :func:`colfunc.ops.reference.adamw_`.
 
     fp32, bf16 or fp16 params and grads, fp32 moments, all contiguous on one device; one launch
     per (param dtype, grad dtype) group.
     """
-    checks.adamw(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
-                 beta2=beta2, eps=eps, weight_decay=weight_decay)  # fmt: skip
+    checks.adamw(params, grads, exp_avgs, exp_avg_sqs, hyper)
     if not params:
         return
+    step, lr, beta1, beta2 = hyper.step, hyper.lr, hyper.beta1, hyper.beta2
     checks.device("adamw_", *params, *grads, *exp_avgs, *exp_avg_sqs, interpreted=INTERPRETED)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -106,11 +101,11 @@ def adamw_(
     # torch computes weight - 1 in fp32: from the weight rounded to fp32 (the difference is exact)
     lerp_back = float(torch.tensor(lerp_weight, dtype=torch.float32)) - 1.0
     scalars = (
-        1.0 - lr * weight_decay,
+        1.0 - lr * hyper.weight_decay,
         lerp_weight if lerp_weight < 0.5 else lerp_back,
         beta2,
         1.0 - beta2,
-        eps,
+        hyper.eps,
         -lr / (1.0 - beta1**step),
         (1.0 - beta2**step) ** 0.5,
     )

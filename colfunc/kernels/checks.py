@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from colfunc import torch_private
+from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
     "FLOAT_DTYPES",
     "adamw",
-    "adamw_hparams",
+    "adamw_hyper",
     "adamw_lists",
     "attention",
     "cross_entropy",
@@ -122,12 +124,15 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> None:
     """``q[N,H,E]``, ``k, v[N,K,E]``, caches ``[C,B,K,E]`` with a power-of-two block size B, int32
     block tables ``[S,M]`` covering every context, one float dtype, a supported head dim."""
+    block_tables, context_lens, query_lens = (
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_lens,
+    )
     op = "paged_attention"
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k_cache.dim() != 4:
         raise ValueError(
@@ -265,18 +270,13 @@ def adamw_lists(
                 raise ValueError(f"{op}: {name} {i} is not contiguous; call .contiguous() first")
 
 
-def adamw_hparams(
-    op: str, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
-) -> None:
-    """``step >= 1``; ``0 <= beta < 1``; non-negative ``lr``, ``eps``, ``weight_decay``."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{op}: step={step!r}; expected an int >= 1 (the update's 1-based count)")
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{op}: {name}={beta}; expected 0 <= {name} < 1")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not value >= 0.0:
-            raise ValueError(f"{op}: {name}={value}; expected a value >= 0")
+def adamw_hyper(op: str, hyper: Any) -> None:
+    """An :class:`~colfunc.ops.AdamWHyper` (which checks its values when built)."""
+    if not isinstance(hyper, AdamWHyper):
+        raise TypeError(
+            f"{op}: expected the update's hyperparameters as a colfunc.ops.AdamWHyper(step=, lr=, "
+            f"...), got {type(hyper).__name__}"
+        )
 
 
 def adamw(
@@ -284,13 +284,7 @@ def adamw(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """The fused AdamW's lists (float params and grads, fp32 moments) and hyperparameters."""
     adamw_lists(
@@ -302,6 +296,4 @@ def adamw(
         param_dtypes=FLOAT_DTYPES,
         grad_dtypes=FLOAT_DTYPES,
     )
-    adamw_hparams(
-        "adamw_", step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
-    )
+    adamw_hyper("adamw_", hyper)

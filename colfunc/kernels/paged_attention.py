@@ -14,13 +14,13 @@ B block size (slots), S sequences, M blocks per sequence.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from colfunc.kernels import checks
+from colfunc.ops.values import PagedBatch
 
 __all__ = ["paged_attention"]
 
@@ -111,15 +111,18 @@ def paged_attention(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> torch.Tensor:
     """The contract of :func:`colfunc.ops.reference.paged_attention` (scale ``1/sqrt(E)``), on
     tensors whose last dim is contiguous. Raises ValueError for inputs the kernel does not take,
     before launching. Forward only: inference needs no gradient."""
+    block_tables_SM, context_lens, query_lens = (
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_lens,
+    )
     args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE, block_tables_SM)
-    checks.paged_attention(*args, context_lens, query_lens)
+    checks.paged_attention(*args[:5], batch)
     checks.device("paged_attention", *args, interpreted=INTERPRETED)
     q, k, v, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in args[:5])
     N, H, E = q.shape

@@ -208,7 +208,7 @@ def paged_forward(
     earlier tokens are in the paged KV cache ``cache`` (``{"k", "v"}``, ``[L, C, B, K, E]``,
     scanned as per-layer ``xs``), and the new tokens' keys and values (``[L, N, K, E]``, the
     scan's ``ys``) for the caller to write into the cache."""
-    positions_N = batch.positions
+    positions_N = batch.token_positions()
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     x_1ND = x_1ND + nn.embedding(positions_N, params["embed"]["positions"])[None]
     block = lambda layer, x, paged: _block_kv(layer, x, cfg, paged)  # noqa: E731

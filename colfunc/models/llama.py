@@ -241,7 +241,8 @@ def paged_forward(
     E = cfg.d_model // cfg.n_head
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     cos_TR, sin_TR = nn.rope_tables(cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device)
-    carry: Carry = {"h": x_1ND, "rope": (cos_TR[batch.positions], sin_TR[batch.positions])}
+    positions_N = batch.token_positions()
+    carry: Carry = {"h": x_1ND, "rope": (cos_TR[positions_N], sin_TR[positions_N])}
     block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
     carry, ys = nn.paged_scan(block, carry, params["blocks"], cache, batch)
     return _logits(params, carry["h"][:, select_R], cfg)[0], ys

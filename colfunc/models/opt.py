@@ -209,7 +209,7 @@ def paged_forward(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
     and values; see :func:`colfunc.models.gpt.paged_forward`."""
-    positions_N = batch.positions + POSITION_OFFSET
+    positions_N = batch.token_positions() + POSITION_OFFSET
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     x_1ND = x_1ND + nn.embedding(positions_N, params["embed"]["positions"])[None]
     block = lambda layer, x, paged: _block_kv(layer, x, cfg, paged)  # noqa: E731

@@ -7,7 +7,6 @@ M blocks per sequence.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,6 +15,7 @@ import torch
 from colfunc import ops
 from colfunc.core import positions, scan_layers
 from colfunc.nn.dense import linear
+from colfunc.ops import PagedBatch  # the op layer's value, which the models pass on
 
 __all__ = [
     "Paged",
@@ -28,21 +28,6 @@ __all__ = [
     "self_attention",
     "split_heads",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedBatch:
-    """A packed batch of sequences for one inference step over a paged KV cache.
-
-    Sequence ``s`` brings ``query_lens[s]`` new tokens (packed in order, ``N`` in all) after
-    ``context_lens[s]`` tokens already cached in the blocks its row of ``block_tables`` lists;
-    ``positions[N]`` are the new tokens' positions in their sequences.
-    """
-
-    positions: torch.Tensor  # [N] long
-    block_tables: torch.Tensor  # [S, M] int32
-    context_lens: tuple[int, ...]
-    query_lens: tuple[int, ...]
 
 
 class Paged(NamedTuple):
@@ -128,17 +113,7 @@ def paged_self_attention(
         cos_NR, sin_NR = rope
         q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
         k_NKE = ops.rope(k_NKE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
-    b = paged.batch
-    y_NHE = ops.paged_attention(
-        q_NHE,
-        k_NKE,
-        v_NKE,
-        paged.k_cache,
-        paged.v_cache,
-        b.block_tables,
-        b.context_lens,
-        b.query_lens,
-    )
+    y_NHE = ops.paged_attention(q_NHE, k_NKE, v_NKE, paged.k_cache, paged.v_cache, paged.batch)
     return linear(y_NHE.reshape(1, N, -1), p["wo"], p.get("bo")), (k_NKE, v_NKE)
 
 

@@ -1,5 +1,6 @@
 """The public op layer: attention (also over a paged KV cache), norms, cross-entropy, rotary
-embeddings and fused AdamW.
+embeddings and fused AdamW, and the values their backends take (:class:`AdamWHyper`,
+:class:`PagedBatch`).
 
 Model and optimizer code call the names here. Each op runs its Triton kernel on CUDA tensors and
 its plain PyTorch reference (:mod:`colfunc.ops.reference`) elsewhere; ``COLFUNC_KERNELS=auto|
@@ -22,8 +23,11 @@ from colfunc.ops.dispatch import (
     rope,
     varlen_attention,
 )
+from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
+    "AdamWHyper",
+    "PagedBatch",
     "adamw_",
     "attention",
     "attention_block",

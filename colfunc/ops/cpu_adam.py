@@ -13,6 +13,7 @@ import torch
 
 from colfunc import torch_private
 from colfunc.kernels import checks
+from colfunc.ops.values import AdamWHyper
 
 __all__ = ["cpu_adamw_"]
 
@@ -51,13 +52,7 @@ def _torch_fused(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     params_bf16_out: Sequence[torch.Tensor] | None,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """The same update by ``torch._fused_adamw_``, for machines without a C++ compiler."""
     torch_private.fused_adamw_(
@@ -66,12 +61,12 @@ def _torch_fused(
         list(exp_avgs),
         list(exp_avg_sqs),
         [],
-        [torch.tensor(float(step)) for _ in params],
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
+        [torch.tensor(float(hyper.step)) for _ in params],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
         amsgrad=False,
         maximize=False,
     )
@@ -85,13 +80,8 @@ def cpu_adamw_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    hyper: AdamWHyper,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     params_bf16_out: Sequence[torch.Tensor] | None = None,
     simd: bool = True,
 ) -> None:
@@ -102,15 +92,13 @@ def cpu_adamw_(
     (what a device holding bf16 weights fetches). ``simd=False`` runs the portable scalar loop
     even where the CPU has AVX2/FMA.
 
-    >>> cpu_adamw_([p], [p.grad], [m], [v], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
-    ...            eps=1e-8, weight_decay=0.01)  # doctest: +SKIP
+    >>> cpu_adamw_([p], [p.grad], [m], [v], AdamWHyper(step=1, lr=1e-3, weight_decay=0.01))
+    ... # doctest: +SKIP
     """
     op = "cpu_adamw_"
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     checks.adamw_lists(op, *lists, param_dtypes=(torch.float32,), grad_dtypes=GRAD_DTYPES)
-    checks.adamw_hparams(
-        op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
-    )
+    checks.adamw_hyper(op, hyper)
     _check_cpu(op, lists, params_bf16_out)
     if not params:
         return
@@ -118,34 +106,26 @@ def cpu_adamw_(
 
     ext = cpu_adam.extension()
     if ext is None:
-        _torch_fused(
-            *lists,
-            params_bf16_out,
-            step=step,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-        )
+        _torch_fused(*lists, params_bf16_out, hyper)
         return
     outs = [0] * len(params) if params_bf16_out is None else [t.data_ptr() for t in params_bf16_out]
     # Each scalar in double, then rounded to float by pybind11: as torch's kernels receive them.
-    hyper = ext.Hyper(
-        decay=1.0 - lr * weight_decay,
-        lerp_weight=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
-        eps=eps,
-        neg_step_size=-lr / (1.0 - beta1**step),
-        bc2_sqrt=(1.0 - beta2**step) ** 0.5,
+    h = hyper
+    scalars = ext.Hyper(
+        decay=1.0 - h.lr * h.weight_decay,
+        lerp_weight=1.0 - h.beta1,
+        beta2=h.beta2,
+        one_minus_beta2=1.0 - h.beta2,
+        eps=h.eps,
+        neg_step_size=-h.lr / (1.0 - h.beta1**h.step),
+        bc2_sqrt=(1.0 - h.beta2**h.step) ** 0.5,
     )
     ext.adamw_step(
         *([t.data_ptr() for t in ts] for ts in lists),
         outs,
         [p.numel() for p in params],
         [g.dtype == torch.bfloat16 for g in grads],
-        hyper,
+        scalars,
         simd,
         torch.get_num_threads(),
     )

@@ -9,9 +9,9 @@ machine that cannot compile it) runs the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
+
+from colfunc.ops.values import PagedBatch
 
 __all__ = ["paged_decode_into", "supports"]
 
@@ -51,13 +51,16 @@ def paged_decode_into(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> None:
     """Write the rows of the sequences with one new token (``query_lens[s] == 1``) into the
     contiguous ``out_NHE``, as :func:`colfunc.ops.reference.paged_decode_into` computes them.
     Call :func:`supports` first."""
+    block_tables_SM, context_lens, query_lens = (
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_lens,
+    )
     from colfunc.kernels import cpu_attention
 
     seqs = [s for s, n in enumerate(query_lens) if n == 1]

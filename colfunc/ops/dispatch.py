@@ -32,6 +32,7 @@ import torch
 from colfunc import core
 from colfunc.kernels import checks
 from colfunc.ops import cpu_attention, reference
+from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
     "CHOICES",
@@ -238,31 +239,22 @@ def adamw_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """One AdamW update in place over lists of tensors (``torch.optim.AdamW`` semantics).
 
-    ``step`` is this update's 1-based count. Moments are fp32; params and grads fp32, bf16 or
-    fp16. The Triton kernel updates every tensor of a dtype in one launch.
+    ``hyper.step`` is this update's 1-based count. Moments are fp32; params and grads fp32, bf16
+    or fp16. The Triton kernel updates every tensor of a dtype in one launch.
 
-    >>> adamw_(params, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-3, beta1=0.9,
-    ...        beta2=0.999, eps=1e-8, weight_decay=0.01)  # doctest: +SKIP
+    >>> adamw_(params, grads, exp_avgs, exp_avg_sqs, AdamWHyper(step=1, lr=1e-3, weight_decay=0.01))
+    ... # doctest: +SKIP
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    hparams: dict[str, Any] = dict(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
-    )
-    check = lambda: checks.adamw(*lists, **hparams)  # noqa: E731
+    check = lambda: checks.adamw(*lists, hyper)  # noqa: E731
     if _use_triton("adamw_", check, [t for ts in lists for t in ts]):
-        _kernel("adamw").adamw_(*lists, **hparams)
+        _kernel("adamw").adamw_(*lists, hyper)
         return
-    reference.adamw_(*lists, **hparams)
+    reference.adamw_(*lists, hyper)
 
 
 @torch.library.custom_op("colfunc::paged_attention", mutates_args=())
@@ -279,7 +271,8 @@ def _paged_attention_op(
     # an operator of its own, so that a ShardedTensor sees one op with one sharding rule (heads
     # split alike in the queries, keys, values and the cache) rather than its insides; inside,
     # the tensors are plain (a rank's local heads)
-    args = (q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens)
+    batch = PagedBatch(block_tables, tuple(context_lens), tuple(query_lens))
+    args = (q, k, v, k_cache, v_cache, batch)
     tensors = (q, k, v, k_cache, v_cache, block_tables)
     if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
         out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
@@ -287,7 +280,7 @@ def _paged_attention_op(
     if (
         kernels_choice() == "auto" and 1 in query_lens and cpu_attention.supports(*tensors)
     ):  # decoding on the CPU: the C++ kernel reads each block where it lies
-        reference.check_paged_lens(q, context_lens, query_lens)
+        reference.check_paged_lens(q, batch)
         out = torch.empty(q.shape, dtype=q.dtype)
         cpu_attention.paged_decode_into(out, *args)
         reference.paged_prefill_into(out, *args)
@@ -306,12 +299,11 @@ def paged_attention(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> torch.Tensor:
-    """Causal attention of packed sequences (``query_lens`` new tokens each) over a paged KV
-    cache holding their first ``context_lens`` tokens; decode and (chunked) prefill in one call,
+    """Causal attention of packed sequences (``batch.query_lens`` new tokens each) over a paged KV
+    cache holding their first ``batch.context_lens`` tokens (at the blocks of
+    ``batch.block_tables``); decode and (chunked) prefill in one call,
     the default scale ``1/sqrt(E)``. See :func:`colfunc.ops.reference.paged_attention`; on
     ShardedTensors, heads split over an axis stay split (``torch.ops.colfunc.paged_attention``
     has its own rule). The Triton kernel (power-of-two block sizes, head dims 16-128) is one
@@ -322,9 +314,9 @@ def paged_attention(
         v_NKE,
         k_cache_CBKE,
         v_cache_CBKE,
-        block_tables_SM,
-        list(context_lens),
-        list(query_lens),
+        batch.block_tables,
+        list(batch.context_lens),
+        list(batch.query_lens),
     )
     return out
 
@@ -347,4 +339,5 @@ def varlen_attention(
     K, E = k_NKE.shape[1:]
     empty = k_NKE.new_zeros(1, 16, K, E)  # one unused block: no context to read
     tables = torch.zeros(len(lens), 1, dtype=torch.int32, device=q_NHE.device)
-    return paged_attention(q_NHE, k_NKE, v_NKE, empty, empty, tables, [0] * len(lens), lens)
+    batch = PagedBatch(tables, (0,) * len(lens), tuple(lens))
+    return paged_attention(q_NHE, k_NKE, v_NKE, empty, empty, batch)

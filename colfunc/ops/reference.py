@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from colfunc import torch_private
+from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
     "adamw_",
@@ -286,25 +287,21 @@ def adamw_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """One AdamW update in place, operation for operation as ``torch.optim.AdamW`` does it.
 
-    ``step`` is the 1-based count of this update (for the bias corrections). The arithmetic runs
-    in the moments' dtype (fp32 for the kernels; fp64 moments keep fp64 params exact): a bf16 or
-    fp16 param is updated in fp32 and rounded back once.
+    ``hyper.step`` is the 1-based count of this update (for the bias corrections). The arithmetic
+    runs in the moments' dtype (fp32 for the kernels; fp64 moments keep fp64 params exact): a
+    bf16 or fp16 param is updated in fp32 and rounded back once.
     """
     lengths = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs)}
     if len(lengths) != 1:
         raise ValueError(f"adamw_: params, grads, exp_avgs, exp_avg_sqs differ in length {lengths}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"adamw_: step={step!r}; expected an int >= 1")
+    if not isinstance(hyper, AdamWHyper):
+        raise TypeError(f"adamw_: hyper must be a colfunc.ops.AdamWHyper, got {hyper!r}")
+    step, lr, beta1, beta2 = hyper.step, hyper.lr, hyper.beta1, hyper.beta2
+    eps, weight_decay = hyper.eps, hyper.weight_decay
     step_size = lr / (1.0 - beta1**step)
     bc2_sqrt = (1.0 - beta2**step) ** 0.5
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
@@ -336,9 +333,7 @@ def paged_attention(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of sequences over a paged KV cache.
 
@@ -352,17 +347,17 @@ def paged_attention(
     a group's blocks are gathered into one padded batch (a block past a context may be any
     block: it is masked out). Each longer one runs alone.
     """
-    check_paged_lens(q_NHE, context_lens, query_lens)
+    check_paged_lens(q_NHE, batch)
     out_NHE = torch.empty_like(q_NHE)
-    args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE, block_tables_SM)
-    paged_decode_into(out_NHE, *args, context_lens, query_lens)
-    paged_prefill_into(out_NHE, *args, context_lens, query_lens)
+    args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE)
+    paged_decode_into(out_NHE, *args, batch)
+    paged_prefill_into(out_NHE, *args, batch)
     return out_NHE
 
 
-def check_paged_lens(
-    q_NHE: torch.Tensor, context_lens: Sequence[int], query_lens: Sequence[int]
-) -> None:
+def check_paged_lens(q_NHE: torch.Tensor, batch: PagedBatch) -> None:
+    """``batch``'s new tokens are the ``N`` packed rows of ``q``."""
+    context_lens, query_lens = batch.context_lens, batch.query_lens
     N = q_NHE.shape[0]
     if len(context_lens) != len(query_lens) or sum(query_lens) != N:
         raise ValueError(
@@ -385,11 +380,14 @@ def paged_decode_into(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with one new token."""
+    block_tables_SM, context_lens, query_lens = (
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_lens,
+    )
     H = q_NHE.shape[1]
     B = k_cache_CBKE.shape[1]
     starts = _starts(query_lens)
@@ -426,11 +424,14 @@ def paged_prefill_into(
     v_NKE: torch.Tensor,
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
-    block_tables_SM: torch.Tensor,
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
+    batch: PagedBatch,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with several new tokens."""
+    block_tables_SM, context_lens, query_lens = (
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_lens,
+    )
     B = k_cache_CBKE.shape[1]
     starts = _starts(query_lens)
 

@@ -857,8 +857,8 @@ def _zero_update(
         t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
         squares = [g.double().square().sum() for g in grads]
         norm = _reduced_norm(squares, _norm_axes(off, z, None))
-        kw = _adamw_kwargs(hyper, t, lr)
-        _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), kw)
+        h = _adamw_hyper(hyper, t, lr)
+        _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), h)
         new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks)))
         for (_, x), y in zip(flat, new, strict=True):
             x.copy_(local_piece(y))  # (a tensor-parallel piece comes back wrapped)
@@ -866,8 +866,9 @@ def _zero_update(
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
 
 
-def _adamw_kwargs(hyper: Any, t: int, lr: float) -> dict[str, Any]:
-    return dict(
+def _adamw_hyper(hyper: Any, t: int, lr: float) -> ops.AdamWHyper:
+    """Update ``t``'s hyperparameters, from the optimizer's (``optim.adamw``'s) and its rate."""
+    return ops.AdamWHyper(
         step=t,
         lr=lr,
         beta1=hyper.beta1,
@@ -882,16 +883,16 @@ def _host_adamw(
     gs: list[torch.Tensor],
     ms: list[torch.Tensor],
     vs: list[torch.Tensor],
-    kw: dict[str, Any],
+    h: ops.AdamWHyper,
 ) -> None:
     """AdamW on host tensors, in place: the C++ CPU Adam for fp32 masters, torch's fused kernel
     for fp64 ones (the C++ Adam is fp32)."""
     if not ps:
         return
     if all(x.dtype == torch.float32 for x in ps):
-        ops.cpu_adamw_(ps, gs, ms, vs, **kw)
+        ops.cpu_adamw_(ps, gs, ms, vs, h)
         return
-    steps = [torch.tensor(float(kw["step"]))] * len(ps)  # read only by the kernel
+    steps = [torch.tensor(float(h.step))] * len(ps)  # read only by the kernel
     torch_private.fused_adamw_(
         ps,
         gs,
@@ -901,7 +902,11 @@ def _host_adamw(
         steps,
         amsgrad=False,
         maximize=False,
-        **{k: v for k, v in kw.items() if k != "step"},
+        lr=h.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
     )
 
 
@@ -1045,7 +1050,7 @@ def _adamw_update(
     ps, ms, vs = tree.leaves(state.params), tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq)
     off._host = (ps, ms, vs)
     t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
-    kw = _adamw_kwargs(hyper, t, lr)
+    h = _adamw_hyper(hyper, t, lr)
     mirrors = off.pool.mirrors
     for c in sorted(off._needs_moments):  # moments of chunks just device-homed
         m = mirrors[c]
@@ -1063,7 +1068,7 @@ def _adamw_update(
                 out.append(off._row(src, p))
     with DevicePool.host():
         norm = _grad_norm(off, axes)
-        _host_adamw(lists[0], lists[1], lists[2], lists[3], kw)
+        _host_adamw(lists[0], lists[1], lists[2], lists[3], h)
     if mirrors:
         order = sorted(mirrors)
         ops.adamw_(
@@ -1071,7 +1076,7 @@ def _adamw_update(
             [mirrors[c].grad for c in order],
             [mirrors[c].exp_avg for c in order],
             [mirrors[c].exp_avg_sq for c in order],
-            **kw,
+            h,
         )
     new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
