@@ -107,7 +107,7 @@ def test_a_flipped_bit_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
 
 @given(a=st.binary(max_size=300), b=st.binary(max_size=300))
 def test_crc32_combine_equals_zlib_over_the_concatenation(a: bytes, b: bytes) -> None:
-    combined = checkpoint._crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    combined = checkpoint.checksums._crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
     assert combined == zlib.crc32(a + b)
 
 
@@ -121,7 +121,7 @@ def test_one_pass_gives_the_whole_and_the_block_checksums(nbytes: int, block: in
         if data
         else torch.empty(0, dtype=torch.uint8)
     )
-    whole, blocks = checkpoint._sums(t, block)
+    whole, blocks = checkpoint.checksums._sums(t, block)
     assert whole == f"{zlib.crc32(data):08x}" == checkpoint.checksum(t)
     assert blocks == [f"{zlib.crc32(data[i : i + block]):08x}" for i in range(0, nbytes, block)]
 
@@ -179,7 +179,7 @@ def test_async_writes_a_snapshot_and_reports_its_errors(
     writer = checkpoint.AsyncWriter()
     state = _state(1)
     want = _state(1)
-    real_write = checkpoint._write
+    real_write = checkpoint.files._write
     release, written = threading.Event(), threading.Event()
 
     def held_write(*args: Any) -> None:
@@ -187,7 +187,7 @@ def test_async_writes_a_snapshot_and_reports_its_errors(
         real_write(*args)
         written.set()
 
-    monkeypatch.setattr(checkpoint, "_write", held_write)
+    monkeypatch.setattr(checkpoint.files, "_write", held_write)
     writer.submit(tmp_path / "s", 1, state)
     assert not written.is_set()  # submit returned while the write was still held
     for x in tree.tensors(state):  # the training loop goes on writing its state in place
@@ -199,7 +199,7 @@ def test_async_writes_a_snapshot_and_reports_its_errors(
     def broken(*args: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_write", broken)
+    monkeypatch.setattr(checkpoint.files, "_write", broken)
     writer.submit(tmp_path / "s", 2, _state(2))
     with pytest.raises(OSError, match="disk full"):
         writer.wait()

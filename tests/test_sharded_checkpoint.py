@@ -208,7 +208,7 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
     for bit (as the writing composition, rebuilt, puts it together, or as the single file
     holds it)."""
     block = 64  # half a row of the weights: a tensor-parallel rank's half rows are whole blocks
-    monkeypatch.setattr(checkpoint, "BLOCK_BYTES", block)
+    monkeypatch.setattr(checkpoint.checksums, "BLOCK_BYTES", block)
     run = tmp_path / "saved"
     trainer.run(_cfg(corpus, LAYOUTS[source]), run, stop_at=3, progress=False)
     handle, _ = trainer.load_run(run, gather=False)
@@ -228,7 +228,9 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
     for target in [t for t in others if t != source]:
         headers: list[str] = []  # the files whose header a read of the whole load opened
         name = "_safetensors_header" if source == "one" else "_colfunc_header"
-        monkeypatch.setattr(checkpoint, name, _noting(headers, getattr(checkpoint, name)))
+        monkeypatch.setattr(
+            checkpoint.sharded, name, _noting(headers, getattr(checkpoint.sharded, name))
+        )
         handle, _ = trainer.load_run(run, gather=False)
         own: dict[int, int] = {}
         reads: dict[int, int] = {}
@@ -251,7 +253,7 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
             cfg = _cfg(corpus, LAYOUTS[target])
             trainer.run(cfg, out, state=handle, stop_at=3, progress=False)
         monkeypatch.undo()
-        monkeypatch.setattr(checkpoint, "BLOCK_BYTES", block)
+        monkeypatch.setattr(checkpoint.checksums, "BLOCK_BYTES", block)
         # one reader serves the whole load: each file's header is read once, not once per
         # loading rank and again for the config
         ours = [f for f in headers if f.startswith(str(run) + "/")]
