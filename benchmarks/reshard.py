@@ -83,7 +83,7 @@ def main() -> None:
     source_pc = trainer.parallel.parse(source_cfg.parallel)
 
     def runs_cost(mesh: Any) -> float:  # the one-off cost at a run's first save
-        step_fn = trainer._make_step(source_cfg, mesh, source_pc)
+        step_fn = trainer.make_step(source_cfg, mesh, source_pc)
         model = trainer.model_module(source_cfg.model)
         described = model.init(source_cfg.model, abstract=True)
         opt_like = trainer.build_optimizer(source_cfg.optim, 1).init(random.as_meta(described))
@@ -93,13 +93,13 @@ def main() -> None:
 
     def partial(mesh: Any) -> tuple[int, int]:
         handle, _ = trainer.load_run(root / "run", gather=False)
-        step_fn = trainer._make_step(target_cfg, mesh, target_pc)
+        step_fn = trainer.make_step(target_cfg, mesh, target_pc)
         state = handle.resharded(step_fn, mesh, target_cfg)
         own = sum(x.nbytes for x in tree.tensors(reshard.local_pieces(state)))
         return own, sum(handle.bytes_read[mesh.rank].values())
 
     def rebuild(mesh: Any, full: Any) -> int:
-        step_fn = trainer._make_step(target_cfg, mesh, target_pc)
+        step_fn = trainer.make_step(target_cfg, mesh, target_pc)
         state = step_fn.place_state(full)
         return sum(x.nbytes for x in tree.tensors(reshard.local_pieces(state)))
 

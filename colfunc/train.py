@@ -47,11 +47,22 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, hf, optim, parallel, random, reshard, tasks, tree
-from colfunc.config import OptimConfig, RunConfig, model_module
-from colfunc.sharding import Mesh, RankFailedError, comm, launch
-from colfunc.step import StateLayout, TrainState, full_state, train_step
-from colfunc.transforms.local import local_piece, rewrap
+from colfunc import hf, parallel, tasks, tree
+from colfunc.config import RunConfig, model_module
+from colfunc.resume import (
+    CHECKPOINT,
+    CHECKPOINTS,
+    METRICS,
+    ShardedRun,
+    build_optimizer,
+    checkpoint_path,
+    load_run,
+    make_step,
+    single_layout,
+)
+from colfunc.saving import Saver, max_over_ranks
+from colfunc.sharding import Mesh, launch
+from colfunc.step import TrainState, train_step
 
 __all__ = [
     "CHECKPOINT",
@@ -65,9 +76,6 @@ __all__ = [
     "run",
 ]
 
-CHECKPOINTS = "checkpoints"  # the run's store
-CHECKPOINT = "checkpoint"  # the one folder that runs kept before the store
-METRICS = "metrics.jsonl"
 PLOT = "loss.png"
 
 
@@ -77,215 +85,6 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, step: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
         self.signum, self.step = signum, step
-
-
-def checkpoint_path(run: str | Path) -> Path | None:
-    """The checkpoint a run folder resumes from: its store's latest (or its one ``checkpoint/``
-    folder, from before the store); ``run`` may also be a store or a checkpoint folder. None
-    when there is none."""
-    path = Path(run)
-    if (path / checkpoint.META).is_file():
-        return path
-    for store in (path / CHECKPOINTS, path):
-        found = checkpoint.latest(store)
-        if found is not None:
-            return found
-    legacy = path / CHECKPOINT
-    return legacy if legacy.is_dir() else None
-
-
-def _make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
-    """The run's step on this rank: its loss and optimizer, composed as ``parallel`` says."""
-    model = model_module(cfg.model)
-    # the loop never looks at a state again once it is stepped: let the step reuse its buffers
-    step_fn = train_step(
-        model.loss(cfg.model), build_optimizer(cfg.optim, cfg.train.steps), donate=True
-    )
-    if pc is not None and mesh is not None:
-        step_fn = parallel.build(step_fn, mesh, pc, parallel.model_plan(model, pc))
-    return step_fn
-
-
-def _layout_key(cfg: RunConfig) -> Any:
-    """What decides how a parallel run lays out its state (not how it launches)."""
-    return {k: v for k, v in cfg.parallel.items() if k not in ("backend", "timeout")}
-
-
-def _fresh_layout(step_fn: Any, cfg: RunConfig) -> TrainState:
-    """A new state of ``step_fn`` on this rank, for its layout only: abstract parameters made
-    as zeros (a load replaces every value, so the model's random initialisation would be
-    work thrown away), each rank making its own pieces; a pipeline cuts made ones."""
-    model = model_module(cfg.model)
-    described = tree.map(
-        lambda x: (
-            random.abstract(x.shape, functools.partial(random.zeros, x.shape, x.dtype), x.dtype)
-            if isinstance(x, random.Abstract)
-            else x
-        ),
-        model.init(cfg.model, seed=cfg.train.seed, abstract=True),
-    )
-    if cfg.parallel.get("pipeline"):
-        described = random.materialize(described)
-    return step_fn.init(described)
-
-
-def _layout_pieces(step_fn: Any, cfg: RunConfig) -> dict[str, reshard.Piece]:
-    """Which global elements each of this rank's tensors holds under ``step_fn``'s layout."""
-    described = model_module(cfg.model).init(cfg.model, seed=cfg.train.seed, abstract=True)
-    opt_like = build_optimizer(cfg.optim, cfg.train.steps).init(random.as_meta(described))
-    return reshard.element_runs(step_fn, described, opt_like)
-
-
-class ShardedRun:
-    """A sharded checkpoint (one file per rank) and the run config that wrote it: each rank
-    of the same layout reads its own file (:meth:`local`); any other layout, one device
-    included, reads on each rank just the slices of the files that hold its own pieces
-    (:meth:`resharded`, through the index's table of which file holds which elements).
-    Checkpoints written before that table load through :meth:`full`, which rebuilds the
-    writing composition in this process (threads) to put the pieces back together."""
-
-    def __init__(
-        self, path: Path, cfg: RunConfig, info: dict[str, Any], reader: checkpoint.ShardReader
-    ) -> None:
-        self.path, self.config, self.info = path, cfg, info
-        self.step = int(info["step"])
-        self.mesh_shape = dict(info["mesh"])
-        self.reader = reader  # the index and headers, read once for every loading rank
-        self.partial = bool(reader.tensors)
-        self.bytes_read: dict[int, dict[int, int]] = {}  # loading rank -> file rank -> bytes
-
-    def resharded(self, step_fn: Any, mesh: Mesh | None, cfg: RunConfig) -> TrainState:
-        """This rank's state under ``step_fn``'s layout (any composition, mesh or world size;
-        ``mesh`` None for one device), reading from each file only the blocks that hold the
-        elements of this rank's pieces."""
-        pieces = _layout_pieces(step_fn, cfg)
-        fresh = _fresh_layout(step_fn, cfg)
-        reader = self.reader.with_own_counts()
-        state = reshard.read_local(reader, fresh, pieces)
-        self.bytes_read[0 if mesh is None else mesh.rank] = dict(reader.bytes_read)
-        return state
-
-    def same_layout(self, cfg: RunConfig, pc: Any) -> bool:
-        return (
-            pc is not None
-            and pc.mesh_shape == self.mesh_shape
-            and _layout_key(cfg) == _layout_key(self.config)
-        )
-
-    def local(self, step_fn: Any, mesh: Mesh, cfg: RunConfig) -> TrainState:
-        """This rank's state, as the writing rank held it, under the same composition."""
-        saved, _ = checkpoint.load_shard(self.path, mesh.rank)
-        fresh = _fresh_layout(step_fn, cfg)
-        where = f"{self.path / checkpoint.shard_name(mesh.rank)}"
-
-        def fill(fresh_part: Any, saved_part: Any, what: str) -> Any:
-            flat, treedef = tree.flatten_with_paths(fresh_part)
-            have = dict(tree.flatten_with_paths(saved_part)[0])
-            out = []
-            for path, x in flat:
-                if path not in have:
-                    raise checkpoint.CheckpointError(f"{where} has no {what} {path!r}")
-                y = have[path]
-                if not isinstance(x, torch.Tensor):
-                    out.append(y)
-                    continue
-                mine = local_piece(x)
-                if not isinstance(y, torch.Tensor) or (tuple(y.shape), y.dtype) != (
-                    tuple(mine.shape),
-                    mine.dtype,
-                ):
-                    got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y)
-                    raise checkpoint.CheckpointError(
-                        f"{where}: {what} {path!r} is {got}, but this rank's layout holds "
-                        f"{(tuple(mine.shape), mine.dtype)}"
-                    )
-                out.append(rewrap(x, reshard.laid_out_as(y, mine)))
-            return tree.unflatten(treedef, out)
-
-        params = fill(fresh.params, saved.params, "parameter")
-        opt_state = fill(fresh.opt_state, saved.opt_state, "optimizer state")
-        extra = {
-            **saved.extra,
-            **{k: v for k, v in fresh.extra.items() if isinstance(v, StateLayout)},
-        }
-        return TrainState(params, opt_state, saved.step, extra)
-
-    def full(self) -> TrainState:
-        """The state in the single-device layout (memory: the whole state). Each piece is read
-        once from the file that holds it; a checkpoint written before the index's table is put
-        together by the writing mesh's ranks, as threads here, and its composition."""
-        cfg = self.config
-        if self.partial:
-            return self.resharded(_make_step(cfg, None, None), None, cfg)
-        pc = parallel.parse(cfg.parallel)
-
-        def body(mesh: Mesh) -> TrainState | None:
-            local = self.local(_make_step(cfg, mesh, pc), mesh, cfg)
-            full = _single_layout(local)
-            return full if mesh.rank == 0 else None
-
-        try:
-            out = launch(body, mesh=self.mesh_shape, backend="threads", timeout=pc.timeout)[0]
-        except RankFailedError as e:  # a damaged file: the error that names it
-            if isinstance(e.__cause__, checkpoint.CheckpointError):
-                raise e.__cause__ from None
-            raise
-        assert out is not None
-        return out
-
-
-def _single_layout(state: TrainState) -> TrainState:
-    """``full_state`` without the transforms' own entries of extra (made afresh on resuming);
-    a collective under a mesh."""
-    full = full_state(state)
-    kept = {k: v for k, v in full.extra.items() if not isinstance(v, StateLayout)}
-    return TrainState(full.params, full.opt_state, full.step, kept)
-
-
-def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
-    """``(state, config)`` of the run folder ``run`` (or of a checkpoint folder itself), the
-    state in the single-device layout. ``gather=False`` returns the checkpoint as a
-    :class:`ShardedRun` instead, read by :func:`run` on each rank: its own file under the same
-    layout, or only the slices that hold its own pieces under any other (a single-device
-    checkpoint too)."""
-    path = checkpoint_path(run)
-    if path is None:
-        if Path(run, METRICS).is_file():
-            raise checkpoint.CheckpointError(
-                f"run folder {str(run)!r} has no checkpoint yet: it stopped before its first "
-                f"save (set train.save_every to save as it goes); remove the folder to start "
-                f"it again"
-            )
-        raise checkpoint.CheckpointError(
-            f"{str(run)!r} is not a run folder or a checkpoint: it has no {CHECKPOINTS}/"
-        )
-    info = checkpoint.sharded_meta(path)
-    if info is not None:
-        reader = checkpoint.ShardReader(path)
-        cfg = reader.config  # (the index's, no tensor read)
-        if not isinstance(cfg, RunConfig):
-            raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
-        handle = ShardedRun(path, cfg, info, reader)
-        return (handle if not gather else handle.full()), cfg
-    if not gather:  # one file: each rank of any layout reads the slices of its own pieces
-        reader = checkpoint.ShardReader(path)
-        cfg = reader.config
-        if isinstance(cfg, RunConfig) and reader.tensors:
-            step, _ = reader.step_and_extra()
-            return ShardedRun(path, cfg, {"step": step, "mesh": {}}, reader), cfg
-    state, cfg = checkpoint.load(path)
-    if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
-        raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
-    return state, cfg
-
-
-def build_optimizer(cfg: OptimConfig, steps: int) -> optim.GradientTransformation:
-    """AdamW under warmup + cosine decay over ``steps`` updates, after global-norm clipping."""
-    lr = optim.warmup_cosine(cfg.lr, min(cfg.warmup_steps, steps), steps, final_lr=cfg.final_lr)
-    adamw = optim.adamw(lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.clip_norm == 0:
-        return adamw
-    return optim.chain(optim.clip_by_global_norm(cfg.clip_norm), adamw)
 
 
 @torch.no_grad()
@@ -319,14 +118,6 @@ def plot(
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-
-
-def _max_over_ranks(value: int, mesh: Mesh | None) -> int:
-    """The largest ``value`` of all ranks (a collective over every axis under a mesh)."""
-    if mesh is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    return int(comm.all_reduce(t, tuple(mesh.axis_names), "max", mesh)[0])
 
 
 class _Signals:
@@ -365,7 +156,7 @@ class _Signals:
     def agreed(cls, mesh: Mesh | None) -> int:
         """The signal every rank stops on (0: go on); a collective under a mesh, so that all
         ranks stop after the same step."""
-        return _max_over_ranks(cls.caught, mesh)
+        return max_over_ranks(cls.caught, mesh)
 
 
 def _check_finite(loss: torch.Tensor, step: int, last_saved: int | None) -> None:
@@ -547,7 +338,7 @@ def _train(
     tokens_per_step = task.per_step
     model = model_module(cfg.model)
     loss_fn = model.loss(cfg.model)
-    step_fn = _make_step(cfg, mesh, pc)
+    step_fn = make_step(cfg, mesh, pc)
     params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
     if isinstance(state, ShardedRun):
         if mesh is not None and state.same_layout(cfg, pc):  # this rank's own file, no other
@@ -570,7 +361,7 @@ def _train(
 
     def saved(state: TrainState) -> TrainState:
         # the single-device layout (a collective under a mesh)
-        return state if mesh is None else _single_layout(state)
+        return state if mesh is None else single_layout(state)
 
     log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
     state = step_fn.init(params0) if state is None else state
@@ -600,118 +391,7 @@ def _train(
     losses: list[torch.Tensor] = []
     metrics: dict[str, Any] = {}
     t_interval = time.perf_counter()
-    store = run_dir / CHECKPOINTS
-    # one device: the whole state in a background commit; under a mesh, each rank's shard
-    writer = checkpoint.AsyncWriter() if tc.async_save and mesh is None else None
-    last_saved = [state.step if state.step else None]
-    keep = tc.keep_last or None
-
-    def any_rank(flag: bool) -> bool:
-        """Whether ``flag`` holds on some rank (a collective under a mesh)."""
-        return bool(_max_over_ranks(int(flag), mesh))
-
-    def save(state: TrainState) -> None:
-        if mesh is not None:
-            return save_shards(state)
-        bad = [p for p, x in tree.flatten_with_paths(state.params)[0] if not x.isfinite().all()]
-        if bad:
-            raise ValueError(
-                f"step {state.step}: parameter {bad[0]!r} is not finite; the run stops without "
-                f"saving, so the checkpoint of step {last_saved[0]} is kept"
-            )
-        if writer is not None:
-            writer.submit(store, state.step, state, cfg, keep_last=keep)
-        else:
-            checkpoint.commit(store, state.step, state, cfg, keep_last=keep)
-        last_saved[0] = state.step
-
-    def pieces() -> dict[str, reshard.Piece]:
-        """Which global elements each of this rank's tensors holds (the layout's, found once,
-        at the first save: every rank saves at the same steps)."""
-        if not layout_pieces:
-            layout_pieces.append(_layout_pieces(step_fn, cfg))
-        return layout_pieces[0]
-
-    layout_pieces: list[dict[str, reshard.Piece]] = []
-
-    def save_shards(state: TrainState) -> None:
-        """Every rank writes its own pieces, as it holds them (no gathering), with which
-        global elements they hold; rank 0 writes the index once all have, and commits."""
-        assert mesh is not None
-        local = reshard.local_pieces(state)
-        described = pieces()
-        floats = [
-            (p, x) for p, x in tree.flatten_with_paths(local.params)[0] if x.is_floating_point()
-        ]
-        bad = [p for p, x in floats if not x.isfinite().all()]
-        if any_rank(bool(bad)):
-            raise ValueError(
-                f"step {state.step}: parameter {bad[0] if bad else '(on another rank)'!r} is not "
-                f"finite; the run stops without saving, so the checkpoint of step "
-                f"{last_saved[0]} is kept"
-            )
-        settle(wait=True)  # the one before first (a new one clears the store's temporaries)
-        fresh = checkpoint.begin_sharded(store, state.step) if lead else False
-        if not any_rank(fresh):  # (rank 0's answer: that step is committed already)
-            return
-        if tc.async_save:  # the host copy now; the file in the background; commit in settle
-            host = checkpoint.AsyncWriter.snapshot(local)
-            errors: list[BaseException] = []
-
-            def work(step: int = state.step) -> None:
-                try:
-                    checkpoint.write_shard(store, step, mesh.rank, host, described)
-                except BaseException as e:  # raised on every rank by settle
-                    errors.append(e)
-
-            thread = threading.Thread(target=work, name=f"colfunc-shard-{state.step}", daemon=True)
-            thread.start()
-            pending[:] = [(state.step, thread, errors)]
-            return
-        error: BaseException | None = None
-        try:
-            checkpoint.write_shard(store, state.step, mesh.rank, local, described)
-        except Exception as e:  # every rank must learn of it, or the others would commit
-            error = e
-        if any_rank(error is not None):
-            if lead:
-                checkpoint.abandon_sharded(store, state.step)
-            raise error or checkpoint.CheckpointError(
-                f"step {state.step}: another rank failed to write its shard; nothing was committed"
-            )
-        if lead:
-            checkpoint.finish_sharded(store, state.step, cfg, mesh_shape=mesh.shape, keep_last=keep)
-        last_saved[0] = state.step
-
-    pending: list[tuple[int, threading.Thread, list[BaseException]]] = []
-
-    def settle(wait: bool) -> None:
-        """Commit the shard written in the background once every rank has written its own (a
-        collective while one is pending: the ranks save at the same steps). ``wait``: block
-        until then; otherwise commit only if all are done already."""
-        if not pending:
-            return
-        assert mesh is not None
-        step, thread, errors = pending[0]
-        if wait:
-            thread.join()
-        if any_rank(thread.is_alive()):
-            return
-        pending.clear()
-        if any_rank(bool(errors)):
-            if lead:
-                checkpoint.abandon_sharded(store, step)
-            raise (
-                errors[0]
-                if errors
-                else checkpoint.CheckpointError(
-                    f"step {step}: another rank failed to write its shard; nothing was committed"
-                )
-            )
-        if lead:
-            checkpoint.finish_sharded(store, step, cfg, mesh_shape=mesh.shape, keep_last=keep)
-        last_saved[0] = step
-
+    saver = Saver(run_dir / CHECKPOINTS, cfg, step_fn, mesh, state.step or None)
     stopped = 0
     signals = _Signals.held()  # (a spawned rank's main thread; elsewhere run() holds them)
     signals.__enter__()
@@ -727,12 +407,12 @@ def _train(
                 in_step[0] = True
                 state, metrics = step_fn(state, batch)
                 in_step[0] = False
-                _check_finite(metrics["loss"], state.step, last_saved[0])
+                _check_finite(metrics["loss"], state.step, saver.last_saved)
                 losses.append(metrics["loss"])
                 bar.update(1)
                 s = state.step
                 stopped = _Signals.agreed(mesh)
-                settle(wait=False)
+                saver.settle(wait=False)
                 if not (s % tc.log_every and s % tc.eval_every and s != stop) or stopped:
                     seconds = time.perf_counter() - t_interval
                     record = _interval_record(s, metrics, losses, tokens_per_step, seconds)
@@ -751,7 +431,7 @@ def _train(
                 if stopped:
                     break
                 if tc.save_every and s % tc.save_every == 0 and s != stop:
-                    save(state)
+                    saver.save(state)
         except KeyboardInterrupt:
             # raised by code, not a signal (those are held): outside a step the state is the
             # last complete step's, and one device stops on it as on Ctrl-C; inside a step the
@@ -763,18 +443,12 @@ def _train(
                 seconds = time.perf_counter() - t_interval
                 log.emit(_interval_record(state.step, metrics, losses, tokens_per_step, seconds))
         bar.close()  # before the messages below, so the bar does not redraw over them
-        save(state)
-        settle(wait=True)
-        if writer is not None:
-            writer.wait()
+        saver.save(state)
+        saver.finish()
     finally:
         signals.__exit__(None, None, None)
-        for _, thread, _ in pending:  # an error on its way out: let the write end, uncommitted
-            thread.join()
+        saver.close()  # an error on its way out: let a write end, uncommitted
         bar.close()
-        if writer is not None:
-            with contextlib.suppress(Exception):  # an error already on its way out wins
-                writer.wait()
         if log is not None:
             log.close()
 

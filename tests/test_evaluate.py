@@ -13,8 +13,7 @@ import torch
 from hypothesis import given, settings
 
 import colfunc as cf
-from colfunc import models, optim, parallel
-from colfunc import train as trainer
+from colfunc import models, optim, parallel, resume
 from colfunc.sharding.ledger import ring_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -94,13 +93,13 @@ def test_parallel_train_validates_without_gathering_the_model(tmp_path, monkeypa
     """``colfunc train`` under a mesh: the validation runs ``step.evaluate`` on every rank, and
     the only full_state gathers left are the checkpoint's."""
     calls: list[int] = []
-    real = trainer.full_state
+    real = resume.full_state
 
     def counted(state):
         calls.append(1)
         return real(state)
 
-    monkeypatch.setattr(trainer, "full_state", counted)
+    monkeypatch.setattr(resume, "full_state", counted)
     evaluated: list[float] = []
     real_eval = cf.Step.evaluate
 

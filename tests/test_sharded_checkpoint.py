@@ -14,7 +14,7 @@ import hypothesis.strategies as hst
 import pytest
 import torch
 
-from colfunc import checkpoint, config, reshard, tree
+from colfunc import checkpoint, config, reshard, resume, tree
 from colfunc import train as trainer
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -138,7 +138,7 @@ def test_the_same_layout_reads_only_its_own_file_and_saves_without_gathering(
     def no_gathering(*args: Any) -> Any:
         raise AssertionError("the state was gathered")
 
-    monkeypatch.setattr(trainer, "full_state", no_gathering)
+    monkeypatch.setattr(resume, "full_state", no_gathering)
     split = tmp_path / "split"
     trainer.run(cfg, split, stop_at=3, progress=False)
     handle, _ = trainer.load_run(split, gather=False)
@@ -246,7 +246,7 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
         out = tmp_path / target
         out.mkdir()
         with monkeypatch.context() as m:
-            m.setattr(trainer, "full_state", no_gathering)
+            m.setattr(resume, "full_state", no_gathering)
             m.setattr(trainer.ShardedRun, "local", no_gathering)
             m.setattr(trainer.ShardedRun, "resharded", resharded)
             m.setattr(checkpoint.ShardReader, "read", _counting(reads))
