@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import colfunc as cf
 from colfunc import core, optim, torch_private
 from colfunc.transforms import buckets as buckets_module
+from colfunc.transforms import grad_layout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -197,7 +198,7 @@ def test_buffers_are_kept_between_steps_but_never_written_over_while_held() -> N
 
 
 def test_buffer_pool_hands_out_a_buffer_only_when_nothing_refers_to_it() -> None:
-    pool = buckets_module.BufferPool()
+    pool = grad_layout.BufferPool()
     a = pool.empty("k", 16, torch.float32, torch.device("cpu"))
     ptr = a.data_ptr()
     b = pool.empty("k", 16, torch.float32, torch.device("cpu"))
@@ -213,7 +214,7 @@ def test_buffer_pool_hands_out_a_buffer_only_when_nothing_refers_to_it() -> None
 
 
 def test_buffer_pool_keeps_the_views_it_built_and_they_do_not_hold_the_buffer() -> None:
-    pool = buckets_module.BufferPool()
+    pool = grad_layout.BufferPool()
     cpu = torch.device("cpu")
     specs = [(torch.float32, cpu, 12), (torch.float64, cpu, 4)]
     built: list[int] = []
@@ -278,12 +279,12 @@ def test_a_cpu_buffer_within_one_bucket_is_reduced_in_one_call() -> None:
     larger than one bucket; a CPU buffer that fits in one bucket is reduced in one call per
     dtype, at the end of the backward pass (a collective there shares the cores with it)."""
     cpu, gpu, mb = torch.device("cpu"), torch.device("cuda"), 2**20
-    first = buckets_module.FIRST_BUCKET_BYTES
-    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 3 * mb) == 25 * mb
-    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 25 * mb) == 25 * mb
-    assert buckets_module.first_bucket_bytes(cpu, 25 * mb, 43 * mb) == first
-    assert buckets_module.first_bucket_bytes(gpu, 25 * mb, 3 * mb) == first
-    assert buckets_module.first_bucket_bytes(cpu, mb // 2, 3 * mb) == mb // 2
+    first = grad_layout.FIRST_BUCKET_BYTES
+    assert grad_layout.first_bucket_bytes(cpu, 25 * mb, 3 * mb) == 25 * mb
+    assert grad_layout.first_bucket_bytes(cpu, 25 * mb, 25 * mb) == 25 * mb
+    assert grad_layout.first_bucket_bytes(cpu, 25 * mb, 43 * mb) == first
+    assert grad_layout.first_bucket_bytes(gpu, 25 * mb, 3 * mb) == first
+    assert grad_layout.first_bucket_bytes(cpu, mb // 2, 3 * mb) == mb // 2
     loss, params, batches = _toy()
     ref = cf.train_step(loss, optim.sgd(0.1))
 
@@ -294,7 +295,7 @@ def test_a_cpu_buffer_within_one_bucket_is_reduced_in_one_call() -> None:
     with pytest.MonkeyPatch.context() as mp:
         started = _spy_on_buckets(mp)
         # a first bucket smaller than one layer of the toy: it would cut one off on its own
-        mp.setattr(buckets_module, "FIRST_BUCKET_BYTES", 64)
+        mp.setattr(grad_layout, "FIRST_BUCKET_BYTES", 64)
         cf.launch(main, mesh={"dp": 2})
     for rank in (0, 1):  # one fp32 and one fp64 buffer, each whole, per step
         dtypes = [x.dtype for x in started[rank]]

@@ -33,8 +33,9 @@ from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_f
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms import grid
-from colfunc.transforms.buckets import BufferPool, GradBuckets, all_reduce_tree, finish_buckets
+from colfunc.transforms.buckets import GradBuckets, all_reduce_tree, finish_buckets
 from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.grad_layout import BufferPool
 from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
     LONG_MODES,
@@ -140,7 +141,7 @@ def matmul_order(params: PyTree) -> PyTree:
     forward and backward take 0.975x the time column-major for ``512 -> 128``, but 1.03x for
     ``128 -> 512`` and 1.0x for ``128 -> 128``: so only the narrowing weights are reordered. The
     gradient buckets lay each row out as its parameter's
-    (:func:`colfunc.transforms.buckets.row_strides`), and the fused AdamW takes parameter,
+    (:func:`colfunc.transforms.grad_layout.row_strides`), and the fused AdamW takes parameter,
     gradient and moments row by row in that order, so no pass transposes anything.
     """
     if not isinstance(params, dict) or not isinstance(params.get("blocks"), dict | list | tuple):

@@ -38,7 +38,6 @@ from colfunc.random import Abstract
 from colfunc.sharding import Mesh, comm, current_mesh
 from colfunc.step import Step, TrainState
 from colfunc.transforms.buckets import (
-    BufferPool,
     GradBuckets,
     PackedBuckets,
     all_reduce_tree,
@@ -57,6 +56,7 @@ from colfunc.transforms.chunks import (
     whole,
 )
 from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.grad_layout import BufferPool
 from colfunc.transforms.layer_gather import LayerGather
 from colfunc.transforms.local import axes_reduction, in_placement, local_piece, sharded_axes
 
