@@ -115,3 +115,9 @@ def test_no_folder_on_the_import_path_shadows_pypi_kernels() -> None:
         str(f / name) for f in folders for name in ("kernels.py", "kernels") if (f / name).exists()
     ]
     assert shadows == []
+
+
+def test_no_source_file_is_over_600_lines() -> None:
+    """Files with one job each: 500 lines is the signal to split, 600 the limit."""
+    long = {str(p.relative_to(ROOT)): n for p in SOURCES if (n := len(_text(p).splitlines())) > 600}
+    assert long == {}, f"split these by job: {long}"

@@ -43,7 +43,7 @@ frame                 pushed by                                    read by      
                                                                    :func:`positions`
 ``GridLinear``        ``shard(tensor_mode="2d"`` and ``"2.5d"``,     ``nn.linear`` (a ``LinearInterceptor``:      call
                       ``"3d"``)                                    the mode's matmul on the grid)
-``_Streaming``        ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
+``Streaming``         ``offload``'s forward(-backward)             :func:`scan_layers` (an interceptor: fetch   call
                                                                    each layer's chunks)
 ``DryRun``            :func:`colfunc.memory.predict`               ``offload`` (its state, pool and update:     call
                                                                    meta tensors, no kernels)

@@ -1,0 +1,223 @@
+"""An offloaded step's state on one rank: its chunks in host memory, the device pool that
+holds what is fetched or homed, and the gradients written home (see :mod:`colfunc.transforms.offload`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from colfunc import core, tree
+from colfunc.memory.chunks import ChunkLayout
+from colfunc.memory.placement import device_budget
+from colfunc.memory.pool import DevicePool, Mirror
+from colfunc.sharding import Mesh, current_mesh
+from colfunc.transforms.local import (
+    rewrap,
+)
+
+if TYPE_CHECKING:
+    from colfunc.transforms.offload.transform import OffloadConfig
+
+    pass
+
+PyTree = Any
+
+
+def pool_device() -> torch.device:
+    """The device the pool stands for: the GPU, else the CPU (meta in a dry run)."""
+    if core.innermost(core.DryRun) is not None:
+        return torch.device("meta")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def host_device() -> torch.device:
+    """Where host-homed chunks live: the CPU (meta in a dry run)."""
+    return torch.device("meta") if core.innermost(core.DryRun) is not None else torch.device("cpu")
+
+
+def _first_fraction(sizes: list[int], fraction: float) -> set[int]:
+    """The leading indices of ``sizes`` whose total is at most ``fraction`` of the sum."""
+    total, out, acc = sum(sizes), set(), 0
+    for i, s in enumerate(sizes):
+        if acc + s > fraction * total + 1e-9 * total:
+            break
+        acc += s
+        out.add(i)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """The data parallelism beneath an offloaded step (see the module docs)."""
+
+    bound: Mesh | None  # the mesh shard bound (None: the current mesh, inside cf.launch)
+    split: str | None  # the axis shard splits the batch over (None: every rank the whole batch)
+    axis: str  # the axis the gradients are averaged over
+    stage: int | None  # the zero stage beneath (None: data-parallel shard alone)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.bound if self.bound is not None else current_mesh()
+
+    @property
+    def cuts_optimizer(self) -> bool:
+        """ZeRO stages 1-2: whole parameters, optimizer states in chunks by rank."""
+        return self.stage in (1, 2)
+
+
+class OffloadState:
+    """``state.extra["offload"]``: the chunks, where each lives, the host gradient buffers and
+    the device pool. A :class:`~colfunc.step.StateLayout`: gathering writes the device-homed
+    chunks back to their host rows."""
+
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        params: PyTree,
+        layout: ChunkLayout,
+        compute: torch.dtype | None = None,
+    ) -> None:
+        self.cfg, self.layout = cfg, layout
+        self.device = pool_device()
+        real = torch.device("cpu") if self.device.type == "meta" else self.device
+        self.budget = device_budget(cfg.device_budget, real)
+        flat, self.treedef = tree.flatten_with_paths(params)
+        self.dtypes = [x.dtype for _, x in flat]  # the masters' (amp computes on copies)
+        # the "device" policy's in-memory step makes its own gradients
+        host = cfg.policy != "device"
+        self.grads = [torch.zeros_like(x, device=host_device()) for _, x in flat] if host else []
+        if self.device.type == "cuda":
+            self.grads = [g.pin_memory() for g in self.grads]
+        sizes = [c.nbytes for c in layout.chunks]
+        homed = (
+            _first_fraction(sizes, 1.0 - cfg.optim_fraction) if cfg.policy == "static" else set()
+        )
+        pinned = (
+            _first_fraction(sizes, 1.0 - cfg.params_fraction) if cfg.policy == "static" else set()
+        )
+        self.to_home: set[int] = homed  # chunks to keep on the device (mirrors made on first use)
+        self.pool = DevicePool(
+            layout,
+            self.device,
+            self.budget,
+            streaming=cfg.policy != "auto",
+            prefetch=cfg.prefetch,
+            pinned=frozenset(pinned - homed),
+            compute=compute,
+        )
+        self.block_leaves = [k for k, s in enumerate(layout.stacked) if s]
+        # tensor parallel: each leaf's ShardedTensor (meta) the local piece in host memory is
+        # of (None: a plain tensor); whether the optimizer states are shaped like the pieces
+        self.templates: list[Any] = [None] * len(flat)
+        self.states_like_params = True
+        self._host: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._written: set[tuple[int, int]] = set()  # (chunk, piece) gradients written this step
+        self._needs_moments: set[int] = set()
+
+    # --- StateLayout --------------------------------------------------------------------
+    def sync_host(self) -> None:
+        """Copy every device-homed chunk's parameters and moments back to its host rows."""
+        if self._host is None:
+            return
+        with DevicePool.host(), torch.no_grad():
+            for c, m in self.pool.mirrors.items():
+                for p in self.layout.chunks[c].pieces:
+                    for host, flat in zip(self._host, (m.param, m.exp_avg, m.exp_avg_sq)):
+                        self._row(host, p).copy_(flat[p.offset : p.offset + p.numel].view(p.shape))
+
+    def wrap(self, pieces: PyTree) -> PyTree:
+        """A tree of local pieces (shaped like the parameters) as the tensor-parallel tensors
+        they are pieces of."""
+        if not any(t is not None for t in self.templates):
+            return pieces
+        leaves = tree.leaves(pieces)
+        wrapped = [x if t is None else rewrap(t, x) for t, x in zip(self.templates, leaves)]
+        return tree.unflatten(self.treedef, wrapped)
+
+    def gather_params(self, params: PyTree) -> PyTree:
+        self.sync_host()
+        return self.wrap(params)
+
+    def gather_opt(self, states: PyTree) -> PyTree:
+        self.sync_host()
+        return self.wrap(states) if self.states_like_params else states
+
+    def place_opt(self, states: PyTree) -> PyTree:
+        return states  # host rows are the layout; mirrors are made from them on first use
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers this state owns (host gradients, device mirrors): pass them to
+        :func:`colfunc.memory.track` as pre-existing to measure what a step allocates."""
+        return self.grads + [t for m in self.pool.mirrors.values() for t in m.tensors()]
+
+    # --- chunks ---------------------------------------------------------------------------
+    @staticmethod
+    def _row(leaves: list[torch.Tensor], piece: Any) -> torch.Tensor:
+        x = leaves[piece.leaf]
+        return x if piece.row is None else x[piece.row]
+
+    def make_mirrors(self, leaves: list[torch.Tensor]) -> None:
+        """Device-home the chunks chosen for the device and not yet homed: parameters copied now, moments at the
+        next update (before the step's account starts, so they count as resident)."""
+        for c in sorted(self.to_home - set(self.pool.mirrors)):
+            chunk = self.layout.chunks[c]
+            master = torch.float64 if chunk.dtype == torch.float64 else torch.float32
+            m = Mirror(chunk, self.device, master)
+            with torch.no_grad():
+                for p in chunk.pieces:
+                    m.param[p.offset : p.offset + p.numel].view(p.shape).copy_(self._row(leaves, p))
+            self.pool.h2d += chunk.used * chunk.dtype.itemsize
+            self.pool.mirrors[c] = m
+            self.pool.cache.pop(c, None)
+            self._needs_moments.add(c)
+
+    def write_grad(self, c: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Layer gradients of chunk ``c`` (one per piece): to its host rows, or its mirror."""
+        chunk = self.layout.chunks[c]
+        mirror = self.pool.mirrors.get(c)
+        for j, (p, g) in enumerate(zip(chunk.pieces, grads)):
+            if g is None:
+                continue
+            first = (c, j) not in self._written
+            self._written.add((c, j))
+            if mirror is not None:
+                dst = mirror.grad[p.offset : p.offset + p.numel].view(p.shape)
+                dst.copy_(g) if first else dst.add_(g)
+                continue
+            with DevicePool.host():
+                dst = self._row(self.grads, p)
+                dst.copy_(g) if first else dst.add_(g.to(dst.device))
+            self.pool.d2h += g.numel() * g.element_size()
+
+    def zero_unwritten(self) -> None:
+        """Zero the gradients no layer wrote this step (parameters the loss did not use)."""
+        with DevicePool.host(), torch.no_grad():
+            for chunk in self.layout.chunks:
+                mirror = self.pool.mirrors.get(chunk.index)
+                for j, p in enumerate(chunk.pieces):
+                    if (chunk.index, j) in self._written:
+                        continue
+                    if mirror is not None:
+                        mirror.grad[p.offset : p.offset + p.numel].zero_()
+                    else:
+                        self._row(self.grads, p).zero_()
+        self._written.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadState(policy={self.cfg.policy!r}, budget={self.budget}, "
+            f"chunks={len(self.layout.chunks)}, device_homed={len(self.pool.mirrors)})"
+        )
+
+
+def offload_state(extra: dict[str, Any]) -> OffloadState:
+    state = extra.get("offload")
+    if not isinstance(state, OffloadState):
+        raise ValueError(
+            "offload: the state has no 'offload' entry; make it with this step's init (step.init)"
+        )
+    return state
