@@ -280,10 +280,13 @@ class Step:
         entries = [e for e in fresh.extra.values() if isinstance(e, StateLayout)]  # innermost first
 
         def place(states: PyTree) -> PyTree:
-            placed = self.layout(states)
+            # states of part of the parameters (an optimizer over a subset of them) are laid
+            # out as the whole tree would be, then taken back out of it
+            whole = tree.structure(states) == tree.structure(full.params)
+            placed = self.layout(states if whole else tree.merge(full.params, states))
             for entry in entries:
                 placed = entry.place_opt(placed)
-            return placed
+            return placed if whole else tree.subset(placed, set(tree.paths(states)).__contains__)
 
         opt_state = tree.map_subtrees(place, full.opt_state, full.params)
         want = [(p, _shape(x)) for p, x in tree.flatten_with_paths(fresh.opt_state)[0]]

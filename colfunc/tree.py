@@ -32,10 +32,12 @@ __all__ = [
     "map",
     "map_with_path",
     "match",
+    "merge",
     "paths",
     "select",
     "size_bytes",
     "structure",
+    "subset",
     "tensors",
     "unflatten",
 ]
@@ -162,12 +164,21 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
 
 
 def map_subtrees(fn: Callable[[PyTree], PyTree], tree: PyTree, like: PyTree) -> PyTree:
-    """``tree`` with every subtree shaped like ``like`` (the same structure) replaced by
-    ``fn(subtree)``; e.g. the moments of an optimizer state, which mirror the parameters."""
+    """``tree`` with every subtree shaped like ``like`` replaced by ``fn(subtree)``; e.g. the
+    moments of an optimizer state, which mirror the parameters. A subtree is shaped like
+    ``like`` when it has the same structure, or when it is a dict holding some of ``like``'s
+    leaves at their paths (:func:`subset`: an optimizer over part of the parameters, as
+    ``optim.multi_transform`` makes); ``fn`` then receives that part."""
     spec = structure(like)
+    known = set(paths(like))
 
     def shaped(node: Any) -> bool:
-        return structure(node) == spec
+        if structure(node) == spec:
+            return True
+        if type(node) is not dict or not node:
+            return False
+        inside = paths(node)
+        return bool(inside) and known.issuperset(inside)
 
     return optree.tree_map(
         lambda node: fn(node) if shaped(node) else node,
@@ -195,3 +206,55 @@ def tensors(tree: PyTree) -> list[torch.Tensor]:
 def size_bytes(tree: PyTree) -> int:
     """Total bytes of the tensor leaves."""
     return sum(x.numel() * x.element_size() for x in tensors(tree))
+
+
+_DROPPED = object()  # a subtree with no leaf kept
+
+
+def subset(tree: PyTree, keep: Callable[[str], bool]) -> PyTree:
+    """``tree`` with only the leaves whose dotted path ``keep`` accepts: dicts lose the entries
+    with nothing kept (an empty result is ``{}``); a list, tuple or other node is kept whole or
+    dropped whole, and a ValueError names a node of which only some leaves are kept (dropping
+    them would renumber the rest).
+
+    Example:
+        >>> subset({"a": {"w": x, "b": y}, "c": z}, lambda p: p != "a.b")
+        {'a': {'w': x}, 'c': z}
+    """
+
+    def walk(node: Any, path: str) -> Any:
+        if type(node) is dict:
+            out = {}
+            for k, v in node.items():
+                sub = walk(v, f"{path}.{k}" if path else str(k))
+                if sub is not _DROPPED:
+                    out[k] = sub
+            return out if out or not node else _DROPPED
+        flat = flatten_with_paths(node)[0]
+        if not flat:
+            return node
+        full = [f"{path}.{p}" if path and p else (path or p) for p, _ in flat]
+        kept = [keep(p) for p in full]
+        if all(kept):
+            return node
+        if not any(kept):
+            return _DROPPED
+        raise ValueError(
+            f"subset: {path!r} is a {type(node).__name__} of which only some leaves are kept "
+            f"({[p for p, k in zip(full, kept) if k][:3]}); keep all of it or none, or hold "
+            "the leaves in a dict"
+        )
+
+    out = walk(tree, "")
+    return {} if out is _DROPPED else out
+
+
+def merge(tree: PyTree, part: PyTree) -> PyTree:
+    """``tree`` with each leaf that ``part`` holds at the same path replaced by ``part``'s (the
+    inverse of :func:`subset`); a path of ``part`` that ``tree`` lacks is a ValueError."""
+    given = dict(flatten_with_paths(part)[0])
+    flat, treedef = flatten_with_paths(tree)
+    unknown = sorted(set(given) - {p for p, _ in flat})
+    if unknown:
+        raise ValueError(f"merge: {unknown[:3]} are not paths of the tree")
+    return unflatten(treedef, [given.get(p, x) for p, x in flat])

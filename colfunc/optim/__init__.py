@@ -24,6 +24,7 @@ from colfunc.optim.base import (
 )
 from colfunc.optim.clip import clip_by_global_norm, global_norm
 from colfunc.optim.learning_rates import constant, linear_warmup, warmup_cosine
+from colfunc.optim.partition import masked, multi_transform, set_to_zero
 from colfunc.optim.sgd import SgdState, sgd
 
 __all__ = [
@@ -44,6 +45,9 @@ __all__ = [
     "learning_rate",
     "learning_rates",
     "linear_warmup",
+    "masked",
+    "multi_transform",
+    "set_to_zero",
     "sgd",
     "warmup_cosine",
 ]

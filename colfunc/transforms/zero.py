@@ -77,12 +77,19 @@ class ZeroLayout:
     def gather(self, chunk: torch.Tensor, meta: Chunked) -> torch.Tensor:
         return whole(comm.all_gather(chunk, self.axis, chunk.dim() - 1, self.mesh), meta)
 
+    def metas_of(self, part: PyTree) -> PyTree:
+        """The cuts of the leaves ``part`` holds: all of them, or a subset of the parameters'
+        (an optimizer over part of them)."""
+        if tree.structure(part) == tree.structure(self.metas):
+            return self.metas
+        return tree.subset(self.metas, set(tree.paths(part)).__contains__)
+
     def gather_params(self, params: PyTree) -> PyTree:
         """Whole parameters from stage-3 chunks (a collective; identity for stages 0-2)."""
         if self.stage < 3:
             return params
         with torch.no_grad():
-            return tree.map(self.gather, params, self.metas)
+            return tree.map(self.gather, params, self.metas_of(params))
 
     def gather_chunks(self, chunks: PyTree, metas: PyTree = None) -> PyTree:
         """Whole tensors from a tree of this rank's chunks (``[L, c]`` for stacked ones, ``[c]``
@@ -108,7 +115,7 @@ class ZeroLayout:
         if self.stage == 3:
             return self.gather_params(states)
         with torch.no_grad():
-            return self.gather_chunks(states)
+            return self.gather_chunks(states, self.metas_of(states))
 
     def place_opt(self, states: PyTree) -> PyTree:
         """This rank's chunks of whole (placed) tensors shaped like the parameters: the layout of
@@ -116,7 +123,8 @@ class ZeroLayout:
         if self.stage not in (1, 2):
             return states
         n, i = self.mesh.axis_size(self.axis), self.mesh.axis_index(self.axis)
-        return tree.map(lambda x, m: cut_chunk(x, n, i, m.stacked)[0], states, self.metas)
+        metas = self.metas_of(states)
+        return tree.map(lambda x, m: cut_chunk(x, n, i, m.stacked)[0], states, metas)
 
     def __repr__(self) -> str:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"

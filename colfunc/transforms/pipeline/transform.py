@@ -129,6 +129,8 @@ class PipelineLayout:
                 return ShardedTensor(full, x.mesh, x.placements, (self.layers, *x.shape[1:]))
             return full
 
+        if "blocks" not in params:  # optimizer states of other parameters only
+            return params
         with torch.no_grad():
             return {**params, "blocks": tree.map(gather, params["blocks"])}
 
