@@ -55,7 +55,15 @@ from colfunc.optim.clip import global_norm, known_norm
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["StateLayout", "Step", "TrainState", "check_loss", "full_state", "train_step"]
+__all__ = [
+    "StateLayout",
+    "Step",
+    "TrainState",
+    "Trainable",
+    "check_loss",
+    "full_state",
+    "train_step",
+]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], torch.Tensor]
@@ -113,13 +121,18 @@ def _forward(loss_fn: LossFn) -> Forward:
     return forward
 
 
-def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
+def _forward_backward(loss_fn: LossFn, trainable: Trainable | None = None) -> ForwardBackward:
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         flat, treedef = tree.flatten_with_paths(params)
         # Fresh leaves that share storage with the caller's tensors: the caller's are untouched.
-        leaves = [x.detach().requires_grad_(x.is_floating_point()) for _, x in flat]
+        leaves = [
+            x.detach().requires_grad_(
+                x.is_floating_point() and (trainable is None or trainable(path))
+            )
+            for path, x in flat
+        ]
         taps = core.innermost(core.LayerGrads)
         if taps is not None:  # a frame that takes each scanned layer's gradients as they come
             taps.track({path: x for (path, _), x in zip(flat, leaves)})
@@ -129,8 +142,16 @@ def _forward_backward(loss_fn: LossFn) -> ForwardBackward:
             diff = [x for x in leaves if x.requires_grad]
             scale = core.loss_scale()
             target = loss if scale == 1.0 else loss * scale
-            grads_diff = torch.autograd.grad(target, diff, allow_unused=True)
+            grads_diff = torch.autograd.grad(target, diff, allow_unused=True) if diff else ()
         it = iter(grads_diff)
+        if trainable is not None:  # the trainable leaves' gradients only (frozen: none at all)
+            by_path: dict[str, torch.Tensor] = {}
+            for (path, _), x in zip(flat, leaves):
+                if x.requires_grad:
+                    got = next(it)
+                    by_path[path] = torch.zeros_like(x) if got is None else got
+            part = tree.subset(params, by_path.__contains__)
+            return loss.detach(), tree.map_with_path(lambda path, _: by_path[path], part)
         grads = []
         for x in leaves:
             g = next(it) if x.requires_grad else None
@@ -175,6 +196,59 @@ def _update(optimizer: GradientTransformation, donate: bool) -> Update:
         return state._replace(params=params, opt_state=opt_state), info
 
     return update
+
+
+def _update_part(inner: Update) -> Update:
+    """``inner`` on the parameters that have gradients (the trainable ones): the frozen ones are
+    handed back as they are, never seen by the optimizer."""
+
+    def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        part = tree.subset(state.params, set(tree.paths(grads)).__contains__)
+        new, info = inner(grads, state._replace(params=part))
+        return new._replace(params=tree.merge(state.params, new.params)), info
+
+    return update
+
+
+class Trainable:
+    """Which parameters a step trains, by dotted path: a pattern, a list of patterns (any
+    matching) or a predicate on paths (:func:`train_step`'s ``trainable``). Only floating
+    leaves train; every other leaf is frozen: no gradient, no optimizer state, no update."""
+
+    def __init__(self, spec: Any) -> None:
+        from colfunc.optim.partition import path_predicate
+
+        if isinstance(spec, (dict, tuple)) or (isinstance(spec, list) and not spec):
+            raise TypeError(
+                f"train_step: trainable must be a path pattern, a list of them or a predicate "
+                f"on dotted paths, got {spec!r}"
+            )
+        keep = path_predicate("train_step: trainable", spec)
+        assert keep is not None  # (a pytree of bools was refused above)
+        self.spec, self.keep = spec, keep
+
+    def __call__(self, path: str) -> bool:
+        return self.keep(path)
+
+    def part(self, params: PyTree) -> PyTree:
+        """The trainable leaves of ``params`` (floating ones the spec selects)."""
+        floats = {
+            p
+            for p, x in tree.flatten_with_paths(params)[0]
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and self.keep(p)
+        }
+        return tree.subset(params, floats.__contains__)
+
+    def check(self, params: PyTree) -> None:
+        """Refuse a spec that selects no floating parameter, naming it and the paths."""
+        if not tree.paths(self.part(params)):
+            raise ValueError(
+                f"train_step: trainable={self.spec!r} selects none of the floating parameters; "
+                f"their paths look like {tree.paths(params)[:4]}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Trainable({self.spec!r})"
 
 
 def _storage(x: torch.Tensor) -> int:
@@ -234,6 +308,13 @@ class Step:
     overlap_update: bool = False
     base: Step | None = None  # the plain step the transforms were applied to (None: this one)
     composition: Composition | None = None  # the transforms applied to ``base``
+    # the parameters it trains (None: every floating leaf); see :func:`train_step`
+    trainable: Trainable | None = None
+
+    def trainable_part(self, t: PyTree) -> PyTree:
+        """The leaves of ``t`` (shaped like the parameters, or like their pieces) that this
+        step trains: ``t`` itself when it trains every leaf."""
+        return t if self.trainable is None else self.trainable.part(t)
 
     def replace(self, **pieces: Any) -> Step:
         """A new step with some pieces swapped (the way transforms are written). It runs its
@@ -334,7 +415,13 @@ class Step:
             return {"loss": self.forward(state.params, batch, state.extra)}
 
 
-def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bool = False) -> Step:
+def train_step(
+    loss_fn: LossFn,
+    optimizer: GradientTransformation,
+    *,
+    donate: bool = False,
+    trainable: Any = None,
+) -> Step:
     """The single-device training step for ``loss_fn(params, batch) -> scalar``.
 
     ``donate=True`` lets the step reuse the buffers of the state passed in for the new state
@@ -342,10 +429,18 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bo
     of on copies, which saves three passes over the model per step. The state passed in must
     then not be used again; ``state, metrics = step(state, batch)`` is the intended use.
 
+    ``trainable`` (a path pattern, a list of them, or a predicate on dotted paths; None: every
+    floating leaf) names the parameters to train. The others are frozen: they are placed,
+    sharded and gathered like any parameter, but get no gradient (``requires_grad`` off, so
+    no gradient buffer and no data-parallel reduction), no optimizer state and no update; they
+    come out of every step bit-identical. The gradients the step's pieces pass on hold the
+    trainable leaves only.
+
     Example:
         >>> step = cf.train_step(models.gpt.loss(cfg), optim.adamw(3e-4))
         >>> state = step.init(params)
         >>> state, metrics = step(state, batch)
+        >>> head_only = cf.train_step(loss_fn, optim.adamw(1e-3), trainable="head.*")
     """
     if not callable(loss_fn):
         raise TypeError(f"train_step: loss_fn must be callable, got {loss_fn!r}")
@@ -354,18 +449,29 @@ def train_step(loss_fn: LossFn, optimizer: GradientTransformation, *, donate: bo
             f"train_step: optimizer must be a colfunc.optim GradientTransformation (e.g. "
             f"optim.adamw(3e-4)), got {optimizer!r}"
         )
+    keep = Trainable(trainable) if trainable is not None else None
+    update = _update(optimizer, donate)
+    init_opt = optimizer.init
+    if keep is not None:
+        update = _update_part(update)
+
+        def init_opt(placed: PyTree) -> PyTree:
+            keep.check(placed)
+            return optimizer.init(keep.part(placed))
+
     return Step(
         loss_fn=loss_fn,
         optimizer=optimizer,
         layout=_identity,
-        init_opt=optimizer.init,
+        init_opt=init_opt,
         init_extra=_no_extra,
         forward=_forward(loss_fn),
-        forward_backward=_forward_backward(loss_fn),
+        forward_backward=_forward_backward(loss_fn, keep),
         sync=_identity,
-        update=_update(optimizer, donate),
+        update=update,
         finish=_identity,
         donate=donate,
+        trainable=keep,
     )
 
 

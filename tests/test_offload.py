@@ -725,3 +725,27 @@ def test_offload_over_zero3_keeps_each_rank_to_its_quarter():
         assert states / 4 <= held <= states / 4 * 1.01, (held, states)
         assert peak <= held + largest, (peak, held + largest)
         assert _max_diff(got, ref.params) <= 1e-12
+
+
+@pytest.mark.parametrize("loss_scale", [2.0, 1024.0, "dynamic"])
+@pytest.mark.parametrize("policy", ["host", "auto", "device"])
+def test_amp_loss_scale_over_offload_is_undone_as_in_memory(loss_scale, policy) -> None:
+    """amp's loss scale under offload: the host gradients are unscaled where they live, so the
+    update, the gradient norm and the overflow check see what amp alone sees (fp64, 1e-9)."""
+    cfg = models.gpt.Config(vocab_size=32, n_layer=2, n_head=2, d_model=8, max_seq_len=8)
+    params = cf.tree.map(lambda x: x.double(), models.gpt.init(cfg))
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 32, (4, 8), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    ref = cf.train_step(models.gpt.loss(cfg), optim.adamw(1e-2, weight_decay=0.1))
+    margin = {"margin": 0.5} if policy == "auto" else {}
+    over = cf.amp(cf.offload(ref, policy, "64MiB", **margin), "fp64", loss_scale=loss_scale)
+    alone = cf.amp(ref, "fp64", loss_scale=loss_scale)
+    cf.testing.assert_equivalent(over, alone, params, batches, rtol=1e-9, atol=1e-9)
+    _, m_over = over(over.init(params), batches[0])
+    _, m_alone = alone(alone.init(params), batches[0])
+    assert abs(float(m_over["grad_norm"]) - float(m_alone["grad_norm"])) <= 1e-9 * float(
+        m_alone["grad_norm"]
+    )

@@ -114,8 +114,9 @@ class AmpConfig:
             )
 
     def build(self, step: Step, comp: Composition) -> Step:
-        # under offload the parameters stay in host memory: its fetches cast each chunk
-        return _build(step, self, cast=not comp.offload_fetches)
+        # under offload the parameters stay in host memory: its fetches cast each chunk, and
+        # its gradients stay there too, unscaled by offload in the masters' dtype
+        return _build(step, self, offloaded=comp.offload_fetches)
 
 
 def amp(
@@ -142,7 +143,7 @@ def amp(
     return apply_transform(step, "amp", config)
 
 
-def _build(step: Step, cfg: AmpConfig, cast: bool = True) -> Step:
+def _build(step: Step, cfg: AmpConfig, offloaded: bool = False) -> Step:
     compute = _dtype(cfg.dtype)
     loss_scale, init_scale, growth_interval = cfg.loss_scale, cfg.init_scale, cfg.growth_interval
     dynamic = loss_scale == "dynamic"
@@ -166,15 +167,19 @@ def _build(step: Step, cfg: AmpConfig, cast: bool = True) -> Step:
             stack.enter_context(core.context(core.LossScale(scale)))
             if len(masters) == 1:  # a reduction inside may widen to the masters' dtype first
                 stack.enter_context(core.context(core.WidenGrads(masters.pop())))
-            loss, grads = inner_fb(_cast(params, compute) if cast else params, batch, extra)
+            loss, grads = inner_fb(params if offloaded else _cast(params, compute), batch, extra)
+        if offloaded:  # offload's gradients: in its masters' dtype, unscaled where they live
+            return _wide_loss(loss, params), grads
         # widen to the masters' dtype, then unscale in fp32 (unscaling in fp16 could underflow)
         grads = tree.map(
-            lambda g, p: g.to(p.dtype) / scale if scale != 1.0 else g.to(p.dtype), grads, params
+            lambda g, p: g.to(p.dtype) / scale if scale != 1.0 else g.to(p.dtype),
+            grads,
+            step.trainable_part(params),  # (the parameters that have gradients)
         )
         return _wide_loss(loss, params), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
-        given = _cast(params, compute) if cast else params
+        given = params if offloaded else _cast(params, compute)
         return _wide_loss(inner_fwd(given, batch, extra), params)
 
     def update(grads: PyTree, state: TrainState) -> tuple[TrainState, dict[str, Any]]:

@@ -102,7 +102,8 @@ class StartedGather:
 
 class Gathered(torch.autograd.Function):
     """The flats of a started gather, differentiably: the backward reduce-scatters the packed
-    gradient (the transpose of the all_gather)."""
+    gradient (the transpose of the all_gather). A chunk that needs no gradient (a frozen
+    parameter's) gives a flat that is not differentiable, and nothing of it is reduced."""
 
     @staticmethod
     def forward(started: StartedGather, axis: str, mesh: Mesh, *chunks: torch.Tensor) -> Any:
@@ -111,10 +112,19 @@ class Gathered(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.axis, ctx.mesh = inputs[1], inputs[2]
+        ctx.trains = [c.requires_grad for c in inputs[3:]]
+        frozen = [o for o, t in zip(output, ctx.trains) if not t]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, *reduce_scatter_flat(list(grads), ctx.axis, ctx.mesh, "sum"))
+        trained = [i for i, t in enumerate(ctx.trains) if t]
+        reduced = reduce_scatter_flat([grads[i] for i in trained], ctx.axis, ctx.mesh, "sum")
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for i, g in zip(trained, reduced):
+            out[i] = g
+        return (None, None, None, *out)
 
 
 def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch.Tensor]:

@@ -493,9 +493,10 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch, long_frame = prepare(batch)
         # the loss is averaged over dp in the gradients' last bucket (one collective fewer)
+        trained = step.trainable_part(params)  # the leaves that get gradients
         buckets = (
             GradBuckets(
-                mesh, dp, cfg.bucket_bytes, params, carry_loss=True, pool=pool, early=in_backward
+                mesh, dp, cfg.bucket_bytes, trained, carry_loss=True, pool=pool, early=in_backward
             )
             if buffered and dp
             else None
@@ -506,11 +507,11 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
                 stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
         if buckets is not None:
-            grads = finish_buckets(buckets, grads, params, loss=as_full(loss))
+            grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads
         else:  # gradients take their parameter's placements (a rule may leave one Partial)
-            grads = tree.map(in_placement, grads, params)
+            grads = tree.map(in_placement, grads, trained)
         return loss_over_dp(loss), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:

@@ -338,15 +338,16 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             one = stage == 0 and m.axis_size(axis) == 1
             if delegated or one or not (in_backward or buffered):
                 return inner_fb(params, batch, extra)
+            trained = step.trainable_part(params)  # the leaves that get gradients
             buckets: GradBuckets | ScatterBuckets = (
-                GradBuckets(m, axis, bucket_bytes, params, pool=pool, early=in_backward)
+                GradBuckets(m, axis, bucket_bytes, trained, pool=pool, early=in_backward)
                 if stage == 0
                 else ScatterBuckets(m, axis, bucket_bytes)
             )
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, batch, extra)
             if isinstance(buckets, GradBuckets):
-                return loss, finish_buckets(buckets, grads, params)
+                return loss, finish_buckets(buckets, grads, trained)
             return loss, buckets.finish(grads, params)
         z: ZeroLayout = extra["zero"]
         with core.context(LayerGather(z, prefetch)):
@@ -356,7 +357,8 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         rest_grads = {k: v for k, v in grads.items() if k != "blocks"}
         flat, treedef = tree.flatten_with_paths(rest_grads)
         chunks = reduce_scatter_flat([padded(g, n) for _, g in flat], axis, z.mesh, "sum")
-        return loss, {**tree.unflatten(treedef, chunks), "blocks": grads["blocks"]}
+        blocks = {"blocks": grads["blocks"]} if "blocks" in grads else {}  # (all frozen: none)
+        return loss, {**tree.unflatten(treedef, chunks), **blocks}
 
     def sync(grads: PyTree) -> PyTree:
         grads = inner_sync(grads)
@@ -386,13 +388,19 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
         chunks = state.params if stage == 3 else cut(state.params)[0]
         # each chunk partitions its local parameter over `axis`, and tensor-parallel shards
         # partition it further over their own axes
-        axes = [mesh_axes(m, {axis, *sharded_axes(mt.template)}) for mt in tree.leaves(z.metas)]
+        frozen = step.trainable is not None  # some leaves are not trained: grads has the others
+        metas = z.metas_of(grads) if frozen else z.metas
+        axes = [mesh_axes(m, {axis, *sharded_axes(mt.template)}) for mt in tree.leaves(metas)]
         with core.context(axes_reduction(axes, m)):
             new, info = inner_update(grads, state._replace(params=chunks))
         if stage == 3:
             return new, info
         with torch.no_grad():
-            params = z.gather_chunks(new.params)
+            if not frozen:
+                return new._replace(params=z.gather_chunks(new.params)), info
+            # the updated leaves gathered back; the frozen ones never moved
+            trained = tree.subset(new.params, set(tree.paths(grads)).__contains__)
+            params = tree.merge(state.params, z.gather_chunks(trained, metas))
         return new._replace(params=params), info
 
     return step.replace(

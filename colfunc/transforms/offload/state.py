@@ -4,6 +4,7 @@ holds what is fetched or homed, and the gradients written home (see :mod:`colfun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,18 +81,33 @@ class OffloadState:
         params: PyTree,
         layout: ChunkLayout,
         compute: torch.dtype | None = None,
+        trainable: Callable[[str], bool] | None = None,
     ) -> None:
         self.cfg, self.layout = cfg, layout
         self.device = pool_device()
         real = torch.device("cpu") if self.device.type == "meta" else self.device
         self.budget = device_budget(cfg.device_budget, real)
         flat, self.treedef = tree.flatten_with_paths(params)
+        self.paths = [path for path, _ in flat]
         self.dtypes = [x.dtype for _, x in flat]  # the masters' (amp computes on copies)
+        # which leaves train (``train_step(trainable=...)``): a frozen one is fetched for the
+        # passes, but its views need no gradient, it has no host gradient row and no update
+        self.trains = [
+            x.is_floating_point() and (trainable is None or trainable(path)) for path, x in flat
+        ]
+        self.frozen = trainable is not None
         # the "device" policy's in-memory step makes its own gradients
         host = cfg.policy != "device"
-        self.grads = [torch.zeros_like(x, device=host_device()) for _, x in flat] if host else []
+        self.grads: list[torch.Tensor | None] = (
+            [
+                torch.zeros_like(x, device=host_device()) if t else None
+                for (_, x), t in zip(flat, self.trains)
+            ]
+            if host
+            else []
+        )
         if self.device.type == "cuda":
-            self.grads = [g.pin_memory() for g in self.grads]
+            self.grads = [g.pin_memory() if g is not None else None for g in self.grads]
         sizes = [c.nbytes for c in layout.chunks]
         homed = (
             _first_fraction(sizes, 1.0 - cfg.optim_fraction) if cfg.policy == "static" else set()
@@ -130,13 +146,28 @@ class OffloadState:
                         self._row(host, p).copy_(flat[p.offset : p.offset + p.numel].view(p.shape))
 
     def wrap(self, pieces: PyTree) -> PyTree:
-        """A tree of local pieces (shaped like the parameters) as the tensor-parallel tensors
-        they are pieces of."""
+        """A tree of local pieces (shaped like the parameters, or like the trainable ones) as
+        the tensor-parallel tensors they are pieces of."""
         if not any(t is not None for t in self.templates):
             return pieces
-        leaves = tree.leaves(pieces)
-        wrapped = [x if t is None else rewrap(t, x) for t, x in zip(self.templates, leaves)]
-        return tree.unflatten(self.treedef, wrapped)
+        template = dict(zip(self.paths, self.templates))
+        return tree.map_with_path(
+            lambda path, x: x if template[path] is None else rewrap(template[path], x), pieces
+        )
+
+    def by_leaf(self, states: PyTree) -> list[Any]:
+        """The leaves of a tree shaped like the trainable parameters (an optimizer's moments),
+        one per parameter leaf: None for a frozen one."""
+        got = dict(tree.flatten_with_paths(states)[0])
+        return [got.get(path) for path in self.paths]
+
+    def trained_grads(self) -> PyTree:
+        """The host gradients as a tree: every leaf's, or the trainable leaves' only."""
+        if not self.frozen:
+            return tree.unflatten(self.treedef, self.grads)
+        got = {p: g for p, g in zip(self.paths, self.grads) if g is not None}
+        part = tree.subset(tree.unflatten(self.treedef, self.paths), got.__contains__)
+        return tree.map_with_path(lambda path, _: got[path], part)
 
     def gather_params(self, params: PyTree) -> PyTree:
         self.sync_host()
@@ -152,13 +183,18 @@ class OffloadState:
     def tensors(self) -> list[torch.Tensor]:
         """The buffers this state owns (host gradients, device mirrors): pass them to
         :func:`colfunc.memory.track` as pre-existing to measure what a step allocates."""
-        return self.grads + [t for m in self.pool.mirrors.values() for t in m.tensors()]
+        grads = [g for g in self.grads if g is not None]
+        return grads + [t for m in self.pool.mirrors.values() for t in m.tensors()]
 
     # --- chunks ---------------------------------------------------------------------------
     @staticmethod
-    def _row(leaves: list[torch.Tensor], piece: Any) -> torch.Tensor:
+    def _row(leaves: list[Any], piece: Any) -> torch.Tensor:
         x = leaves[piece.leaf]
         return x if piece.row is None else x[piece.row]
+
+    def chunk_trains(self, c: int) -> bool:
+        """Whether chunk ``c`` holds a piece of a trainable leaf (its fetch has a backward)."""
+        return any(self.trains[p.leaf] for p in self.layout.chunks[c].pieces)
 
     def make_mirrors(self, leaves: list[torch.Tensor]) -> None:
         """Device-home the chunks chosen for the device and not yet homed: parameters copied now, moments at the
@@ -199,13 +235,24 @@ class OffloadState:
             for chunk in self.layout.chunks:
                 mirror = self.pool.mirrors.get(chunk.index)
                 for j, p in enumerate(chunk.pieces):
-                    if (chunk.index, j) in self._written:
+                    if (chunk.index, j) in self._written or not self.trains[p.leaf]:
                         continue
                     if mirror is not None:
                         mirror.grad[p.offset : p.offset + p.numel].zero_()
                     else:
                         self._row(self.grads, p).zero_()
         self._written.clear()
+
+    def unscale(self, scale: float) -> None:
+        """Divide this step's gradients (host rows, device-homed mirrors) by ``scale``: the loss
+        scale the backward pass was seeded with (``amp``'s), in the masters' dtype."""
+        with DevicePool.host(), torch.no_grad():
+            for g in self.grads:
+                if g is not None:
+                    g.div_(scale)
+        with torch.no_grad():
+            for m in self.pool.mirrors.values():
+                m.grad.div_(scale)
 
     def __repr__(self) -> str:
         return (

@@ -49,6 +49,12 @@ class _Fetch(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.holder, ctx.frame = inputs[0], inputs[1]
         ctx.set_materialize_grads(False)
+        state = ctx.holder.state
+        if state.frozen:  # a frozen leaf's views need no gradient: none is computed for them
+            pieces = state.layout.chunks[ctx.holder.c].pieces
+            frozen = [t for p, t in zip(pieces, output) if not state.trains[p.leaf]]
+            if frozen:
+                ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
@@ -56,6 +62,27 @@ class _Fetch(torch.autograd.Function):
         holder.state.write_grad(holder.c, grads)
         ctx.frame.chunk_done(holder.state.layout.chunks[holder.c].group)
         return None, None, None
+
+
+class _InputDone(torch.autograd.Function):
+    """The identity on a layer's input carry, whose backward says that the layer's input
+    gradient is computed: with frozen leaves, what ends the layer's backward hold on its
+    chunks when no fetch of a trainable chunk does (a layer of frozen weights still needs them
+    for its input's gradient)."""
+
+    @staticmethod
+    def forward(frame: Streaming, group: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.frame, ctx.group = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.frame.chunk_done(ctx.group)
+        return (None, None, *grads)
 
 
 class _Regathered:
@@ -173,8 +200,9 @@ class Streaming:
             ts = _Fetch.apply(_Holder(self.state, c, bufs[c]), self, self.token)
             for p, t in zip(chunk.pieces, ts):
                 out[(p.leaf, p.row)] = t
-        if not torch_private.in_backward():
-            self.pending[group] = len(self.state.layout.groups[group])
+        if not torch_private.in_backward():  # the fetches whose backward ends the hold
+            chunks = self.state.layout.groups[group]
+            self.pending[group] = sum(1 for c in chunks if self.state.chunk_trains(c))
         return out
 
     # --- ZeRO-3: gathering the fetched chunks ------------------------------------------------
@@ -235,6 +263,7 @@ class Streaming:
                 flats = self.gather(state.block_leaves, rows)
                 rows = [self.whole(k, f, True) for f, k in zip(flats, state.block_leaves)]
             layer = tree.unflatten(treedef, rows)
+            c = self._input_done(group, c, backward)
             try:
                 if (
                     not torch.is_grad_enabled()
@@ -251,6 +280,26 @@ class Streaming:
                     self.pool.release(group)
 
         return inner(fetched, carry, blocks, xs)
+
+    def _input_done(self, group: int, carry: PyTree, backward: bool) -> PyTree:
+        """With frozen leaves, the layer's input carry through :class:`_InputDone`, counted
+        among the layer's pending backward parts (its recomputation under remat makes its own,
+        counted by the forward pass that remat discarded)."""
+        if not self.state.frozen or self.token is None or not torch.is_grad_enabled():
+            return carry
+        flat, treedef = tree.flatten_with_paths(carry)
+        needs = [
+            i for i, (_, x) in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not needs:
+            return carry
+        done = _InputDone.apply(self, group, *[flat[i][1] for i in needs])
+        leaves = [x for _, x in flat]
+        for i, x in zip(needs, done):
+            leaves[i] = x
+        if not backward:
+            self.pending[group] = self.pending.get(group, 0) + 1
+        return tree.unflatten(treedef, leaves)
 
     def _hooks(
         self, group: int, bufs: dict[int, torch.Tensor], flats: list[torch.Tensor]

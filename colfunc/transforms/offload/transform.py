@@ -148,6 +148,13 @@ def _build(
             "updated by the fused AdamW kernels, which need optim.adamw (plain, no amsgrad) as "
             f"the optimizer; got {optimizer!r:.80}; use margin=0 / offload_optim=1 otherwise"
         )
+    if homes_device and step.trainable is not None:
+        raise ValueError(
+            "offload: chunks homed on the device (margin > 0, or static offload_optim < 1) are "
+            "updated whole by the fused AdamW, and frozen parameters (train_step(trainable=...)) "
+            "may share a chunk with trained ones; use margin=0 / offload_optim=1 with frozen "
+            "parameters"
+        )
     if homes_device and dp is not None and dp.cuts_optimizer:
         raise ValueError(
             f"offload: chunks homed on the device (margin > 0, or static offload_optim < 1) keep "
@@ -171,7 +178,7 @@ def _build(
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
         layout = chunk_layout(params, size)
-        state = OffloadState(cfg, params, layout, compute)
+        state = OffloadState(cfg, params, layout, compute, step.trainable)
         state.templates = templates
         state.states_like_params = dp is None or not dp.cuts_optimizer
         _check_floor(state, extra["zero"].mesh.axis_size(extra["zero"].axis) if gathers else 1)
@@ -223,6 +230,8 @@ def _build(
             state.pool.release(0)
             if grad:
                 state.zero_unwritten()
+                if scale != 1.0:  # amp's loss scale, undone where the gradients live
+                    state.unscale(scale)
                 if dp is not None:
                     average_grads(state, dp)
         if record:
@@ -231,7 +240,7 @@ def _build(
         loss = as_full(loss)  # a tensor-parallel loss, replicated
         if dp is not None and dp.split is not None:
             loss = comm.all_reduce(loss, dp.split, op="avg", mesh=dp.mesh)
-        return loss, (tree.unflatten(state.treedef, state.grads) if grad else None)
+        return loss, (state.trained_grads() if grad else None)
 
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]

@@ -44,7 +44,7 @@ def average_grads(state: OffloadState, dp: DataParallel) -> None:
     if n == 1:
         return
     homed = [m.grad for m in state.pool.mirrors.values()]
-    xs = state.grads + homed
+    xs = [g for g in state.grads if g is not None] + homed  # (a frozen leaf has none)
     with DevicePool.host(), torch.no_grad():
         if dp.stage == 3:
             for x in xs:
@@ -70,14 +70,18 @@ def zero_update(
     (in place: the pool reads them). Another optimizer runs zero's own update, on the host."""
     off, z = offload_state(state.extra), state.extra["zero"]
     n, i = z.mesh.axis_size(z.axis), z.mesh.axis_index(z.axis)
-    flat, treedef = tree.flatten_with_paths(state.params)
-    metas = tree.leaves(z.metas)
+    # the trainable leaves (all of them, unless some are frozen: those are not reduced)
+    trained = off.trained_grads()
+    flat, treedef = tree.flatten_with_paths(trained)
+    host = [g for _, g in flat]
+    params = dict(tree.flatten_with_paths(state.params)[0])
+    metas = z.metas_of(trained)
     with DevicePool.host(), torch.no_grad():
-        stacked = [m.stacked for m in metas]
+        stacked = [m.stacked for m in tree.leaves(metas)]
         pieces = reduce_scatter_flat(
-            [by_rank(g, st, n) for g, st in zip(off.grads, stacked)], z.axis, z.mesh, "avg"
+            [by_rank(g, st, n) for g, st in zip(host, stacked)], z.axis, z.mesh, "avg"
         )
-        grads = [as_chunk(p, g, st) for p, g, st in zip(pieces, off.grads, stacked)]
+        grads = [as_chunk(p, g, st) for p, g, st in zip(pieces, host, stacked)]
         if hyper is None:
             new_state, info = inner_update(tree.unflatten(treedef, grads), state)
             return local_state(new_state), info
@@ -86,15 +90,19 @@ def zero_update(
             raise TypeError(
                 f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}"
             )
-        chunks = [cut_chunk(x, n, i, st)[0] for (_, x), st in zip(flat, stacked)]
+        chunks = [cut_chunk(params[path], n, i, st)[0] for (path, _), st in zip(flat, stacked)]
         t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
         squares = [g.double().square().sum() for g in grads]
-        norm = _reduced_norm(squares, norm_axes(off, z, None))
+        axes = norm_axes(off, z, None)
+        if axes is not None and off.frozen:  # the trainable leaves' axes, as their squares
+            trains = [k for k, t in enumerate(off.trains) if t]
+            axes = ([axes[0][k] for k in trains], axes[1])
+        norm = _reduced_norm(squares, axes)
         h = _adamw_hyper(hyper, t, lr)
         _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), h)
-        new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks)))
-        for (_, x), y in zip(flat, new, strict=True):
-            x.copy_(local_piece(y))  # (a tensor-parallel piece comes back wrapped)
+        new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks), metas))
+        for (path, _), y in zip(flat, new, strict=True):
+            params[path].copy_(local_piece(y))  # (a tensor-parallel piece comes back wrapped)
     new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
 
@@ -176,6 +184,8 @@ def _grad_norm(off: OffloadState, axes: NormAxes) -> torch.Tensor:
         mirror = off.pool.mirrors.get(chunk.index)
         parts, leaves = groups[mirror is not None]
         for p in chunk.pieces:
+            if not off.trains[p.leaf]:
+                continue
             g = (
                 off._row(off.grads, p)
                 if mirror is None
@@ -201,7 +211,8 @@ def adamw_update(
     opt = state.opt_state
     if not isinstance(opt, AdamState):
         raise TypeError(f"offload: expected the AdamState of optim.adamw, got {type(opt).__name__}")
-    ps, ms, vs = tree.leaves(state.params), tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq)
+    ps = tree.leaves(state.params)
+    ms, vs = off.by_leaf(opt.exp_avg), off.by_leaf(opt.exp_avg_sq)  # (None for a frozen leaf)
     off._host = (ps, ms, vs)
     t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
     h = _adamw_hyper(hyper, t, lr)
@@ -218,6 +229,8 @@ def adamw_update(
         if chunk.index in mirrors:
             continue
         for p in chunk.pieces:
+            if not off.trains[p.leaf]:
+                continue  # frozen: no gradient, no state, no update
             for out, src in zip(lists, (ps, off.grads, ms, vs)):
                 out.append(off._row(src, p))
     with DevicePool.host():

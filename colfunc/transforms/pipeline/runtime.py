@@ -65,6 +65,7 @@ class Runner:
         mesh: Mesh | None,
         axis: str,
         stage_span: dict[int, tuple[int, int]] | None = None,
+        trainable: Callable[[str], bool] | None = None,
     ) -> None:
         self.schedule, self.rank, self.loss = schedule, rank, loss
         # each stage's layers in the whole model, for a loss's per-layer xs
@@ -72,15 +73,23 @@ class Runner:
         self.microbatches = microbatches
         self.last = schedule.stages - 1
         self.scale = core.loss_scale() / len(microbatches)
+        # which leaves train (None: every floating one); the others get no gradient at all
+        self.trainable = trainable
+        trains = (lambda path: True) if trainable is None else trainable
         rest = {k: v for k, v in params.items() if k != "blocks"}
         flat, self.rest_def = tree.flatten_with_paths(rest)
-        self.rest = [_leaf(x) for _, x in flat]
+        self.rest_paths = [path for path, _ in flat]
+        self.rest = [_leaf(x, trains(path)) for path, x in flat]
         bflat, self.blocks_def = tree.flatten_with_paths(params["blocks"])
+        self.block_paths = [f"blocks.{path}" for path, _ in bflat]
         self.block_like = [x for _, x in bflat]
+        self.block_trains = [trains(path) for path in self.block_paths]
         per_leaf = [x.detach().unbind(0) for x in self.block_like]
         n_local = len(per_leaf[0]) if per_leaf else 0
         # layers[l][k]: leaf k of local layer l
-        self.layers = [[_leaf(xs[i]) for xs in per_leaf] for i in range(n_local)]
+        self.layers = [
+            [_leaf(xs[i], t) for xs, t in zip(per_leaf, self.block_trains)] for i in range(n_local)
+        ]
         self.stage_layers = stage_layers
         self.link: Link | None = None
         if mesh is not None and schedule.ranks > 1:
@@ -105,7 +114,8 @@ class Runner:
         # a plain stacked leaf's gradient is summed in place into its stacked buffer; a sharded
         # one per layer, stacked at the end
         self.stacked = [
-            None if isinstance(x, ShardedTensor) else torch.empty_like(x) for x in self.block_like
+            None if isinstance(x, ShardedTensor) or not t else torch.empty_like(x)
+            for x, t in zip(self.block_like, self.block_trains)
         ]
         self.filled: set[tuple[int, int]] = set()
         self.layer_grads = [[_Sum() for _ in layer] for layer in self.layers]
@@ -145,23 +155,41 @@ class Runner:
         return total, self._grads()
 
     def _grads(self) -> PyTree:
-        rest = [_grad_or_zeros(g.value, x) for x, g in zip(self.rest, self.rest_grads)]
-        blocks = []
+        """The summed gradients, shaped like the parameters; with ``trainable``, of the
+        trainable leaves only (a frozen leaf gets no gradient, not even zeros)."""
+        every = self.trainable is None
+        rest = {
+            path: _grad_or_zeros(g.value, x)
+            for path, x, g in zip(self.rest_paths, self.rest, self.rest_grads)
+            if every or x.requires_grad
+        }
+        blocks = {}
         for k, like in enumerate(self.block_like):
+            if not (every or (self.block_trains[k] and like.is_floating_point())):
+                continue
             buf = self.stacked[k]
             if buf is not None:
                 for layer in range(len(self.layers)):
                     if (layer, k) not in self.filled:
                         buf[layer].zero_()
-                blocks.append(buf)
+                blocks[self.block_paths[k]] = buf
                 continue
             per_layer = [
                 _grad_or_zeros(g[k].value, layer[k])
                 for layer, g in zip(self.layers, self.layer_grads)
             ]
-            blocks.append(torch.stack(per_layer) if per_layer else torch.zeros_like(like))
-        params = tree.unflatten(self.rest_def, rest)
-        return {**params, "blocks": tree.unflatten(self.blocks_def, blocks)}
+            blocks[self.block_paths[k]] = (
+                torch.stack(per_layer) if per_layer else torch.zeros_like(like)
+            )
+        if every:
+            params = tree.unflatten(self.rest_def, list(rest.values()))
+            return {**params, "blocks": tree.unflatten(self.blocks_def, list(blocks.values()))}
+        got = {**rest, **blocks}
+        whole = {
+            **tree.unflatten(self.rest_def, self.rest),
+            "blocks": tree.unflatten(self.blocks_def, self.block_like),
+        }
+        return tree.map_with_path(lambda p, _: got[p], tree.subset(whole, got.__contains__))
 
     # --- compute ---------------------------------------------------------------------------------
     def _weights(self, s: int) -> list[torch.Tensor]:
@@ -354,9 +382,9 @@ class _Sum:
             self.owned = True
 
 
-def _leaf(x: torch.Tensor) -> torch.Tensor:
+def _leaf(x: torch.Tensor, trains: bool = True) -> torch.Tensor:
     # a fresh leaf sharing the caller's storage: the caller's tensors are left untouched
-    return x.detach().requires_grad_(x.is_floating_point())
+    return x.detach().requires_grad_(trains and x.is_floating_point())
 
 
 def _input_leaf(out: torch.Tensor) -> torch.Tensor:

@@ -285,7 +285,16 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
         spans = {s: lay.stages[s] for s in lay.stage_layers(lay.rank)}
         mbs = _microbatches(batch, cfg.microbatches)
         return Runner(
-            acts, lay.rank, loss_fn, params, lay.stage_layers(lay.rank), mbs, lay.mesh, axis, spans
+            acts,
+            lay.rank,
+            loss_fn,
+            params,
+            lay.stage_layers(lay.rank),
+            mbs,
+            lay.mesh,
+            axis,
+            spans,
+            trainable=step.trainable,
         )
 
     def forward_backward(
