@@ -152,13 +152,14 @@ def _claim(run_dir: Path, made: list[Path]) -> Path:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from colfunc import train
-    from colfunc.generate import complete
+    from colfunc import tasks, train
+    from colfunc.generate import generate
 
     state, cfg = train.load_run(args.run)
+    tasks.check_language_run(cfg, args.run, "generate")
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
-    text = complete(
+    out = generate(
         cfg,
         state.params,
         args.prompt,
@@ -167,7 +168,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    print(text, flush=True)
+    print(out.text, flush=True)
+    if out.new_tokens < args.max_new_tokens:  # the context ended it: say so, not a silent cut
+        print(
+            f"colfunc: the model's context of {cfg.model.max_seq_len} tokens ended generation "
+            f"after {out.new_tokens} new tokens (of {args.max_new_tokens} asked)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 
@@ -197,9 +205,10 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from colfunc import hf, train
+    from colfunc import hf, tasks, train
 
     state, cfg = train.load_run(args.run)
+    tasks.check_language_run(cfg, args.run, "export")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -224,6 +233,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from colfunc import engines
     from colfunc.inference import Engine
+    from colfunc.inference.engine import KVMemoryError
     from colfunc.inference.server import EngineLoop, build_app, follow
     from colfunc.sharding import launch
 
@@ -246,7 +256,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     loaded = engines.load_run(args.run) if args.run is not None else engines.load_hf(args.hf)
 
     def load(**extra: Any) -> Engine:
-        return Engine(**loaded, **kw, **extra)
+        try:
+            return Engine(**loaded, **kw, **extra)
+        except KVMemoryError as e:  # named as the command line names it
+            raise ValueError(e.message("--kv-memory")) from None
 
     ranks: threading.Thread | None = None
     if args.tp == 1:
@@ -349,8 +362,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def _version() -> str:
+    """The installed distribution's version."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("colfunc")
+    except metadata.PackageNotFoundError:
+        return "(not installed: run pip install -e . in the repository)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="colfunc", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"colfunc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model from a config file (default: tiny GPT)")
@@ -376,7 +400,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the sampling seed: the same seed, the same text"
+    )
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("sample", help="sample video clips from a trained DiT run")
@@ -403,12 +429,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="a run folder (or its checkpoint folder)")
     p.add_argument("--hf", help="a Hugging Face model folder (save_pretrained layout)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--model-name", help="the model's name in the API (default: the folder's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB")
-    p.add_argument("--max-waiting", type=int, default=256, help="queue length before 503")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (threads)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences per step (default: 256)"
+    )
+    p.add_argument(
+        "--kv-memory",
+        help="KV cache size, e.g. 1GiB (default: enough for --max-num-seqs sequences at the "
+        "model's full context, at most 2GiB)",
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="queue length before 503 (default: 256)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

@@ -53,9 +53,10 @@ SECTIONS = ("model", "optim", "data", "train")
 
 
 def _check_positive(owner: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
-    low_ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, int) or not low_ok:
-        need = "an int >= 0" if allow_zero else "a positive int"
+    need = "an int >= 0" if allow_zero else "a positive int"
+    if isinstance(value, bool) or not isinstance(value, int):  # the type before any comparison
+        raise ValueError(f"{owner}.{name} must be {need}, got {value!r}")
+    if not (value >= 0 if allow_zero else value > 0):
         raise ValueError(f"{owner}.{name} must be {need}, got {value!r}")
 
 
@@ -455,7 +456,7 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
 
         if layout:
             try:
-                parallel.parse(layout)
+                parallel.parse(layout, cfg.model)
             except ValueError as e:
                 raise ValueError(f"--set parallel: {e}") from e
         replaced["parallel"] = layout

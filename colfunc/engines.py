@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from colfunc import config, hf, models, train
+from colfunc import config, hf, models, tasks, train
 from colfunc.generate import check_params
 from colfunc.inference import ByteTokenizer, Engine, load_hf_tokenizer
 
@@ -32,6 +32,7 @@ def load_run(run: str | Path) -> dict[str, Any]:
     tokenizer of a ``colfunc train`` run (its ``data.tokenizer`` folder's, else bytes). Parameters
     that do not fit the run's model config, or are not finite, are refused."""
     state, run_cfg = train.load_run(run)
+    tasks.check_language_run(run_cfg, run, "serve")
     check_params(run_cfg.model, state.params)
     out: dict[str, Any] = {
         "model": config.model_module(run_cfg.model),

@@ -11,13 +11,13 @@ Legend: T tokens so far, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from colfunc.config import RunConfig, model_module
 
-__all__ = ["check_params", "complete", "sample"]
+__all__ = ["Generated", "check_params", "complete", "generate", "sample"]
 
 
 def check_params(model_cfg: Any, params: Any) -> None:
@@ -97,7 +97,15 @@ def sample(
     return ids
 
 
-def complete(
+class Generated(NamedTuple):
+    """What :func:`generate` made: the text (prompt included) and how many tokens it sampled
+    (fewer than asked where the model's context ended it)."""
+
+    text: str
+    new_tokens: int
+
+
+def generate(
     cfg: RunConfig,
     params: Any,
     prompt: str,
@@ -106,14 +114,14 @@ def complete(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
-) -> str:
+) -> Generated:
     """``prompt`` and up to ``max_new_tokens`` tokens sampled after it by a run's model (bytes,
     or the run's ``data.tokenizer``), on the inference engine; the output stops at the model's
-    context.
+    context, and ``new_tokens`` says how many were sampled.
 
     Example:
         >>> state, cfg = checkpoint.load("runs/demo/checkpoint")
-        >>> print(complete(cfg, state.params, "def ", 200))
+        >>> print(generate(cfg, state.params, "def ", 200).text)
     """
     from colfunc.inference import ByteTokenizer, Engine, SamplingParams
 
@@ -132,4 +140,26 @@ def complete(
     engine = Engine(model_module(cfg.model), cfg.model, params, tokenizer=tokenizer, max_num_seqs=1)
     p = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_tokens=max_new_tokens)
     (out,) = engine.generate([prompt], p)
-    return tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids)
+    new = out.outputs[0].token_ids
+    return Generated(tokenizer.decode(out.prompt_token_ids + new), len(new))
+
+
+def complete(
+    cfg: RunConfig,
+    params: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
+    """:func:`generate`'s text alone: ``prompt`` and up to ``max_new_tokens`` tokens after it.
+
+    Example:
+        >>> state, cfg = checkpoint.load("runs/demo/checkpoint")
+        >>> print(complete(cfg, state.params, "def ", 200))
+    """
+    return generate(
+        cfg, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    ).text

@@ -170,7 +170,9 @@ class ParallelConfig:
                 )
             return
         if mode == "usp":
-            if isinstance(u, bool) or not isinstance(u, int) or u < 1 or n % u:
+            if u is None:
+                pass  # the largest size the model's heads allow, chosen by parse(model=)
+            elif isinstance(u, bool) or not isinstance(u, int) or u < 1 or n % u:
                 raise ValueError(
                     f"parallel['sequence']: mode='usp' needs ulysses=U, a divisor of size={n} "
                     f"(the Ulysses part of sp = ring x ulysses), got ulysses={u!r}"
@@ -212,7 +214,12 @@ class ParallelConfig:
         tensor mode's axes in place of ``tp`` for 2D, 2.5D and 3D."""
         shape = {"dp": self.data, "pp": self.stages}
         if self.long_sequence and self.sequence_mode == "usp":
-            u = self.sequence_ulysses or 1
+            u = self.sequence_ulysses
+            if u is None:
+                raise ValueError(
+                    f"parallel['sequence']: mode='usp' needs ulysses=U, a divisor of "
+                    f"size={self.sequence_size} (the Ulysses part of sp = ring x ulysses)"
+                )
             shape.update(sp_ring=self.sequence_size // u, sp_ulysses=u)
         elif self.long_sequence:
             shape["sp"] = self.sequence_size
@@ -222,8 +229,36 @@ class ParallelConfig:
         return {a: n for a, n in shape.items() if n > 1 or a == "dp" or a in keep}
 
 
-def parse(section: dict[str, Any]) -> ParallelConfig:
-    """A :class:`ParallelConfig` from a config's ``parallel`` dict; ValueError naming bad keys."""
+def parse(section: dict[str, Any], model: Any = None) -> ParallelConfig:
+    """A :class:`ParallelConfig` from a config's ``parallel`` dict; ValueError naming bad keys.
+
+    With ``model`` (the run's model config), ``sequence=dict(mode="usp", size=N)`` without
+    ``ulysses=`` takes the largest Ulysses size that divides ``N`` and each tensor-parallel
+    rank's query and key/value heads (see :func:`ulysses_size`)."""
+    pc = _parse(section)
+    if pc.sequence_mode == "usp" and pc.sequence_ulysses is None:
+        if model is None:  # nothing to choose it from
+            raise ValueError(
+                f"parallel['sequence']: mode='usp' needs ulysses=U, a divisor of "
+                f"size={pc.sequence_size} (the Ulysses part of sp = ring x ulysses)"
+            )
+        pc = dataclasses.replace(pc, sequence_ulysses=ulysses_size(pc, model))
+    return pc
+
+
+def ulysses_size(pc: ParallelConfig, model: Any) -> int:
+    """The largest Ulysses size for ``pc``'s ``usp`` over ``model``'s heads: a divisor of the
+    sequence size that also divides each tensor-parallel rank's query and key/value heads (1:
+    ring attention alone)."""
+    n_head = getattr(model, "n_head", 1)
+    n_kv = getattr(model, "n_kv_heads", None) or n_head
+    tp = pc.tensor if pc.tensor_mode == "1d" else 1
+    heads = [h // tp for h in (n_head, n_kv) if h % tp == 0] or [1]
+    n = pc.sequence_size
+    return max(u for u in range(1, n + 1) if n % u == 0 and all(h % u == 0 for h in heads))
+
+
+def _parse(section: dict[str, Any]) -> ParallelConfig:
     if not isinstance(section, dict):
         raise ValueError(f"parallel must be a dict, got {type(section).__name__}")
     unknown = sorted(set(section) - set(_KEYS))

@@ -187,7 +187,7 @@ class ShardedRun:
         cfg = self.config
         if self.partial:
             return self.resharded(make_step(cfg, None, None), None, cfg)
-        pc = parallel.parse(cfg.parallel)
+        pc = parallel.parse(cfg.parallel, cfg.model)
 
         def body(mesh: Mesh) -> TrainState | None:
             local = self.local(make_step(cfg, mesh, pc), mesh, cfg)

@@ -156,6 +156,17 @@ def is_video_model(model_cfg: Any) -> bool:
     return type(model_cfg).__module__ == "colfunc.models.dit"
 
 
+def check_language_run(cfg: RunConfig, run: Any, command: str) -> None:
+    """Refuse a video DiT run where a language model is needed (``colfunc generate``,
+    ``serve``, ``export``), pointing at ``colfunc sample``."""
+    if is_video_model(cfg.model):
+        raise ValueError(
+            f"{str(run)!r} is a video DiT run, which colfunc {command} does not take (it works "
+            f"on language models); sample its clips with: colfunc sample --run {run} "
+            f"--prompt 'red square moving right'"
+        )
+
+
 def for_run(cfg: RunConfig) -> LanguageTask | VideoTask:
     """The task of ``cfg``'s model: video for the DiT, language for the rest."""
     if is_video_model(cfg.model):

@@ -273,9 +273,19 @@ def run(
     resumes under any ``parallel`` section, or none.
     """
     run_dir = Path(run_dir)
-    pc = parallel.parse(cfg.parallel) if cfg.parallel else None
+    pc = parallel.parse(cfg.parallel, cfg.model) if cfg.parallel else None
     if pc is not None:
         pc.check_seq_len(cfg.data.seq_len)
+        usp = cfg.parallel.get("sequence") or {}
+        u = pc.sequence_ulysses
+        if u is not None and "ulysses" not in usp and os.environ.get("RANK", "0") == "0":
+            print(
+                f"colfunc: parallel['sequence']: mode='usp' without ulysses=: ulysses={u}, the "
+                f"largest that divides size={pc.sequence_size} and each tensor-parallel rank's "
+                f"heads (ring attention over the other {pc.sequence_size // u})",
+                file=sys.stderr,
+                flush=True,
+            )
     lead_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 makes the folder
     restarted = restart and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if state is None and lead_process and run_dir.exists() and restarted:

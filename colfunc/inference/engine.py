@@ -30,7 +30,7 @@ from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece
 from colfunc.transforms.shard import place
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput"]
+__all__ = ["CompletionOutput", "Engine", "KVMemoryError", "RequestOutput"]
 
 DEFAULT_KV_BYTES = 2 * 2**30  # the most the default cache size takes
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
@@ -51,6 +51,24 @@ def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
     return value
+
+
+class KVMemoryError(ValueError):
+    """A KV cache size (``kv_memory``) too small for one sequence at the model's context: the
+    size given, the bytes it is, and the least that holds one sequence."""
+
+    def __init__(self, given: int | str, budget: int, needed: int, context: int) -> None:
+        self.given, self.budget, self.needed, self.context = given, budget, needed, context
+        super().__init__(self.message("kv_memory"))
+
+    def message(self, name: str) -> str:
+        """The message, naming the size as the caller knows it (``--kv-memory`` on the CLI)."""
+        mib = -(-self.needed // 2**20)
+        return (
+            f"{name}={self.given!r} ({self.budget} bytes) cannot hold one sequence at the "
+            f"model's context of {self.context} tokens, which takes {self.needed} bytes; give "
+            f"at least {mib}MiB"
+        )
 
 
 @dataclasses.dataclass
@@ -154,6 +172,9 @@ class Engine:
             budget = _bytes(kv_memory) if kv_memory is not None else DEFAULT_KV_BYTES
             num_blocks = full if kv_memory is None else budget // per_block
             num_blocks = min(num_blocks, budget // per_block)
+            one_sequence = -(-cfg.max_seq_len // self.block_size) * per_block
+            if kv_memory is not None and num_blocks * self.block_size < cfg.max_seq_len:
+                raise KVMemoryError(kv_memory, budget, one_sequence, cfg.max_seq_len)
         _positive("num_blocks", num_blocks)
         if num_blocks * self.block_size < cfg.max_seq_len:
             raise ValueError(

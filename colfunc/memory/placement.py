@@ -40,12 +40,16 @@ def _device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def device_budget(budget: int | float | str | None, device: torch.device) -> int:
+def device_budget(
+    budget: int | float | str | None, device: torch.device, *, whole: bool = False
+) -> int:
     """``budget`` in bytes: an int (bytes), a string like ``"2GiB"`` or ``"512MB"``, or a float
     in (0, 1] (that fraction of the device's memory). None means the whole device, which needs
-    one: on a machine without a GPU the "device" is the CPU, and a budget must be given."""
+    one: on a machine without a GPU the "device" is the CPU, and a budget must be given, unless
+    ``whole`` (a policy that keeps everything on the device, which streams nothing: the memory
+    of the machine then)."""
     if budget is None:
-        if device.type == "cpu":
+        if device.type == "cpu" and not whole:
             raise ValueError(
                 "offload: device_budget is required on a machine without a GPU (the CPU then "
                 "stands for the device); pass bytes, a string like '2GiB', or a fraction"

@@ -40,6 +40,7 @@ __all__ = [
     "get",
     "of_config",
     "of_hf",
+    "positive_number",
     "register",
     "registered",
     "require",
@@ -256,6 +257,12 @@ def of_hf(architectures: list[str] | tuple[str, ...], model_type: str | None) ->
         f"no registered model family reads architectures={list(architectures)!r}, "
         f"model_type={model_type!r}; colfunc reads {known}"
     )
+
+
+def positive_number(value: object) -> bool:
+    """Whether ``value`` is a real number > 0, its type checked before the comparison (so a
+    config's ``norm_eps="x"`` is its own ValueError, not a TypeError from ``>``)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
 
 
 def require(model: str, hf_cfg: Any, option: str, allowed: tuple[Any, ...]) -> None:

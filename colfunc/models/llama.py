@@ -20,7 +20,15 @@ import torch
 
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
-from colfunc.models.family import Family, HFMapping, HFWeight, KVCacheSpec, linear, require
+from colfunc.models.family import (
+    Family,
+    HFMapping,
+    HFWeight,
+    KVCacheSpec,
+    linear,
+    positive_number,
+    require,
+)
 
 __all__ = [
     "Config",
@@ -91,9 +99,9 @@ class Config:
             raise ValueError(
                 f"llama.Config: n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}"
             )
-        if not self.rope_theta > 0:
+        if not positive_number(self.rope_theta):
             raise ValueError(f"llama.Config: rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.norm_eps > 0:
+        if not positive_number(self.norm_eps):
             raise ValueError(f"llama.Config: norm_eps must be > 0, got {self.norm_eps!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, positions, scan_layers
-from colfunc.models.family import Family, HFMapping, HFWeight, KVCacheSpec, linear, require
+from colfunc.models.family import (
+    Family,
+    HFMapping,
+    HFWeight,
+    KVCacheSpec,
+    linear,
+    positive_number,
+    require,
+)
 
 __all__ = [
     "POSITION_OFFSET",
@@ -55,7 +63,7 @@ class Config:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.d_ff is None:
+        if self.d_ff is None and isinstance(self.d_model, int):
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len", "d_ff"):
             value = getattr(self, name)
@@ -63,7 +71,7 @@ class Config:
                 raise ValueError(f"opt.Config: {name} must be a positive int, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"opt.Config: n_head={self.n_head} must divide d_model={self.d_model}")
-        if not self.norm_eps > 0:
+        if not positive_number(self.norm_eps):
             raise ValueError(f"opt.Config: norm_eps must be > 0, got {self.norm_eps!r}")
 
     @classmethod

@@ -84,6 +84,13 @@ def _policy_fn(policy: Policy) -> Callable[..., CheckpointPolicy] | None:
         )
     if callable(policy):
         return policy
+    if not isinstance(policy, (set, frozenset, list, tuple)) or not all(
+        isinstance(n, str) for n in policy
+    ):
+        raise TypeError(
+            f"remat: policy must be 'full', 'save_matmuls', 'none', a set of ATen op names to "
+            f"keep or a selective-checkpoint policy function, got {policy!r}"
+        )
     names = frozenset(policy)
     if not names or not all(isinstance(n, str) for n in names):
         raise ValueError(

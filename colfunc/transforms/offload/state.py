@@ -86,7 +86,7 @@ class OffloadState:
         self.cfg, self.layout = cfg, layout
         self.device = pool_device()
         real = torch.device("cpu") if self.device.type == "meta" else self.device
-        self.budget = device_budget(cfg.device_budget, real)
+        self.budget = device_budget(cfg.device_budget, real, whole=cfg.policy == "device")
         flat, self.treedef = tree.flatten_with_paths(params)
         self.paths = [path for path, _ in flat]
         self.dtypes = [x.dtype for _, x in flat]  # the masters' (amp computes on copies)

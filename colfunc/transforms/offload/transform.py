@@ -102,7 +102,9 @@ class OffloadConfig:
             )
         # refuse a bad budget when built (a dry run names the budget it plans for)
         device_budget(
-            self.device_budget, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.device_budget,
+            torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+            whole=self.policy == "device",  # everything stays on the device: no budget needed
         )
 
     @property

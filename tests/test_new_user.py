@@ -1,0 +1,161 @@
+"""Defects a new user met, each fixed with the message they should have read: one line and exit
+2 from the command line, a ValueError or TypeError naming the value and the fix from Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import colfunc as cf
+from colfunc import config, optim, parallel
+from colfunc.cli import main
+from colfunc.inference import Engine
+from colfunc.inference.engine import KVMemoryError
+from colfunc.models import dit, gpt, llama, opt
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def _one_line(err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colfunc: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_version_and_help_texts(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as e:
+        cf.cli._parser().parse_args(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("colfunc ") and out.split()[1][0].isdigit()
+    assert main(["generate", "--help"]) == 0
+    assert "the sampling seed" in capsys.readouterr().out
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "port to bind (default: 8000)" in text
+    assert "KV cache size, e.g. 1GiB (default:" in text
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        (config.TrainConfig, "steps", "ten"),
+        (config.TrainConfig, "seed", 1.5),
+        (config.DataConfig, "batch_size", "8"),
+        (gpt.Config, "norm_eps", "x"),
+        (gpt.Config, "d_model", None),
+        (llama.Config, "rope_theta", None),
+        (opt.Config, "norm_eps", [1e-5]),
+        (dit.Config, "n_head", "4"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_names_the_field(cls, field, value) -> None:
+    with pytest.raises(ValueError, match=rf"{field}.*{value!r}".replace("[", r"\[")):
+        cls(**{field: value})
+
+
+def test_remat_names_a_bad_policy() -> None:
+    step = cf.train_step(lambda p, b: p["w"].sum(), optim.sgd(0.1))
+    for bad in (42, [1, 2], None):
+        with pytest.raises(TypeError, match=r"remat: policy must be 'full'.*a set of ATen op"):
+            cf.remat(step, policy=bad)
+
+
+def test_offload_device_policy_needs_no_budget_on_a_cpu() -> None:
+    params = {"w": torch.randn(6, dtype=torch.float64)}
+    step = cf.train_step(lambda p, b: (p["w"] ** 2).sum(), optim.sgd(0.1))
+    off = cf.offload(step, "device")  # everything stays on the device: nothing to budget
+    cf.testing.assert_equivalent(off, step, params, [None, None])
+    with pytest.raises(ValueError, match="device_budget is required on a machine without a GPU"):
+        cf.offload(step, "host")
+
+
+def test_usp_without_ulysses_takes_the_largest_size_the_heads_allow() -> None:
+    heads = llama.Config(n_head=4, n_kv_heads=2, d_model=64)
+    usp = {"sequence": {"mode": "usp", "size": 4}}
+    assert parallel.parse(usp, heads).sequence_ulysses == 2  # 2 key/value heads
+    assert parallel.parse({**usp, "tensor": 2}, heads).sequence_ulysses == 1  # 1 per tp rank
+    assert parallel.parse(usp, llama.Config(n_head=8, d_model=64)).sequence_ulysses == 4
+    six = {"sequence": {"mode": "usp", "size": 6}}
+    assert (
+        parallel.parse(six, llama.Config(n_head=6, n_kv_heads=3, d_model=48)).sequence_ulysses == 3
+    )
+    got = parallel.parse(usp, heads)
+    assert got.mesh_shape == {"dp": 1, "sp_ring": 2, "sp_ulysses": 2}
+    with pytest.raises(ValueError, match="needs ulysses=U"):  # nothing to choose it from
+        parallel.parse(usp)
+
+
+def test_kv_memory_too_small_speaks_of_kv_memory() -> None:
+    cfg = gpt.Config(vocab_size=32, n_layer=2, n_head=2, d_model=16, max_seq_len=64)
+    params = gpt.init(cfg)
+    with pytest.raises(KVMemoryError, match=r"kv_memory='1KiB' \(1024 bytes\) cannot hold one"):
+        Engine(gpt, cfg, params, kv_memory="1KiB")
+    try:
+        Engine(gpt, cfg, params, kv_memory="1KiB")
+    except KVMemoryError as e:
+        assert e.message("--kv-memory").startswith("--kv-memory='1KiB'")
+        assert e.needed == 64 * 2 * 2 * 16 * 4  # 64 slots x (k, v) x 2 layers x 16 wide x fp32
+    Engine(gpt, cfg, params, kv_memory=64 * 2 * 2 * 16 * 4)  # exactly one sequence: fine
+
+
+@pytest.fixture(scope="module")
+def dit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dit")
+    args = ["train", str(CONFIGS / "dit_video_tiny.py"), "--name", "v", "--no-progress"]
+    args += ["--set", "train.steps=1", "--set", f"train.out_dir={out}"]
+    assert main([*args, "--set", "train.sample_tokens=0"]) == 0
+    return out / "v"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "def "],
+        ["export", "--hf", "OUT"],
+        ["serve", "--port", "0"],
+    ],
+    ids=["generate", "export", "serve"],
+)
+def test_language_commands_on_a_dit_run_point_at_sample(dit_run, argv, tmp_path, capsys) -> None:
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    capsys.readouterr()
+    assert main([argv[0], "--run", str(dit_run), *argv[1:]]) == 2
+    _one_line(capsys.readouterr().err, "is a video DiT run", "colfunc sample --run")
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_says_when_the_context_ended_it(tmp_path: Path, capsys: Any) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(a):\n    return a + {i}\n" * 6)
+    sets = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.max_seq_len=16"]
+    sets += ["data.seq_len=16", "data.batch_size=2", "train.steps=1", "train.sample_tokens=0"]
+    sets += [f"data.corpus={corpus}", f"train.out_dir={tmp_path}"]
+    argv = ["train", "--name", "r", "--no-progress"] + [a for s in sets for a in ("--set", s)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    run = str(tmp_path / "r")
+    assert main(["generate", "--run", run, "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    assert "ended generation" not in capsys.readouterr().err  # 4 + 5 tokens fit in 16
+    assert main(["generate", "--run", run, "--prompt", "def ", "--max-new-tokens", "50"]) == 0
+    out = capsys.readouterr()
+    assert "context of 16 tokens ended generation after 12 new tokens (of 50 asked)" in out.err
+    assert len(out.out.rstrip("\n")) <= 16  # (a byte each at most: undecodable ones are one char)
+
+
+def test_a_bad_config_value_from_a_config_file_is_one_line(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(
+        "from colfunc.config import DataConfig, OptimConfig, TrainConfig\n"
+        "from colfunc.models import gpt\n"
+        "model = gpt.Config.tiny()\noptim = OptimConfig()\ndata = DataConfig()\n"
+        "train = TrainConfig(steps='ten')\n"
+    )
+    assert main(["train", str(path), "--no-progress"]) == 2
+    _one_line(capsys.readouterr().err, "train.steps must be a positive int, got 'ten'")
