@@ -122,7 +122,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     changed_model = [s for s in args.set if s.strip().startswith("model.")]
     if changed_model:
         raise ValueError(f"--set {changed_model[0]}: the model cannot change when resuming")
-    run_dir = Path(args.resume)
+    run_dir = _resumed_run(Path(args.resume))
     state, saved = train.load_run(args.resume, gather=False)  # each rank its own shard
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
@@ -133,6 +133,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     with _threads(args.threads):
         train.run(cfg, run_dir, state=state, progress=not args.no_progress)
     return 0
+
+
+def _resumed_run(path: Path) -> Path:
+    """The run folder ``--resume PATH`` continues: ``PATH`` itself, or, for a checkpoint folder
+    (as ``generate --run`` takes), the run it belongs to when it is that run's latest (said on
+    stderr); an older checkpoint of a run, or one outside any run, is refused."""
+    from colfunc import checkpoint, train
+
+    if not (path / checkpoint.META).is_file():
+        return path  # a run folder (load_run says what is wrong with it otherwise)
+    store = path.parent
+    run = store.parent if store.name == train.CHECKPOINTS else store  # (old runs: run/checkpoint)
+    latest = train.checkpoint_path(run) if (run / train.METRICS).is_file() else None
+    if latest is None:
+        raise ValueError(
+            f"--resume {path}: a checkpoint folder outside a run folder; resume a run folder "
+            f"(runs/NAME), or start a new run from the checkpoint's weights"
+        )
+    if latest.resolve() != path.resolve():
+        raise ValueError(
+            f"--resume {path}: an older checkpoint of run {str(run)!r}, whose latest is "
+            f"{latest.name}; resume the run (--resume {run}), which continues from its latest"
+        )
+    print(f"colfunc: resuming run {run} from its checkpoint {path.name}", file=sys.stderr)
+    return run
 
 
 def _claim(run_dir: Path, made: list[Path]) -> Path:

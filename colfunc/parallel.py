@@ -198,6 +198,24 @@ class ParallelConfig:
                 f"is a multiple of {n}"
             )
 
+    def check_batch(self, batch_size: int) -> None:
+        """ValueError unless ``batch_size`` (the global batch) splits over the data-parallel
+        ranks and each rank's share into the pipeline's microbatches: a run checks it before
+        it makes its folder, rather than failing at its first step."""
+        dp = self.data
+        if batch_size % dp:
+            raise ValueError(
+                f"data.batch_size={batch_size} is not divisible by parallel data={dp} (each "
+                f"data-parallel rank takes an equal share); use a multiple of {dp}"
+            )
+        m = int(self.pipeline.get("microbatches", self.stages)) if self.pipeline else 1
+        if (batch_size // dp) % m:
+            raise ValueError(
+                f"data.batch_size={batch_size} over data={dp} ranks leaves {batch_size // dp} "
+                f"rows each, not divisible by the pipeline's microbatches={m}; use a batch size "
+                f"that is a multiple of {dp * m}"
+            )
+
     @property
     def long_sequence(self) -> bool:
         """Whether the sequence is split over an axis of its own (Ulysses, ring, ...)."""

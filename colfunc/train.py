@@ -32,6 +32,7 @@ finite stops the run before anything is saved, so it never replaces a good check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from colfunc import hf, parallel, tasks, tree
+from colfunc import hf, parallel, random, tasks, tree
 from colfunc.config import RunConfig, model_module
 from colfunc.resume import (
     CHECKPOINT,
@@ -185,6 +186,27 @@ def _check_resumable(state: Any, fresh: TrainState) -> None:
         )
 
 
+def _check_same_optimizer(saved: RunConfig, cfg: RunConfig) -> None:
+    """Refuse to resume under an optimizer whose state is laid out otherwise than the one the
+    checkpoint holds (``optim.clip_norm=0`` drops the clipping from the chain, say), naming
+    what changed: its state cannot carry over."""
+    like = random.as_meta(model_module(cfg.model).init(cfg.model, abstract=True))
+    was = build_optimizer(saved.optim, saved.train.steps).init(like)
+    now = build_optimizer(cfg.optim, cfg.train.steps).init(like)
+    if tree.structure(was) == tree.structure(now):
+        return
+    changed = [
+        f"optim.{f}={getattr(cfg.optim, f)!r} (was {getattr(saved.optim, f)!r})"
+        for f in (f.name for f in dataclasses.fields(cfg.optim))
+        if getattr(cfg.optim, f) != getattr(saved.optim, f)
+    ]
+    raise ValueError(
+        f"the optimizer differs from the checkpoint's ({', '.join(changed) or 'its chain'}): its "
+        f"state is laid out otherwise and cannot carry over; resume with the run's optimizer "
+        f"settings, or start a new run from the checkpoint's weights"
+    )
+
+
 def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -274,8 +296,9 @@ def run(
     """
     run_dir = Path(run_dir)
     pc = parallel.parse(cfg.parallel, cfg.model) if cfg.parallel else None
-    if pc is not None:
+    if pc is not None:  # what the composition needs of the data, before the folder is made
         pc.check_seq_len(cfg.data.seq_len)
+        pc.check_batch(cfg.data.batch_size)
         usp = cfg.parallel.get("sequence") or {}
         u = pc.sequence_ulysses
         if u is not None and "ulysses" not in usp and os.environ.get("RANK", "0") == "0":
@@ -310,6 +333,8 @@ def run(
     task = tasks.for_run(cfg)  # the corpus (or the video set) read once, here
     # weights read once, here: ranks (threads) must not import transformers side by side
     params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
+    if isinstance(state, ShardedRun):
+        _check_same_optimizer(state.config, cfg)
     if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc) and not state.partial:
         state = state.full()  # another layout, an old checkpoint: from the single-device one
     body = functools.partial(

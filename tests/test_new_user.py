@@ -159,3 +159,89 @@ def test_a_bad_config_value_from_a_config_file_is_one_line(tmp_path: Path, capsy
     )
     assert main(["train", str(path), "--no-progress"]) == 2
     _one_line(capsys.readouterr().err, "train.steps must be a positive int, got 'ten'")
+
+
+TINY = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.max_seq_len=16"]
+TINY += ["data.seq_len=16", "data.batch_size=4", "train.sample_tokens=0", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(20):
+        (root / f"m{i}.py").write_text(f"def f{i}(a):\n    return a + {i}\n" * 6)
+    return root
+
+
+def _train(out: Path, corpus: Path, name: str, *sets: str) -> int:
+    sets_ = [*TINY, f"data.corpus={corpus}", f"train.out_dir={out}", *sets]
+    argv = ["train", "--name", name, "--no-progress"] + [a for s in sets_ for a in ("--set", s)]
+    return main(argv)
+
+
+def test_resume_takes_a_checkpoint_folder_into_its_run(tmp_path, small_corpus, capsys) -> None:
+    assert _train(tmp_path, small_corpus, "r", "train.steps=2") == 0
+    latest = tmp_path / "r" / "checkpoints" / "step-00000002"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(latest), "--set", "train.steps=4", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming run {tmp_path / 'r'} from its checkpoint step-00000002" in err
+    assert sorted(p.name for p in latest.iterdir()) == ["meta.json", "state.safetensors"]
+    assert (tmp_path / "r" / "checkpoints" / "step-00000004").is_dir()
+    # an older checkpoint of the run is refused: resuming it would rewrite the run's history
+    assert main(["train", "--resume", str(latest), "--set", "train.steps=6"]) == 2
+    _one_line(capsys.readouterr().err, "an older checkpoint of run", "latest is step-00000004")
+
+
+def test_resume_under_another_optimizer_chain_says_so(tmp_path, small_corpus, capsys) -> None:
+    assert _train(tmp_path, small_corpus, "r", "train.steps=2") == 0
+    capsys.readouterr()
+    argv = ["train", "--resume", str(tmp_path / "r"), "--set", "train.steps=4"]
+    assert main([*argv, "--set", "optim.clip_norm=0"]) == 2
+    _one_line(
+        capsys.readouterr().err,
+        "the optimizer differs from the checkpoint's (optim.clip_norm=0.0 (was 1.0))",
+        "resume with the run's optimizer settings",
+    )
+    assert main([*argv, "--set", "optim.lr=1e-2", "--no-progress"]) == 0  # same state: fine
+
+
+@pytest.mark.parametrize(
+    ("layout", "needle"),
+    [
+        ("parallel.data=3", "data.batch_size=4 is not divisible by parallel data=3"),
+        ('parallel.pipeline={"stages": 2, "microbatches": 3}', "microbatches=3"),
+    ],
+)
+def test_a_composition_the_batch_cannot_feed_fails_before_the_run_folder(
+    tmp_path, small_corpus, capsys, layout, needle
+) -> None:
+    assert _train(tmp_path, small_corpus, "bad", "train.steps=2", layout) == 2
+    _one_line(capsys.readouterr().err, needle)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_failed_launch_leaves_no_rank_thread_running() -> None:
+    """The ranks' threads have unwound when the launch raises: a process that exits at once
+    (the CLI printing the error) never tears down torch under one of them (exit 134). Each rank
+    here leaves a thread-local whose teardown takes a while, after it has reported."""
+    import threading
+    import time
+
+    unwound: list[int] = []
+
+    class Slow:
+        def __del__(self) -> None:
+            time.sleep(0.3)
+            unwound.append(1)
+
+    per_thread = threading.local()
+
+    def main_(mesh: cf.Mesh) -> None:
+        per_thread.slow = Slow()  # freed as the rank's thread exits, after it reported
+        step = cf.shard(cf.train_step(lambda p, b: (p["w"] * b).sum(), optim.sgd(0.1)), mesh)
+        step(step.init({"w": torch.ones(3)}), torch.ones(4, 3))  # 4 rows over dp=3
+
+    with pytest.raises(cf.sharding.RankFailedError, match="not divisible by the 'dp' axis size 3"):
+        cf.launch(main_, mesh={"dp": 3})
+    assert len(unwound) == 3  # every rank's thread had ended when the launch raised

@@ -58,7 +58,10 @@ LABELS = ["fast", "slow", "frozen"]
 
 @settings(max_examples=10, deadline=None)
 @given(
-    assignment=st.lists(st.sampled_from(LABELS), min_size=5, max_size=5),
+    # (at least one leaf trained: torch.optim refuses an empty parameter list)
+    assignment=st.lists(st.sampled_from(LABELS), min_size=5, max_size=5).filter(
+        lambda a: set(a) != {"frozen"}
+    ),
     steps=st.integers(1, 4),
 )
 def test_multi_transform_equals_torch_parameter_groups(assignment, steps) -> None:

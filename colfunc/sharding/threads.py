@@ -363,6 +363,12 @@ def run_threads(fn: Callable[[Mesh], Any], shape: Mapping[str, int], timeout: fl
     except BaseException as e:  # e.g. KeyboardInterrupt: release the ranks, then re-raise
         world.abort(None, e)
         raise
+    # a rank has ended once it reported, but its thread still unwinds (frames, tensors freed in
+    # C++): wait for that, so that a process exiting right after the launch (a CLI error) never
+    # tears down the runtime under a rank thread still inside torch (an abort, exit 134)
+    for r, t in enumerate(threads):
+        if r not in left:
+            t.join(timeout=max(timeout, 1.0))
     if world.failure is not None:
         rank, exc = world.failure
         hung = (
