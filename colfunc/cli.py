@@ -241,11 +241,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
             "colfunc export writes a transformers folder and needs transformers: "
             "pip install transformers"
         ) from None
-    tok = (
-        cfg.data.tokenizer if cfg.data.tokenizer and cfg.data.tokenizer.startswith("hf:") else None
-    )
+    byte_level = not (cfg.data.tokenizer and cfg.data.tokenizer.startswith("hf:"))
+    tok = "bytes" if byte_level else cfg.data.tokenizer
     out = hf.save(args.hf, cfg.model, state.params, dtype=args.dtype, tokenizer=tok)
-    note = "" if tok is not None else " (the run's tokenizer is byte-level: token id = byte value)"
+    note = " with its byte-level tokenizer (token id = byte value)" if byte_level else ""
     print(f"colfunc: wrote {out}/ (step {state.step}){note}", flush=True)
     return 0
 

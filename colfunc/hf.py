@@ -17,6 +17,7 @@ except :func:`hf_config`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from colfunc import models, nn, tree
 from colfunc.models import HFMapping, HFWeight
 
 __all__ = [
+    "byte_tokenizer",
     "folder_of",
     "from_hf",
     "hf_config",
@@ -313,6 +315,7 @@ def save(
     ``model.safetensors``) of ``(cfg, params)``, which ``AutoModelForCausalLM.from_pretrained``
     loads; with the tokenizer of the folder ``tokenizer`` (``"hf:FOLDER"``) beside it.
 
+    ``tokenizer`` may also be ``"bytes"``: colfunc's byte-level tokenizer (:func:`byte_tokenizer`).
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) casts the weights;
     None keeps theirs. ``folder`` must not exist, or be empty: nothing is overwritten.
     """
@@ -336,11 +339,53 @@ def save(
     if dtype is not None:
         model = model.to(dtype)
     tok = None
-    if tokenizer is not None:
+    if tokenizer == "bytes":
+        tok = byte_tokenizer()
+    elif tokenizer is not None:
         tok = transformers.AutoTokenizer.from_pretrained(
             folder_of(tokenizer, "tokenizer"), local_files_only=True
         )
     model.save_pretrained(folder, safe_serialization=True)
     if tok is not None:
         tok.save_pretrained(folder)
+    # the files readable as the umask says, as any other file (save_pretrained's are 0600)
+    mode = 0o666 & ~_umask()
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
     return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def byte_tokenizer() -> Any:
+    """colfunc's byte-level tokenizer (token id = UTF-8 byte value, no special tokens) as a
+    ``transformers`` fast tokenizer, for a folder that ``AutoTokenizer`` and the server load:
+    each byte is one token, under GPT-2's byte-to-character alphabet, and decodes back."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 characters, one per byte
+    byte_of = {c: b for b, c in _gpt2_bytes().items()}
+    vocab = {c: byte_of[c] for c in alphabet}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's map of bytes to printable characters (what ``ByteLevel`` pre-tokenizes into)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

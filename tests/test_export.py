@@ -82,3 +82,35 @@ def test_export_casts_and_refuses_to_overwrite(
     assert main(["export", "--run", str(tmp_path / "nothing"), "--hf", str(tmp_path / "x")]) == 2
     assert "is not a run folder or a checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_byte_level_run_exports_its_tokenizer_and_the_umask_modes(tmp_path: Path) -> None:
+    """The folder of a byte-level run carries a tokenizer.json (token id = byte value) that
+    transformers and the server load, so text prompts work on it; its files follow the umask."""
+    import os
+
+    from colfunc import engines
+    from colfunc.generate import sample
+    from colfunc.inference import SamplingParams
+
+    run, cfg, state = _run(tmp_path, "gpt")
+    out = tmp_path / "hf"
+    old = os.umask(0o027)
+    try:
+        assert main(["export", "--run", str(run), "--hf", str(out)]) == 0
+    finally:
+        os.umask(old)
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o640, path.name
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "def f(x):\n    return x  # héllo"
+    assert tok.encode(text, add_special_tokens=False) == list(text.encode())
+    engine = engines.from_hf(out, dtype=torch.float32)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    got = engine.generate(["def "], greedy)[0]
+    assert got.prompt_token_ids == list(b"def ")
+    ids = torch.tensor([list(b"def ")])
+    want = sample(
+        config.model_module(cfg.model).apply, state.params, cfg.model, ids[0], 6, temperature=0
+    )
+    assert got.outputs[0].token_ids == want[4:].tolist()
