@@ -124,6 +124,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--set {changed_model[0]}: the model cannot change when resuming")
     run_dir = _resumed_run(Path(args.resume))
     state, saved = train.load_run(args.resume, gather=False)  # each rank its own shard
+    _set_aside_incomplete(run_dir, state.step)
     cfg = config.override(saved, args.set)
     if state.step >= cfg.train.steps:
         raise ValueError(
@@ -133,6 +134,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     with _threads(args.threads):
         train.run(cfg, run_dir, state=state, progress=not args.no_progress)
     return 0
+
+
+def _set_aside_incomplete(run_dir: Path, step: int) -> None:
+    """Say which checkpoint a resume uses when a newer one is incomplete, and move that one
+    aside (kept as ``.broken-...``), so that the run's next save of its step succeeds."""
+    from colfunc import checkpoint, train
+
+    for folder in checkpoint.incomplete(run_dir / train.CHECKPOINTS):
+        aside = checkpoint.set_aside(folder)
+        print(
+            f"colfunc: resuming from step {step}: the newer {folder.name} is incomplete (no "
+            f"{checkpoint.META}: a save cut short) and was moved aside to {aside}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _resumed_run(path: Path) -> Path:

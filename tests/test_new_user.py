@@ -245,3 +245,22 @@ def test_a_failed_launch_leaves_no_rank_thread_running() -> None:
     with pytest.raises(cf.sharding.RankFailedError, match="not divisible by the 'dp' axis size 3"):
         cf.launch(main_, mesh={"dp": 3})
     assert len(unwound) == 3  # every rank's thread had ended when the launch raised
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.data=2"]], ids=["one-device", "sharded"])
+def test_an_incomplete_newest_checkpoint_is_named_and_moved_aside(
+    tmp_path, small_corpus, capsys, layout
+) -> None:
+    sets = ["train.steps=4", "train.save_every=2", *layout]
+    assert _train(tmp_path, small_corpus, "r", *sets) == 0
+    store = tmp_path / "r" / "checkpoints"
+    (store / "step-00000004" / "meta.json").unlink()  # a save cut short, or a hand
+    capsys.readouterr()
+    argv = ["train", "--resume", str(tmp_path / "r"), "--set", "train.steps=6", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 2: the newer step-00000004 is incomplete" in err
+    assert (store / "step-00000004" / "meta.json").is_file()  # saved again at step 4
+    assert (store / "step-00000006" / "meta.json").is_file()
+    assert [p.name.startswith(".broken-step-00000004-") for p in store.glob(".broken-*")] == [True]
+    assert not list(store.glob(".tmp-*"))

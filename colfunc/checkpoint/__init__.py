@@ -57,7 +57,15 @@ from colfunc.checkpoint.sharded import (
     load_shard,
     write_shard,
 )
-from colfunc.checkpoint.store import LATEST, AsyncWriter, commit, latest, steps
+from colfunc.checkpoint.store import (
+    LATEST,
+    AsyncWriter,
+    commit,
+    incomplete,
+    latest,
+    set_aside,
+    steps,
+)
 
 __all__ = [
     "LATEST",
@@ -73,10 +81,12 @@ __all__ = [
     "checksum",
     "commit",
     "finish_sharded",
+    "incomplete",
     "latest",
     "load",
     "load_shard",
     "save",
+    "set_aside",
     "shard_name",
     "sharded_meta",
     "steps",

@@ -32,7 +32,14 @@ from colfunc.checkpoint.files import (
     _write_synced,
     shard_name,
 )
-from colfunc.checkpoint.store import _clear_temporaries, _open_store, _point, _prune, _step_name
+from colfunc.checkpoint.store import (
+    _clear_temporaries,
+    _open_store,
+    _point,
+    _prune,
+    _step_name,
+    set_aside,
+)
 
 
 def _shards_temp(root: Path, name: str) -> Path:
@@ -129,6 +136,7 @@ def finish_sharded(
     text = json.dumps(meta, indent=1)
     _write_synced(folder / META, lambda p: p.write_text(text))
     _sync_dir(folder)
+    set_aside(final)  # an incomplete folder of that name: never loadable, moved aside
     os.rename(folder, final)
     _sync_dir(root)
     _point(root, name)

@@ -19,7 +19,6 @@ from colfunc.checkpoint import files
 from colfunc.checkpoint.files import (
     META,
     TENSORS,
-    CheckpointError,
     _meta,
     _new_temp,
     _sync_dir,
@@ -110,6 +109,34 @@ def _open_store(root: str | Path) -> Path:
     return root
 
 
+def incomplete(root: str | Path) -> list[Path]:
+    """The step folders of the store ``root`` newer than its latest complete checkpoint that
+    are not complete (no ``meta.json``: a crash, or a hand, took it): what a resume skips."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = latest(root)
+    found = _STEP.fullmatch(done.name) if done is not None else None
+    newest = int(found.group(1)) if found is not None else -1
+    out = []
+    for p in sorted(root.iterdir()):
+        m = _STEP.fullmatch(p.name)
+        if m and p.is_dir() and int(m.group(1)) > newest and not (p / META).is_file():
+            out.append(p)
+    return out
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Move the incomplete checkpoint ``folder`` (no ``meta.json``) out of the store's way, to
+    ``.broken-NAME-XXXXXXXX`` beside it, kept for inspection; the path it went to (None if
+    there was nothing to move). A complete checkpoint is never moved."""
+    if not folder.exists() or (folder / META).is_file():
+        return None
+    aside = folder.with_name(f".broken-{folder.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(folder, aside)
+    return aside
+
+
 def _clear_temporaries(root: Path) -> None:
     """Remove what crashed commits left in the store (``.tmp-*``)."""
     for stale in root.glob(".tmp-*"):
@@ -151,10 +178,7 @@ def commit(
         tmp = _new_temp(root, f".tmp-{name}-")
         try:
             files._write(tmp, meta, tensors)  # (as files'; tests hold it)
-            if final.exists():  # an incomplete folder of that name (written by hand?)
-                raise CheckpointError(
-                    f"{str(final)!r} exists but is not a complete checkpoint; remove it"
-                )
+            set_aside(final)  # an incomplete folder of that name: never loadable, moved aside
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
