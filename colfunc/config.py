@@ -152,6 +152,9 @@ class TrainConfig:
     Checkpoints: every ``save_every`` steps (0: only at the end and when stopped by a signal),
     keeping the newest ``keep_last`` (0: all). ``async_save`` copies the state to host memory
     and writes it in a background thread, so the step waits only for the copy.
+
+    ``tensorboard``: every record also goes to TensorBoard event files beside ``metrics.jsonl``
+    (``tensorboard --logdir runs/``; needs the ``tensorboard`` package).
     """
 
     steps: int = 300
@@ -166,14 +169,16 @@ class TrainConfig:
     save_every: int = 0
     keep_last: int = 3
     async_save: bool = False
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "log_every", "eval_every", "eval_batches"):
             _check_positive("train", name, getattr(self, name))
         for name in ("seed", "sample_tokens", "save_every", "keep_last"):
             _check_positive("train", name, getattr(self, name), allow_zero=True)
-        if not isinstance(self.async_save, bool):
-            raise ValueError(f"train.async_save must be True or False, got {self.async_save!r}")
+        for name in ("async_save", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"train.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.name, str) or "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"train.name must be a plain folder name, got {self.name!r}")
         if not isinstance(self.out_dir, str) or not self.out_dir:

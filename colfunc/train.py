@@ -222,14 +222,37 @@ def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
     return [r for r in records if r["step"] <= up_to]
 
 
-class _Log:
-    """``metrics.jsonl`` as it grows: the records so far, each appended and flushed at once."""
+# what goes to TensorBoard, under which tag (the record's other fields stay in the jsonl)
+_TENSORBOARD_TAGS = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+}
 
-    def __init__(self, path: Path, records: list[dict[str, Any]], t0: float) -> None:
+
+class _Log:
+    """``metrics.jsonl`` as it grows: the records so far, each appended and flushed at once;
+    with ``tensorboard``, each also written to event files in the same folder."""
+
+    def __init__(
+        self, path: Path, records: list[dict[str, Any]], t0: float, tensorboard: bool = False
+    ) -> None:
         self.records = records
         self.t0 = t0
         # a resumed run's clock continues from its last record
         self.offset = records[-1]["elapsed"] if records else 0.0
+        self.board: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError(
+                    "train.tensorboard=True writes TensorBoard event files and needs the "
+                    "tensorboard package: pip install tensorboard"
+                ) from None
+            self.board = SummaryWriter(log_dir=str(path.parent))
         self.file = open(path, "a")  # noqa: SIM115 (closed by close())
 
     def elapsed(self) -> float:
@@ -240,9 +263,16 @@ class _Log:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board is not None:
+            for key, tag in _TENSORBOARD_TAGS.items():
+                if record.get(key) is not None:
+                    self.board.add_scalar(tag, record[key], record["step"])
+            self.board.flush()
 
     def close(self) -> None:
         self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 def _interval_record(
@@ -398,7 +428,11 @@ def _train(
         # the single-device layout (a collective under a mesh)
         return state if mesh is None else single_layout(state)
 
-    log = _Log(run_dir / METRICS, _open_run(run_dir, state), t_start) if lead else None
+    log = (
+        _Log(run_dir / METRICS, _open_run(run_dir, state), t_start, tc.tensorboard)
+        if lead
+        else None
+    )
     state = step_fn.init(params0) if state is None else state
     n_params = sum(x.numel() for x in tree.tensors(params0))
     where = (

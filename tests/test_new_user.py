@@ -264,3 +264,23 @@ def test_an_incomplete_newest_checkpoint_is_named_and_moved_aside(
     assert (store / "step-00000006" / "meta.json").is_file()
     assert [p.name.startswith(".broken-step-00000004-") for p in store.glob(".broken-*")] == [True]
     assert not list(store.glob(".tmp-*"))
+
+
+def test_tensorboard_events_hold_the_records(tmp_path, small_corpus) -> None:
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sets = ["train.steps=4", "train.log_every=2", "train.eval_every=2", "train.tensorboard=True"]
+    assert _train(tmp_path, small_corpus, "tb", *sets) == 0
+    run = tmp_path / "tb"
+    assert list(run.glob("events.out.tfevents.*"))  # beside metrics.jsonl
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for key, tag in (("loss", "train/loss"), ("val_loss", "val/loss"), ("lr", "train/lr")):
+        want = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in want], tag
+        for (_, a), (_, b) in zip(got, want):
+            assert a == pytest.approx(b, rel=1e-6), tag  # (stored as fp32)
