@@ -90,8 +90,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.name is not None:
             cfg = config.override(cfg, [f"train.name={args.name}"])
         stem = Path(args.config).stem if args.config else "gpt_tiny"
-        # under torchrun every rank must pick the same name: the launch's id makes it unique
-        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+        # under torchrun every rank must pick the same name: colfunc run's start time (one
+        # node), else the launch's id
+        stamp = (
+            os.environ.get("COLFUNC_RUN_STAMP")
+            or os.environ.get("TORCHELASTIC_RUN_ID")
+            or time.strftime("%Y%m%d-%H%M%S")
+        )
         name = cfg.train.name or f"{stem}-{stamp}"
         run_dir = Path(cfg.train.out_dir) / name
         made: list[Path] = []  # what _claim made, removed again if the run never starts

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -183,3 +187,59 @@ def test_run_cli_under_torchrun(tmp_path: Path) -> None:
     code = run_cli(2, str(script), [str(out), "--flag"], master_addr="127.0.0.1", master_port=port)
     assert code == 0
     assert json.loads(out.read_text()) == [[[0.0, 1.0], [0.0, 1.0]], ["--flag"]]
+
+
+LINGER = """
+import os, sys, time
+from colfunc.sharding import launch
+
+def fn(mesh):
+    with open(os.path.join(sys.argv[1], f"rank{mesh.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)  # far longer than the test waits
+
+launch(fn, {"dp": 2}, backend="env")
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not reaped by its dead parent's reaper yet) is not running
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_ranks_die_with_a_killed_colfunc_run(tmp_path: Path) -> None:
+    """SIGKILL of the colfunc run process (torchrun's agent, in it) stops its ranks: each asked
+    the kernel for SIGTERM when its parent dies, instead of running on with nobody watching."""
+    script = tmp_path / "linger.py"
+    script.write_text(textwrap.dedent(LINGER))
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "colfunc", "run", "-n", "2", str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        pids: list[int] = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+            time.sleep(0.2)
+        assert len(pids) == 2, "the ranks did not start"
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+        for p in tmp_path.glob("rank*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(p.read_text()), signal.SIGKILL)

@@ -8,6 +8,7 @@ checkpoint that ``colfunc generate`` reads.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,20 @@ def test_the_collective_timeout_is_configurable_and_checked() -> None:
     for bad in (0, -1, float("inf"), "10", True):
         with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
             parallel.parse({"data": 2, "timeout": bad})
+
+
+def test_colfunc_run_names_its_run_as_a_threads_run_is(tmp_path, corpus) -> None:
+    """Under colfunc run every rank names the run <config>-<date>-<time> (the start time the
+    launcher hands them), as the README says, not torchrun's run id."""
+    cfg = _config(tmp_path, corpus, "named", {"data": 2})
+    command = [sys.executable, "-m", "colfunc", "run", "-n", "2", "train", str(cfg)]
+    proc = subprocess.run(
+        [*command, "--no-progress", "--set", "train.steps=2", "--set", "train.sample_tokens=0"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"named-\d{8}-\d{6}", run.name), run.name
+    assert (run / "metrics.jsonl").is_file()

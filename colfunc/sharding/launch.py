@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -101,6 +103,9 @@ def run_cli(
         master_port=master_port,
         max_restarts=max_restarts,
     )
+    # one name for the run on every rank, as a threads run is named: <config>-<date>-<time>
+    if nnodes == 1:
+        os.environ.setdefault("COLFUNC_RUN_STAMP", time.strftime("%Y%m%d-%H%M%S"))
     return _torchrun(argv[3:])  # without "python -m torch.distributed.run"
 
 

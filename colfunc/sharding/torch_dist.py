@@ -16,6 +16,7 @@ import itertools
 import os
 import pickle
 import queue as queue_lib
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -468,8 +469,26 @@ def _env_store(rank: int, size: int, timeout: float) -> Any:
     return dist.PrefixStore(f"colfunc/attempt_{attempt}", base)
 
 
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux): a rank under
+    torchrun whose agent (``colfunc run``) is killed, even by SIGKILL, stops instead of training
+    on with nobody watching (``colfunc train`` saves on SIGTERM, then exits)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return  # (not allowed here: nothing else to do)
+    if os.getppid() == 1:  # the parent died before the request: as if it had just now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_env(fn: Callable[[Mesh], Any], shape: dict[str, int], timeout: float) -> list[Any]:
     """Run ``fn(mesh)`` as this process's rank under torchrun; every rank's result, in rank order."""
+    die_with_parent()
     try:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except KeyError:
