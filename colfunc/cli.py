@@ -341,6 +341,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ready["error"]
         loop = ready["loop"]
     app = build_app(loop, name)
+    # the C++ decode attention is built (once) now, not while the first request waits
+    import torch
+
+    from colfunc.kernels import cpu_attention
+
+    if not torch.cuda.is_available():
+        cpu_attention.extension()
     print(f"colfunc: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # On SIGTERM uvicorn stops accepting, waits for the requests in flight, shuts the app down,
     # and raises the signal again with the handler found before it: this one, so that the

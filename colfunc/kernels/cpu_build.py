@@ -1,17 +1,25 @@
 """Building the C++ CPU kernels (``csrc/*.cpp``): at install, or on first use and cached.
 
 ``COLFUNC_BUILD_EXT=1`` at install compiles each into ``colfunc.kernels._<name>``. Otherwise the
-first call compiles it with ``torch.utils.cpp_extension.load`` into ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/colfunc/extensions`` (a few seconds: the sources include only pybind11), keyed by
-Python and torch versions; later processes load the cached build.
+first call compiles it with ``torch.utils.cpp_extension.load`` under ``$TORCH_EXTENSIONS_DIR``
+or ``~/.cache/colfunc/extensions``, in a folder keyed by the source's hash, the compiler flags
+and the Python and torch versions: two checkouts on one machine share a build when their
+sources agree and never rebuild over each other's when they do not. A build is made in a
+temporary folder and renamed into place (a library a running process has loaded is never
+rewritten), and says so on a terminal's stderr, once (it takes from seconds to a minute and a
+half); later processes load the cached library without running the compiler.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,42 +27,89 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["FLAGS", "build", "build_directory", "guarded", "prebuilt", "source"]
+__all__ = [
+    "FLAGS",
+    "LDFLAGS",
+    "build",
+    "build_directory",
+    "build_key",
+    "guarded",
+    "prebuilt",
+    "source",
+]
 
 # per source: compile flags (the attention kernel may fuse multiply-adds; the Adam must not, to
 # round as torch does)
 FLAGS = {
-    "cpu_adam": ["-O3", "-fopenmp", "-ffp-contract=off"],
-    "cpu_attention": ["-O3", "-fopenmp"],
+    "cpu_adam": ("-O3", "-fopenmp", "-ffp-contract=off"),
+    "cpu_attention": ("-O3", "-fopenmp"),
 }
+LDFLAGS = ("-fopenmp",)
+# what the build says it is making
+TITLES = {"cpu_adam": "CPU Adam", "cpu_attention": "CPU attention"}
 
 
 def source(name: str) -> Path:
     return Path(__file__).parent / "csrc" / f"{name}.cpp"
 
 
+def build_key(name: str) -> str:
+    """What a build of ``name`` depends on: its source, its flags, Python and torch."""
+    digest = hashlib.sha256(source(name).read_bytes())
+    digest.update(repr((FLAGS[name], LDFLAGS, sys.version_info[:2], torch.__version__)).encode())
+    return digest.hexdigest()[:16]
+
+
 def build_directory(name: str) -> Path:
-    """Where the on-first-use build of ``name`` lives; one per Python and torch version."""
+    """Where the on-first-use build of ``name`` lives: one folder per :func:`build_key`."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "colfunc" / "extensions"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    return base / tag / f"colfunc_{name}"
+    return base / f"colfunc_{name}-{build_key(name)}"
+
+
+def _library(directory: Path, name: str) -> Path:
+    return directory / f"colfunc_{name}.so"
+
+
+def _load(library: Path, name: str) -> ModuleType:
+    """The extension module in ``library`` (a built ``.so``), without running a compiler."""
+    spec = importlib.util.spec_from_file_location(f"colfunc_{name}", library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(name: str) -> ModuleType:
-    """Compile ``csrc/<name>.cpp`` (or load its cached build); raises where it cannot."""
+    """Load the cached build of ``csrc/<name>.cpp``, or compile it (once: in a temporary
+    folder, renamed into place); raises where it cannot."""
+    final = build_directory(name)
+    if _library(final, name).is_file():
+        return _load(_library(final, name), name)
     from torch.utils import cpp_extension
 
-    directory = build_directory(name)
-    directory.mkdir(parents=True, exist_ok=True)
-    module: ModuleType = cpp_extension.load(
-        name=f"colfunc_{name}",
-        sources=[str(source(name))],
-        extra_cflags=FLAGS[name],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    if sys.stderr.isatty():  # (a person waiting; logs and captured output stay quiet)
+        what = TITLES.get(name, name)
+        print(f"colfunc: building the {what} kernel (once; up to a minute or two)", file=sys.stderr)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        module: ModuleType = cpp_extension.load(
+            name=f"colfunc_{name}",
+            sources=[str(source(name))],
+            extra_cflags=list(FLAGS[name]),  # (copies: load appends to the lists it is given)
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(tmp),
+            verbose=False,
+        )
+        os.rename(tmp, final)  # atomic: a process sees the whole build or none
+    except OSError:
+        if not _library(final, name).is_file():  # (not another process's build winning)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (the library stays mapped where it is loaded)
     return module
 
 
