@@ -79,6 +79,14 @@ ENTRIES: dict[str, tuple[str, str]] = {
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
         "the CPU flash attention's backward, one key/value block at a time (ring attention)",
     ),
+    "cpu_avx512_bf16": (
+        "torch.cpu._is_avx512_bf16_supported",
+        "whether the CPU computes bf16 natively (amp's bf16 on CPUs without it is emulated)",
+    ),
+    "cpu_amx": (
+        "torch.cpu._is_amx_tile_supported",
+        "whether the CPU has AMX tiles (native bf16 matmuls)",
+    ),
     "storage_use_count": (
         "torch._C._storage_Use_Count",
         "reusing a gradient buffer between steps only when no tensor refers to it any more",

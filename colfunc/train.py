@@ -186,6 +186,26 @@ def _check_resumable(state: Any, fresh: TrainState) -> None:
         )
 
 
+def _warn_emulated_bf16(pc: parallel.ParallelConfig) -> None:
+    """Say once, with its measured cost, that amp's bf16 is emulated on this CPU."""
+    from colfunc.transforms.amp import bf16_is_native, bf16_slowdown
+
+    dtype = (pc.amp or {}).get("dtype")
+    if dtype not in ("bf16", "bfloat16", torch.bfloat16) or bf16_is_native():
+        return
+    if os.environ.get("RANK", "0") != "0":
+        return
+    slow = bf16_slowdown()
+    print(
+        f"colfunc: amp dtype bf16 on a CPU without native bf16 "
+        f"({torch.backends.cpu.get_cpu_capability()}: no AVX512-BF16 or AMX): a bf16 matmul "
+        f"took {slow:.0f}x an fp32 one here, so each step will be slow; "
+        f"parallel amp=dict(dtype='fp32') (or no amp) runs at fp32 speed",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _check_same_optimizer(saved: RunConfig, cfg: RunConfig) -> None:
     """Refuse to resume under an optimizer whose state is laid out otherwise than the one the
     checkpoint holds (``optim.clip_norm=0`` drops the clipping from the chain, say), naming
@@ -329,6 +349,7 @@ def run(
     if pc is not None:  # what the composition needs of the data, before the folder is made
         pc.check_seq_len(cfg.data.seq_len)
         pc.check_batch(cfg.data.batch_size)
+        _warn_emulated_bf16(pc)
         usp = cfg.parallel.get("sequence") or {}
         u = pc.sequence_ulysses
         if u is not None and "ulysses" not in usp and os.environ.get("RANK", "0") == "0":

@@ -284,3 +284,17 @@ def test_tensorboard_events_hold_the_records(tmp_path, small_corpus) -> None:
         assert [s for s, _ in got] == [s for s, _ in want], tag
         for (_, a), (_, b) in zip(got, want):
             assert a == pytest.approx(b, rel=1e-6), tag  # (stored as fp32)
+
+
+def test_emulated_bf16_is_named_with_its_cost(tmp_path, small_corpus, capsys, monkeypatch) -> None:
+    import importlib
+
+    amp = importlib.import_module("colfunc.transforms.amp")  # (the module: cf.transforms.amp
+    # is the transform itself)
+    monkeypatch.setattr(amp, "bf16_is_native", lambda: False)  # as on an AVX2-only CPU
+    assert _train(tmp_path, small_corpus, "b", "train.steps=1", 'parallel.amp="bf16"') == 0
+    err = capsys.readouterr().err
+    assert "amp dtype bf16 on a CPU without native bf16" in err and "x an fp32 one here" in err
+    monkeypatch.setattr(amp, "bf16_is_native", lambda: True)
+    assert _train(tmp_path, small_corpus, "c", "train.steps=1", 'parallel.amp="bf16"') == 0
+    assert "without native bf16" not in capsys.readouterr().err

@@ -27,7 +27,7 @@ from colfunc.transforms.composition import apply_transform
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["AmpConfig", "amp"]
+__all__ = ["AmpConfig", "amp", "bf16_is_native", "bf16_slowdown"]
 
 PyTree = Any
 _DTYPES = {
@@ -42,6 +42,32 @@ _DTYPES = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
+
+
+def bf16_is_native() -> bool:
+    """Whether bf16 runs at speed here: a GPU, or a CPU with AVX512-BF16 or AMX. On an
+    AVX2-only CPU torch emulates bf16 arithmetic, many times slower than fp32."""
+    if torch.cuda.is_available():
+        return True
+    return bool(torch_private.get("cpu_avx512_bf16")() or torch_private.get("cpu_amx")())
+
+
+def bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
+    """How many times longer a ``size`` x ``size`` bf16 matmul takes than an fp32 one on this
+    CPU, measured now (the best of ``repeats`` each): what amp's bf16 costs here."""
+    import time
+
+    a = torch.randn(size, size)
+    times = {}
+    for x in (a, a.bfloat16()):
+        x @ x  # (warm)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x @ x
+            best = min(best, time.perf_counter() - t)
+        times[x.dtype] = best
+    return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
