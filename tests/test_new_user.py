@@ -298,3 +298,23 @@ def test_emulated_bf16_is_named_with_its_cost(tmp_path, small_corpus, capsys, mo
     monkeypatch.setattr(amp, "bf16_is_native", lambda: True)
     assert _train(tmp_path, small_corpus, "c", "train.steps=1", 'parallel.amp="bf16"') == 0
     assert "without native bf16" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["state.safetensors", "meta.json", "step-00000001"])
+def test_an_unreadable_checkpoint_says_permission_denied(
+    tmp_path, small_corpus, capsys, monkeypatch, target
+) -> None:
+    """(Tests may run as root, whom no mode stops: the check is made to see the file as
+    unreadable.)"""
+    import os
+
+    assert _train(tmp_path, small_corpus, "r", "train.steps=1") == 0
+    real = os.access
+
+    def access(path, mode, **kw):  # type: ignore[no-untyped-def]
+        return False if str(path).endswith(target) else real(path, mode, **kw)
+
+    monkeypatch.setattr(os, "access", access)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "r"), "--prompt", "a"]) == 2
+    _one_line(capsys.readouterr().err, f"{target}' cannot be read: permission denied")

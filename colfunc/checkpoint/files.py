@@ -227,7 +227,21 @@ def save(path: str | Path, state: Any, config: Any = None) -> Path:
     return path
 
 
+def check_readable(*paths: Path) -> None:
+    """A :class:`CheckpointError` saying "permission denied" for the first of ``paths`` that
+    exists but cannot be read (a folder: listed and entered), before a read would report it as
+    missing or corrupt."""
+    for p in paths:
+        if p.is_dir():
+            ok = os.access(p, os.R_OK | os.X_OK)
+        else:
+            ok = not os.path.lexists(p) or os.access(p, os.R_OK)
+        if not ok:
+            raise CheckpointError(f"{str(p)!r} cannot be read: permission denied")
+
+
 def _read_meta(meta_path: Path) -> dict[str, Any]:
+    check_readable(meta_path.parent, meta_path)
     try:
         meta = json.loads(meta_path.read_text())
     except PermissionError as e:
@@ -262,6 +276,7 @@ def load(path: str | Path) -> tuple[Any, Any]:
     meta_path, tensors_path = path / META, path / TENSORS
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (not a folder)")
+    check_readable(path, meta_path, tensors_path)
     sharded = sharded_meta(path) if meta_path.is_file() and not tensors_path.exists() else None
     if sharded is not None:
         raise CheckpointError(
