@@ -419,6 +419,34 @@ def _derived_fields(obj: Any) -> dict[str, None]:
     return {n: None for n in nullable if getattr(probe, n) == getattr(obj, n)}
 
 
+# a parallel section's short forms, as the dict they stand for: pipeline=2 is
+# dict(stages=2, ...), tensor=2 dict(size=2), zero=1 dict(stage=1), amp="bf16" dict(dtype="bf16")
+_SHORT_FORMS = {"pipeline": "stages", "tensor": "size", "zero": "stage", "amp": "dtype"}
+
+
+def _set_layout(layout: dict[str, Any], key: str, value: Any) -> None:
+    """``layout[key] = value`` for ``--set parallel.KEY=VALUE``; a dotted ``KEY`` such as
+    ``pipeline.stages`` sets one entry of that section's dict, made (or widened from its short
+    form) as needed, so a resume can add a layout as a fresh config would."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        layout[key] = value
+        return
+    current = layout.get(head)
+    if current is None:
+        current = {}
+    elif not isinstance(current, dict):
+        if head not in _SHORT_FORMS:
+            raise ValueError(
+                f"--set parallel.{key}: parallel[{head!r}] is {current!r}, not a dict to set "
+                f"{rest!r} in"
+            )
+        current = {_SHORT_FORMS[head]: current}
+    current = dict(current)
+    _set_layout(current, rest, value)
+    layout[head] = current
+
+
 def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """``cfg`` with each ``"section.field=value"`` applied (all of a section's fields at once, so
     that fields which must change together, like ``n_head`` and ``d_model``, can)."""
@@ -432,7 +460,7 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
                 f"--set {item!r} must look like section.field=value (e.g. train.steps=100)"
             )
         if section == "parallel":  # a plain dict: any key, a Python literal (checked at launch)
-            layout[field] = _literal(text.strip())
+            _set_layout(layout, field, _literal(text.strip()))
             continue
         if section not in SECTIONS:
             raise ValueError(

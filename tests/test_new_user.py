@@ -318,3 +318,22 @@ def test_an_unreadable_checkpoint_says_permission_denied(
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path / "r"), "--prompt", "a"]) == 2
     _one_line(capsys.readouterr().err, f"{target}' cannot be read: permission denied")
+
+
+def test_set_parallel_takes_dotted_keys_so_a_resume_can_add_a_pipeline(
+    tmp_path, small_corpus, capsys
+) -> None:
+    base = config.default()
+    cfg = config.override(base, ["parallel.tensor=2", "parallel.tensor.sequence_parallel=True"])
+    assert cfg.parallel == {"tensor": {"size": 2, "sequence_parallel": True}}
+    cfg = config.override(base, ["parallel.pipeline.stages=2", "parallel.pipeline.microbatches=4"])
+    assert cfg.parallel == {"pipeline": {"stages": 2, "microbatches": 4}}
+    with pytest.raises(ValueError, match=r"parallel\['data'\] is 2, not a dict"):
+        config.override(base, ["parallel.data=2", "parallel.data.size=2"])
+    assert _train(tmp_path, small_corpus, "r", "train.steps=2", "model.n_layer=2") == 0
+    argv = ["train", "--resume", str(tmp_path / "r"), "--set", "train.steps=4", "--no-progress"]
+    argv += ["--set", "parallel.pipeline.stages=2", "--set", "parallel.pipeline.microbatches=2"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "mesh {'dp': 1, 'pp': 2}" in capsys.readouterr().out
+    assert (tmp_path / "r" / "checkpoints" / "step-00000004" / "meta.json").is_file()
