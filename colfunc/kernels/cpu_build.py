@@ -67,13 +67,17 @@ def build_directory(name: str) -> Path:
     return base / f"colfunc_{name}-{build_key(name)}"
 
 
-def _library(directory: Path, name: str) -> Path:
-    return directory / f"colfunc_{name}.so"
+def _library(directory: Path, name: str) -> Path | None:
+    """The built library in ``directory``: ``colfunc_<name>.so``, or ``colfunc_<name>_vN.so``
+    where torch's extension loader numbered a second build of the name in one process."""
+    found = sorted(directory.glob(f"colfunc_{name}*.so")) if directory.is_dir() else []
+    return found[0] if found else None
 
 
-def _load(library: Path, name: str) -> ModuleType:
-    """The extension module in ``library`` (a built ``.so``), without running a compiler."""
-    spec = importlib.util.spec_from_file_location(f"colfunc_{name}", library)
+def _load(library: Path) -> ModuleType:
+    """The extension module in ``library`` (a built ``.so``, named after its module), without
+    running a compiler."""
+    spec = importlib.util.spec_from_file_location(library.stem, library)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {library}")
     module = importlib.util.module_from_spec(spec)
@@ -85,8 +89,9 @@ def build(name: str) -> ModuleType:
     """Load the cached build of ``csrc/<name>.cpp``, or compile it (once: in a temporary
     folder, renamed into place); raises where it cannot."""
     final = build_directory(name)
-    if _library(final, name).is_file():
-        return _load(_library(final, name), name)
+    library = _library(final, name)
+    if library is not None:
+        return _load(library)
     from torch.utils import cpp_extension
 
     if sys.stderr.isatty():  # (a person waiting; logs and captured output stay quiet)
@@ -104,9 +109,11 @@ def build(name: str) -> ModuleType:
             build_directory=str(tmp),
             verbose=False,
         )
+        if final.is_dir() and _library(final, name) is None:  # a build folder with no library
+            shutil.rmtree(final, ignore_errors=True)  # (a crash, or a hand): replaced
         os.rename(tmp, final)  # atomic: a process sees the whole build or none
     except OSError:
-        if not _library(final, name).is_file():  # (not another process's build winning)
+        if _library(final, name) is None:  # (not another process's build winning)
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # (the library stays mapped where it is loaded)
