@@ -65,6 +65,11 @@ class Config:
     n_kv_heads: int | None = None
     d_ff: int | None = None
     rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
 
@@ -101,12 +106,29 @@ class Config:
             )
         if not positive_number(self.rope_theta):
             raise ValueError(f"llama.Config: rope_theta must be > 0, got {self.rope_theta!r}")
+        try:
+            self.rope_scaling  # noqa: B018  (checks the rope_* fields together)
+        except ValueError as e:
+            detail = str(e).removeprefix("RopeScaling: ")
+            raise ValueError(f"llama.Config: the rope_* fields: {detail}") from None
         if not positive_number(self.norm_eps):
             raise ValueError(f"llama.Config: norm_eps must be > 0, got {self.norm_eps!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(
                 f"llama.Config: tie_embeddings must be a bool, got {self.tie_embeddings!r}"
             )
+
+    @property
+    def rope_scaling(self) -> nn.RopeScaling:
+        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"`` or
+        ``"llama3"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
+        return nn.RopeScaling(
+            type=self.rope_type,
+            factor=self.rope_factor,
+            low_freq_factor=self.rope_low_freq_factor,
+            high_freq_factor=self.rope_high_freq_factor,
+            original_max_position=self.rope_original_max_seq_len or self.max_seq_len,
+        )
 
     @classmethod
     def tiny(cls) -> Config:
@@ -200,7 +222,10 @@ def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Ten
 def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
     """What each block reads: the residual stream and the rotary tables, made once per pass."""
     E = cfg.d_model // cfg.n_head
-    return {"h": x_BTD, "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device)}
+    return {
+        "h": x_BTD,
+        "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device, cfg.rope_scaling),
+    }
 
 
 def _block(layer: Params, carry: Carry, cfg: Config) -> Carry:
@@ -248,7 +273,9 @@ def paged_forward(
     new tokens' positions."""
     E = cfg.d_model // cfg.n_head
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
-    cos_TR, sin_TR = nn.rope_tables(cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device)
+    cos_TR, sin_TR = nn.rope_tables(
+        cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device, cfg.rope_scaling
+    )
     positions_N = batch.token_positions()
     carry: Carry = {"h": x_1ND, "rope": (cos_TR[positions_N], sin_TR[positions_N])}
     block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
@@ -305,6 +332,9 @@ def _hf_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
     return top, layer
 
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _read_hf_config(c: Any) -> Config:
     require("LLaMA", c, "hidden_act", ("silu",))
     require("LLaMA", c, "attention_bias", (False,))
@@ -318,13 +348,27 @@ def _read_hf_config(c: Any) -> Config:
         )
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
     rope = getattr(c, "rope_parameters", None) or {
-        "rope_type": (getattr(c, "rope_scaling", None) or {}).get("rope_type", "default"),
+        **(getattr(c, "rope_scaling", None) or {}),
         "rope_theta": getattr(c, "rope_theta", 10000.0),
     }
-    if rope.get("rope_type", "default") != "default":
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in nn.ROPE_TYPES:
         raise ValueError(
-            f"from_hf: LLaMA with rope_type={rope['rope_type']!r} is not supported; colfunc's "
-            "model computes the default rotary embedding"
+            f"from_hf: LLaMA with rope_type={rope_type!r} is not supported; colfunc's model "
+            f"computes the rope types {', '.join(nn.ROPE_TYPES)}"
+        )
+    scaling: dict[str, Any] = {}
+    needs = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(rope_type, ())
+    missing = [k for k in needs if k not in rope]
+    if missing:
+        raise ValueError(f"from_hf: LLaMA rope_type={rope_type!r} without {', '.join(missing)}")
+    if rope_type != "default":
+        scaling = dict(rope_type=rope_type, rope_factor=float(rope["factor"]))
+    if rope_type == "llama3":
+        scaling.update(
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
         )
     return Config(
         vocab_size=c.vocab_size,
@@ -335,6 +379,7 @@ def _read_hf_config(c: Any) -> Config:
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
         d_ff=c.intermediate_size,
         rope_theta=float(rope["rope_theta"]),
+        **scaling,
         norm_eps=c.rms_norm_eps,
         tie_embeddings=bool(c.tie_word_embeddings),
     )
@@ -350,9 +395,22 @@ def _write_hf_config(cfg: Config) -> dict[str, Any]:
         num_key_value_heads=cfg.n_kv_heads,
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=_write_rope(cfg),
         tie_word_embeddings=cfg.tie_embeddings,
     )
+
+
+def _write_rope(cfg: Config) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
+        )
+    return rope
 
 
 def _kv_cache(cfg: Config, params: Params) -> KVCacheSpec:

@@ -7,8 +7,10 @@ compute the same thing, because head counts are inferred from the weights' sizes
 """
 
 from colfunc.nn.attention import (
+    ROPE_TYPES,
     Paged,
     PagedBatch,
+    RopeScaling,
     attend,
     merge_heads,
     paged_scan,
@@ -30,8 +32,10 @@ from colfunc.nn.lm import (
 from colfunc.nn.plans import tensor_plans
 
 __all__ = [
+    "ROPE_TYPES",
     "Paged",
     "PagedBatch",
+    "RopeScaling",
     "attend",
     "batch_field",
     "causal_lm_loss",

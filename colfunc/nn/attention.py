@@ -7,6 +7,8 @@ M blocks per sequence.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,8 +20,10 @@ from colfunc.nn.dense import linear
 from colfunc.ops import PagedBatch  # the op layer's value, which the models pass on
 
 __all__ = [
+    "ROPE_TYPES",
     "Paged",
     "PagedBatch",
+    "RopeScaling",
     "attend",
     "merge_heads",
     "paged_scan",
@@ -50,18 +54,87 @@ def merge_heads(x_BHTE: torch.Tensor) -> torch.Tensor:
     return x_BHTE.transpose(1, 2).reshape(B, T, -1)
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How the rotary frequencies are stretched past the context a model was trained on.
+
+    - ``"default"``: none;
+    - ``"linear"``: every frequency divided by ``factor`` (position interpolation, Chen et al.
+      2023);
+    - ``"llama3"``: Llama 3.1's: wavelengths shorter than ``original_max_position /
+      high_freq_factor`` kept, longer than ``original_max_position / low_freq_factor`` divided
+      by ``factor``, the ones between interpolated smoothly.
+    """
+
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ValueError(
+                f"RopeScaling: type={self.type!r} is not built; the built types are "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"RopeScaling: {name} must be > 0, got {value!r}")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor!r} and {self.low_freq_factor!r}"
+            )
+        value = self.original_max_position
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"RopeScaling: original_max_position must be a positive int, got {value!r}"
+            )
+
+    def scale(self, inv_freq_R: torch.Tensor) -> torch.Tensor:
+        """The frequencies ``inv_freq_R`` as this scaling changes them (the operations of the
+        ``transformers`` reference, so that the tables agree with it)."""
+        if self.type == "default":
+            return inv_freq_R
+        if self.type == "linear":
+            return inv_freq_R / self.factor
+        old_context = self.original_max_position
+        low_freq_wavelen = old_context / self.low_freq_factor
+        high_freq_wavelen = old_context / self.high_freq_factor
+        wavelen_R = 2 * math.pi / inv_freq_R
+        scaled_R = torch.where(wavelen_R > low_freq_wavelen, inv_freq_R / self.factor, inv_freq_R)
+        smooth_R = (old_context / wavelen_R - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed_R = (1 - smooth_R) * scaled_R / self.factor + smooth_R * scaled_R
+        medium_R = ~(wavelen_R < high_freq_wavelen) * ~(wavelen_R > low_freq_wavelen)
+        return torch.where(medium_R, smoothed_R, scaled_R)
+
+
 def rope_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos[T, R], sin[T, R])`` for rotary embeddings (Su et al. 2021), fp32.
 
-    Frequency ``r`` is ``theta ** (-2r / E)``; the operations and their order are those of the
-    LLaMA reference so that the tables agree bit for bit.
+    Frequency ``r`` is ``theta ** (-2r / E)``, changed by ``scaling`` where given; the
+    operations and their order are those of the LLaMA reference so that the tables agree bit
+    for bit.
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
     exponent_R = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq_R = 1.0 / (theta**exponent_R)
+    if scaling is not None:
+        inv_freq_R = scaling.scale(inv_freq_R)
     # the positions a sequence dim holds (arange, unless a sequence-parallel frame reorders it)
     angle_TR = positions(seq_len, device).float()[:, None] * inv_freq_R[None, :]
     return angle_TR.cos(), angle_TR.sin()
