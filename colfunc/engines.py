@@ -53,7 +53,8 @@ def load_run(run: str | Path) -> dict[str, Any]:
 
 def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """What :func:`from_hf` builds an engine from: the model module, config, parameters,
-    tokenizer (None if the folder has none) and end-of-sequence id of a Hugging Face folder."""
+    tokenizer (None if the folder has none) and end-of-sequence id or ids (``generation_config.json``'s,
+    else ``config.json``'s) of a Hugging Face folder."""
     import transformers
 
     folder = Path(folder)
@@ -61,12 +62,16 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, A
         raise ValueError(f"engines.from_hf: {str(folder)!r} has no config.json")
     cfg, params = hf.load(str(folder), dtype)
     hf_cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    eos = getattr(hf_cfg, "eos_token_id", None)
+    if (folder / "generation_config.json").is_file():  # what transformers' generate stops at
+        generation = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+        eos = generation.eos_token_id if generation.eos_token_id is not None else eos
     return {
         "model": models.of_config(cfg).module,
         "cfg": cfg,
         "params": params,
         "tokenizer": load_hf_tokenizer(folder),
-        "eos_token_id": getattr(hf_cfg, "eos_token_id", None),
+        "eos_token_id": eos,
     }
 
 

@@ -368,3 +368,30 @@ def test_allocator_evicts_the_least_recently_released_cached_block() -> None:
         a.release(b)
     with pytest.raises(RuntimeError, match="released more often"):
         a.release(fresh)
+
+
+def test_several_end_of_sequence_ids_each_stop_as_transformers_does(tmp_path) -> None:
+    # Llama 3 ends a turn with any of several ids (generation_config.json's list)
+    m = _hf_model("llama")
+    (prompt,) = _prompts([7], seed=5)
+    free = _hf_greedy(m, [prompt], 12)[0]
+    stop_at = free[5]
+    unused = next(t for t in range(V) if t not in free)
+    m.generation_config.eos_token_id = [unused, stop_at]
+    m.save_pretrained(tmp_path)
+    ids = torch.tensor([prompt])
+    ref = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    ref_tokens = ref[0, len(prompt) :].tolist()
+    assert ref_tokens == free[: free.index(stop_at) + 1]  # transformers stops at the list's id
+    engine = engines.from_hf(tmp_path, dtype=torch.float64)
+    assert engine.eos_token_ids == (unused, stop_at)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.token_ids == ref_tokens and out.finish_reason == "stop"
+    again = _engine(m, eos_token_id=stop_at)  # one id still works
+    assert again.generate([prompt], GREEDY)[0].outputs[0].token_ids == free  # ignore_eos
+
+
+@pytest.mark.parametrize("eos", ["2", 1.5, [3, "4"], [True], -1])
+def test_bad_end_of_sequence_ids_are_refused(eos) -> None:
+    with pytest.raises(TypeError, match="eos_token_id must be an id >= 0"):
+        _engine(_hf_model("gpt"), eos_token_id=eos)

@@ -101,6 +101,17 @@ class _Request:
     forks: list[Sequence]  # waiting for the first completion's prompt to be computed
 
 
+def _token_ids(name: str, value: int | Seq[int] | None) -> tuple[int, ...]:
+    """``value`` (one id, several, or None) as a tuple of ids."""
+    values = [] if value is None else [value] if isinstance(value, int) else value
+    wrong = TypeError(f"Engine: {name} must be an id >= 0, a list of them or None, got {value!r}")
+    if isinstance(value, bool | str) or not isinstance(values, Seq):
+        raise wrong
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise wrong
+    return tuple(values)
+
+
 class Engine:
     """Serve a colfunc model: ``Engine(models.gpt, cfg, params)`` (a run or a Hugging Face
     folder: :func:`colfunc.engines.from_run`, :func:`colfunc.engines.from_hf`).
@@ -111,6 +122,9 @@ class Engine:
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` sequences. With ``mesh`` (one
     ``tp`` axis, inside :func:`colfunc.launch`), every rank runs the same steps on its shards
     of the model's tensor-parallel plan and its heads of the cache, and samples the same tokens.
+
+    ``eos_token_id``: the end-of-sequence id, or several (Llama 3 ends a turn with any of
+    ``[128001, 128008, 128009]``); None takes the tokenizer's. ``eos_token_ids`` holds them all.
 
     Example:
         >>> engine = Engine(models.gpt, cfg, params)
@@ -131,7 +145,7 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         tokenizer: Tokenizer | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Seq[int] | None = None,
         mesh: Mesh | None = None,
     ) -> None:
         if isinstance(model, str):
@@ -154,11 +168,10 @@ class Engine:
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         self.tokenizer = tokenizer
-        self.eos_token_id = (
-            eos_token_id
-            if eos_token_id is not None
-            else (tokenizer.eos_token_id if tokenizer is not None else None)
-        )
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = _token_ids("eos_token_id", eos_token_id)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         # a byte tokenizer cannot write the ids a padded vocabulary adds
         self.vocab = cfg.vocab_size
         if isinstance(tokenizer, ByteTokenizer):
@@ -387,7 +400,7 @@ class Engine:
         seq.output.append(token)
         if self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output)
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
         elif p.stop and any(s in seq.text for s in p.stop):
             cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
