@@ -55,7 +55,8 @@ def _swiglu_width(d_model: int) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """LLaMA sizes. ``n_kv_heads=None`` means ``n_head`` (no grouping); ``d_ff=None`` means the
-    SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32."""
+    SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32; ``head_dim=None`` means
+    ``d_model / n_head`` (Qwen 3 and Gemma give another: q/k/v are ``n_head * head_dim`` wide)."""
 
     vocab_size: int = 256
     n_layer: int = 4
@@ -64,6 +65,7 @@ class Config:
     max_seq_len: int = 128
     n_kv_heads: int | None = None
     d_ff: int | None = None
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -90,14 +92,19 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
-        if self.d_model % self.n_head:
+        if self.head_dim is None:  # the width split over the heads
+            if self.d_model % self.n_head:
+                raise ValueError(
+                    f"llama.Config: n_head={self.n_head} must divide d_model={self.d_model} "
+                    "(or give head_dim)"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        head_dim = self.head_dim
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ValueError(f"llama.Config: head_dim must be a positive int, got {head_dim!r}")
+        if head_dim % 2:
             raise ValueError(
-                f"llama.Config: n_head={self.n_head} must divide d_model={self.d_model}"
-            )
-        if (self.d_model // self.n_head) % 2:
-            raise ValueError(
-                f"llama.Config: rotary embeddings need an even head dim; d_model={self.d_model} / "
-                f"n_head={self.n_head} = {self.d_model // self.n_head}"
+                f"llama.Config: rotary embeddings need an even head_dim, got {head_dim}"
             )
         assert self.n_kv_heads is not None
         if self.n_head % self.n_kv_heads:
@@ -165,14 +172,15 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """The shape of every parameter, by dotted path (in the order of :func:`init`)."""
     L, D, V, F = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.d_ff
     assert F is not None and cfg.n_kv_heads is not None  # resolved by Config.__post_init__
-    KE = cfg.n_kv_heads * (D // cfg.n_head)
+    assert cfg.head_dim is not None
+    HE, KE = cfg.n_head * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = {
         "embed.tokens": (V, D),
         "blocks.ln1.weight": (L, D),
-        "blocks.attn.wq": (L, D, D),
+        "blocks.attn.wq": (L, D, HE),
         "blocks.attn.wk": (L, D, KE),
         "blocks.attn.wv": (L, D, KE),
-        "blocks.attn.wo": (L, D, D),
+        "blocks.attn.wo": (L, HE, D),
         "blocks.ln2.weight": (L, D),
         "blocks.mlp.w_gate": (L, D, F),
         "blocks.mlp.w_up": (L, D, F),
@@ -214,6 +222,11 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
     return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
 
 
+def _head_dim(cfg: Config) -> int:
+    assert cfg.head_dim is not None  # resolved by Config.__post_init__
+    return cfg.head_dim
+
+
 def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
     nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
     return nn.embedding(input_ids_BT, params["embed"]["tokens"])
@@ -221,7 +234,7 @@ def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Ten
 
 def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
     """What each block reads: the residual stream and the rotary tables, made once per pass."""
-    E = cfg.d_model // cfg.n_head
+    E = _head_dim(cfg)
     return {
         "h": x_BTD,
         "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device, cfg.rope_scaling),
@@ -238,7 +251,7 @@ def _block_kv(
     """One block; with ``paged`` its attention reads the KV cache, and it also returns this
     layer's new keys and values."""
     x_BTD, rope = carry["h"], carry["rope"]
-    E = cfg.d_model // cfg.n_head
+    E = _head_dim(cfg)
     h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
     a_BTD, kv = nn.attend(h_BTD, layer["attn"], head_dim=E, rope=rope, paged=paged)
     x_BTD = x_BTD + a_BTD
@@ -271,7 +284,7 @@ def paged_forward(
     """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
     and values; see :func:`colfunc.models.gpt.paged_forward`. The rotary tables are taken at the
     new tokens' positions."""
-    E = cfg.d_model // cfg.n_head
+    E = _head_dim(cfg)
     x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
     cos_TR, sin_TR = nn.rope_tables(
         cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device, cfg.rope_scaling
@@ -340,12 +353,6 @@ def _read_hf_config(c: Any) -> Config:
     require("LLaMA", c, "attention_bias", (False,))
     require("LLaMA", c, "mlp_bias", (False,))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(
-            f"from_hf: LLaMA with head_dim={head_dim} and num_attention_heads="
-            f"{c.num_attention_heads} != hidden_size={c.hidden_size} is not supported; colfunc's "
-            "model uses head_dim = hidden_size / num_attention_heads"
-        )
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
     rope = getattr(c, "rope_parameters", None) or {
         **(getattr(c, "rope_scaling", None) or {}),
@@ -378,6 +385,7 @@ def _read_hf_config(c: Any) -> Config:
         max_seq_len=c.max_position_embeddings,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
         d_ff=c.intermediate_size,
+        head_dim=head_dim,
         rope_theta=float(rope["rope_theta"]),
         **scaling,
         norm_eps=c.rms_norm_eps,
@@ -394,6 +402,7 @@ def _write_hf_config(cfg: Config) -> dict[str, Any]:
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_kv_heads,
         max_position_embeddings=cfg.max_seq_len,
+        head_dim=cfg.head_dim,
         rms_norm_eps=cfg.norm_eps,
         rope_parameters=_write_rope(cfg),
         tie_word_embeddings=cfg.tie_embeddings,
@@ -419,7 +428,7 @@ def _kv_cache(cfg: Config, params: Params) -> KVCacheSpec:
         params["embed"]["tokens"],
         layers=cfg.n_layer,
         kv_heads=cfg.n_kv_heads or cfg.n_head,
-        head_dim=cfg.d_model // cfg.n_head,
+        head_dim=_head_dim(cfg),
     )
 
 
