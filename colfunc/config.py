@@ -205,6 +205,26 @@ class RunConfig:
     init: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_sections()
+        self._check_together()
+
+    @classmethod
+    def _unchecked(cls, **fields: Any) -> RunConfig:
+        """A run whose sections are checked but not yet against each other: a config file's,
+        before its ``--set`` overrides (which may be what makes it whole) are applied."""
+        cfg = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in fields:
+                value = fields[f.name]
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            object.__setattr__(cfg, f.name, value)
+        cfg._check_sections()
+        return cfg
+
+    def _check_sections(self) -> None:
         model_module(self.model)  # the Config of a registered model family
         for name, kind in (("optim", OptimConfig), ("data", DataConfig), ("train", TrainConfig)):
             value = getattr(self, name)
@@ -214,6 +234,8 @@ class RunConfig:
                 )
         if not isinstance(self.parallel, dict):
             raise ValueError(f"parallel must be a dict, got {type(self.parallel).__name__}")
+
+    def _check_together(self) -> None:
         if not hasattr(self.model, "max_seq_len"):
             return  # not a language model (the DiT): its task checks its own data
         if self.data.seq_len > self.model.max_seq_len:
@@ -303,9 +325,19 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
 
                 init = sections["model"]
                 sections["model"] = hf.read_config(init)
-            cfg = RunConfig(**sections, parallel={} if parallel is None else parallel, init=init)
+            fields = dict(sections, parallel={} if parallel is None else parallel, init=init)
+            # with overrides, the sections are checked against each other once they are applied
+            cfg = RunConfig._unchecked(**fields) if overrides else RunConfig(**fields)
         except ValueError as e:
             raise ValueError(f"config file {str(path)!r}: {e}") from e
+        if overrides:
+            try:
+                return dataclasses.replace(override(cfg, overrides))  # the checks, on the whole
+            except ValueError as e:
+                if str(e).startswith("--set"):  # (an override's own error says which)
+                    raise
+                shown = " ".join(f"--set {o}" for o in overrides)
+                raise ValueError(f"config file {str(path)!r} with {shown}: {e}") from e
     return override(cfg, overrides)
 
 

@@ -169,6 +169,31 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
         config.load(wrong)
 
 
+def test_overrides_can_make_a_config_file_whole(tmp_path: Path) -> None:
+    # a folder's model with a shorter context than the file's seq_len: --set fixes it
+    long = _write(
+        tmp_path / "long.py",
+        (EXAMPLES / "gpt_tiny.py").read_text()
+        + "\ndata = dataclasses.replace(data, seq_len=4096)\nimport dataclasses\n",
+    )
+    long.write_text("import dataclasses\n" + long.read_text())
+    with pytest.raises(ValueError, match=r"long\.py.*data\.seq_len=4096 is longer"):
+        config.load(long)
+    cfg = config.load(long, ["data.seq_len=64"])
+    assert cfg.data.seq_len == 64
+    # an override that leaves it broken says so, naming the file and the overrides
+    with pytest.raises(
+        ValueError, match=r"long\.py.*with --set train\.steps=3: data\.seq_len=4096 is longer"
+    ):
+        config.load(long, ["train.steps=3"])
+    with pytest.raises(ValueError, match=r"long\.py.*--set data\.seq_len=9999: .*is longer"):
+        config.load(long, ["data.seq_len=9999"])
+    # the sections themselves are still checked before any override
+    wrong = _write(tmp_path / "wrong.py", (EXAMPLES / "gpt_tiny.py").read_text() + "\noptim = 3\n")
+    with pytest.raises(ValueError, match=r"wrong\.py.*optim must be"):
+        config.load(wrong, ["train.steps=3"])
+
+
 def test_parallel_section_is_kept_and_checked_by_train(tmp_path: Path) -> None:
     from colfunc import train
 
