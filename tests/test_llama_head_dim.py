@@ -151,7 +151,7 @@ def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp() -> Non
     ("fields", "match"),
     [
         ({"d_model": 10, "n_head": 4}, "n_head=4 must divide d_model=10 \\(or give head_dim\\)"),
-        ({"head_dim": 5}, "even head_dim, got 5"),
+        ({"head_dim": 5}, "even head dim; head_dim=5"),
         ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
     ],
 )

@@ -104,7 +104,8 @@ class Config:
             raise ValueError(f"llama.Config: head_dim must be a positive int, got {head_dim!r}")
         if head_dim % 2:
             raise ValueError(
-                f"llama.Config: rotary embeddings need an even head_dim, got {head_dim}"
+                f"llama.Config: rotary embeddings need an even head dim; head_dim={head_dim} "
+                f"(d_model={self.d_model} / n_head={self.n_head} unless given)"
             )
         assert self.n_kv_heads is not None
         if self.n_head % self.n_kv_heads:
