@@ -126,6 +126,18 @@ class KVCacheSpec:
             device=table.device,
         )
 
+    @classmethod
+    def of_decoder(cls, cfg: Any, params: Params) -> KVCacheSpec:
+        """The cache of a decoder whose config has ``n_layer``, ``n_head`` and ``d_model`` (and
+        optionally ``n_kv_heads`` and ``head_dim``, else ``n_head`` and ``d_model / n_head``),
+        stored as its token embedding ``params["embed"]["tokens"]`` is: one key and one value of
+        every key/value head per layer and token."""
+        kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_head
+        head_dim = getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_head
+        return cls.like(
+            params["embed"]["tokens"], layers=cfg.n_layer, kv_heads=kv_heads, head_dim=head_dim
+        )
+
     def slot_bytes(self) -> int:
         """Bytes of one token slot across every layer (keys and values), on one rank."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()

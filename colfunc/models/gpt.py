@@ -304,16 +304,6 @@ def _write_hf_config(cfg: Config) -> dict[str, Any]:
     )
 
 
-def _kv_cache(cfg: Config, params: Params) -> KVCacheSpec:
-    # one key and one value of every head per layer and token, as the embedding is stored
-    return KVCacheSpec.like(
-        params["embed"]["tokens"],
-        layers=cfg.n_layer,
-        kv_heads=cfg.n_head,
-        head_dim=cfg.d_model // cfg.n_head,
-    )
-
-
 family = Family(
     name="gpt",
     module=sys.modules[__name__],
@@ -325,5 +315,5 @@ family = Family(
         read_config=_read_hf_config,
         write_config=_write_hf_config,
     ),
-    kv_cache=_kv_cache,
+    kv_cache=KVCacheSpec.of_decoder,
 )

@@ -126,7 +126,7 @@ class Config:
                 f"llama.Config: tie_embeddings must be a bool, got {self.tie_embeddings!r}"
             )
 
-    @property
+    @functools.cached_property  # (made once: every forward pass reads it)
     def rope_scaling(self) -> nn.RopeScaling:
         """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"`` or
         ``"llama3"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
@@ -423,16 +423,6 @@ def _write_rope(cfg: Config) -> dict[str, Any]:
     return rope
 
 
-def _kv_cache(cfg: Config, params: Params) -> KVCacheSpec:
-    # one key and one value of every key/value head per layer and token, as the embedding is stored
-    return KVCacheSpec.like(
-        params["embed"]["tokens"],
-        layers=cfg.n_layer,
-        kv_heads=cfg.n_kv_heads or cfg.n_head,
-        head_dim=_head_dim(cfg),
-    )
-
-
 family = Family(
     name="llama",
     module=sys.modules[__name__],
@@ -444,5 +434,5 @@ family = Family(
         read_config=_read_hf_config,
         write_config=_write_hf_config,
     ),
-    kv_cache=_kv_cache,
+    kv_cache=KVCacheSpec.of_decoder,
 )
