@@ -20,6 +20,7 @@ __all__ = [
     "assert_trees_close",
     "compose",
     "compositions",
+    "hf_greedy",
     "meshes",
     "placements",
     "save_bpe_tokenizer",
@@ -247,6 +248,20 @@ def compose(step: Step, mesh: Any, composition: dict[str, Any], plan: Any = None
         elif name == "amp" and composition.get("amp") is not None:
             step = amp(step, **composition["amp"])
     return step
+
+
+def hf_greedy(model: Any, prompts: Iterable[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The tokens a ``transformers`` causal LM's ``generate`` picks greedily after each prompt
+    (one at a time, so no padding, on the model's device): the reference the engine's greedy
+    tokens are checked against."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=model.device)
+        got = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        out.append(got[0, len(prompt) :].tolist())
+    return out
 
 
 def save_bpe_tokenizer(

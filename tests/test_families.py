@@ -135,17 +135,6 @@ def _hf_mistral(seed: int = 0, vocab: int = 97) -> Any:
     return m
 
 
-def _greedy(m: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        got = m.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
-        )
-        out.append(got[0, len(p) :].tolist())
-    return out
-
-
 def test_a_family_registered_outside_colfunc_round_trips_through_hf_and_the_engine(
     family, tmp_path
 ) -> None:
@@ -190,7 +179,7 @@ def test_a_family_registered_outside_colfunc_round_trips_through_hf_and_the_engi
     assert engine.cache["k"].shape[0] == 2 and engine.cache["k"].shape[3:] == (2, 8)
     assert engine.cache["k"].dtype == torch.float64
     got_tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
-    assert got_tokens == _greedy(m, prompts, 10)
+    assert got_tokens == cf.testing.hf_greedy(m, prompts, 10)
 
     # and a run config names it
     default = config.default()
@@ -206,7 +195,7 @@ def test_the_engine_under_tp_reads_the_family_spec(family) -> None:
     cfg, params = hf.from_hf(m)
     prompts = [[3, 5, 7, 9], [11] * 6]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = _greedy(m, prompts, 8)
+    want = cf.testing.hf_greedy(m, prompts, 8)
 
     def main(mesh: cf.Mesh) -> list[list[int]]:
         engine = Engine(mistral, cfg, params, mesh=mesh, block_size=8)

@@ -142,11 +142,4 @@ def test_engine_greedy_tokens_equal_transformers_on_the_gpu() -> None:
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p], device=CUDA)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
-        )
-        want.append(out[0, len(p) :].tolist())
-    assert got == want
+    assert got == cf.testing.hf_greedy(model, prompts, 12)

@@ -80,17 +80,6 @@ def _prompts(lengths, seed=1):
     return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
 
 
-def _hf_greedy(m, prompts, n):
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        got = m.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
-        )
-        out.append(got[0, len(p) :].tolist())
-    return out
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LAYOUTS = {
     "default": {},
@@ -105,7 +94,7 @@ LAYOUTS = {
 def test_greedy_equals_transformers_generate(kind) -> None:
     m = _hf_model(kind)
     prompts = _prompts([3, 17, 9, 33, 1, 20, 17])
-    expected = _hf_greedy(m, prompts, GREEDY.max_tokens)
+    expected = cf.testing.hf_greedy(m, prompts, GREEDY.max_tokens)
     for name, layout in LAYOUTS.items():
         engine = _engine(m, **layout)
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
@@ -127,7 +116,7 @@ def test_shared_prefix_is_served_from_exactly_its_full_cached_blocks() -> None:
     second = [*prefix[:24], 7, 7, 7]  # shares the first 3 blocks (24 tokens), not the 4th
     (out,) = engine.generate([second], GREEDY)
     assert engine.allocator.hits == 3
-    assert out.outputs[0].token_ids == _hf_greedy(m, [second], GREEDY.max_tokens)[0]
+    assert out.outputs[0].token_ids == cf.testing.hf_greedy(m, [second], GREEDY.max_tokens)[0]
     engine.generate([second], GREEDY)  # all 3 full blocks of 27 tokens: (27 - 1) // 8 = 3
     assert engine.allocator.hits == 6
     assert engine.stats()["blocks_used"] == 0
@@ -171,7 +160,7 @@ def test_n_completions_share_the_prompt_and_copy_on_write() -> None:
     engine = _engine(m, block_size=4)
     (prompt,) = _prompts([10])  # ends mid-block: every completion writes into the shared block
     (out,) = engine.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=8))
-    expected = _hf_greedy(m, [prompt], 8)[0]
+    expected = cf.testing.hf_greedy(m, [prompt], 8)[0]
     assert [o.token_ids for o in out.outputs] == [expected] * 3
     sampled = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5)
     (many,) = engine.generate([prompt], sampled)
@@ -343,7 +332,7 @@ def test_from_hf_folder_with_its_tokenizer(tmp_path) -> None:
     assert engine.tokenizer is None  # the folder has no tokenizer: prompts are ids
     prompts = _prompts([5, 11])
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
-    assert got == _hf_greedy(m, prompts, GREEDY.max_tokens)
+    assert got == cf.testing.hf_greedy(m, prompts, GREEDY.max_tokens)
 
 
 def test_allocator_evicts_the_least_recently_released_cached_block() -> None:
@@ -374,7 +363,7 @@ def test_several_end_of_sequence_ids_each_stop_as_transformers_does(tmp_path) ->
     # Llama 3 ends a turn with any of several ids (generation_config.json's list)
     m = _hf_model("llama")
     (prompt,) = _prompts([7], seed=5)
-    free = _hf_greedy(m, [prompt], 12)[0]
+    free = cf.testing.hf_greedy(m, [prompt], 12)[0]
     stop_at = free[5]
     unused = next(t for t in range(V) if t not in free)
     m.generation_config.eos_token_id = [unused, stop_at]

@@ -73,12 +73,7 @@ def test_tensor_parallel_engine_on_threads_equals_one_device(kind) -> None:
     m = _hf(kind)
     built = hf.from_hf(m)  # built once: the ranks are threads sharing the global RNG
     want = _generate(kind, built)
-    for p, w in zip(PROMPTS, want):  # and one device is transformers' greedy generate
-        ids = torch.tensor([p])
-        ref = m.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
-        )
-        assert ref[0, len(p) :].tolist() == w
+    assert cf.testing.hf_greedy(m, PROMPTS, 10) == want  # one device is transformers' greedy
 
     def main(mesh):
         return _generate(kind, built, mesh), cf.sharding.fallback_counts(mesh)

@@ -128,13 +128,7 @@ def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp() -> Non
     model = _hf(16, hidden=24, heads=4, kv=2, seed=7)
     cfg, params = hf.from_hf(model)
     prompts = [[1, 2, 3, 4], [50, 9, 30, 31, 32, 7, 7]]
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        got = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
-        )
-        want.append(got[0, len(p) :].tolist())
+    want = cf.testing.hf_greedy(model, prompts, 10)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine = Engine(models.llama, cfg, params, block_size=4, num_blocks=16)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == want

@@ -100,13 +100,7 @@ def test_the_engine_under_tp_gives_transformers_greedy_tokens_and_exports_whole(
     cfg, params = hf.from_hf(m)
     prompts = [[1, 2, 3], [50256, 50000, 7], [25128, 25129] * 3]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        got = m.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
-        )
-        want.append(got[0, len(p) :].tolist())
+    want = cf.testing.hf_greedy(m, prompts, 8)
     chosen = {t for w in want for t in w}
     assert min(chosen) < 25128 and max(chosen) >= 25129  # tokens from both ranks' rows
 
