@@ -23,6 +23,7 @@ import torch
 
 from colfunc import torch_private, tree
 from colfunc.core import GradArrival
+from colfunc.ops import AdamWHyper as AdamWUpdate  # one update's values (this module's: the rule)
 from colfunc.optim.base import (
     GradientTransformation,
     LearningRate,
@@ -64,6 +65,18 @@ class AdamWHyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
+
+    def at(self, step: int, lr: float) -> AdamWUpdate:
+        """Update ``step``'s (1-based) values at the rate ``lr``, as the op layer's AdamW
+        kernels take them (:class:`colfunc.ops.AdamWHyper`)."""
+        return AdamWUpdate(
+            step=step,
+            lr=lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
 
 
 def _fused_ready(ps: Tensors, gs: Tensors, ms: Tensors, vs: Tensors) -> bool:

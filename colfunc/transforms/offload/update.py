@@ -98,25 +98,14 @@ def zero_update(
             trains = [k for k, t in enumerate(off.trains) if t]
             axes = ([axes[0][k] for k in trains], axes[1])
         norm = _reduced_norm(squares, axes)
-        h = _adamw_hyper(hyper, t, lr)
-        _host_adamw(chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), h)
+        _host_adamw(
+            chunks, grads, tree.leaves(opt.exp_avg), tree.leaves(opt.exp_avg_sq), hyper.at(t, lr)
+        )
         new = tree.leaves(z.gather_chunks(tree.unflatten(treedef, chunks), metas))
         for (path, _), y in zip(flat, new, strict=True):
             params[path].copy_(local_piece(y))  # (a tensor-parallel piece comes back wrapped)
     new_opt = AdamState(t, opt.exp_avg, opt.exp_avg_sq, None)
     return state._replace(opt_state=new_opt), {"grad_norm": norm, "lr": lr}
-
-
-def _adamw_hyper(hyper: Any, t: int, lr: float) -> ops.AdamWHyper:
-    """Update ``t``'s hyperparameters, from the optimizer's (``optim.adamw``'s) and its rate."""
-    return ops.AdamWHyper(
-        step=t,
-        lr=lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        eps=hyper.eps,
-        weight_decay=hyper.weight_decay,
-    )
 
 
 def _host_adamw(
@@ -215,7 +204,7 @@ def adamw_update(
     ms, vs = off.by_leaf(opt.exp_avg), off.by_leaf(opt.exp_avg_sq)  # (None for a frozen leaf)
     off._host = (ps, ms, vs)
     t, lr = opt.step + 1, learning_rate(hyper.lr, opt.step)
-    h = _adamw_hyper(hyper, t, lr)
+    h = hyper.at(t, lr)
     mirrors = off.pool.mirrors
     for c in sorted(off._needs_moments):  # moments of chunks just device-homed
         m = mirrors[c]
