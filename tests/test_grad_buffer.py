@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import colfunc as cf
 from colfunc import core, optim, torch_private
-from colfunc.transforms import buckets as buckets_module
-from colfunc.transforms import grad_layout
+from colfunc.transforms.data_parallel import buckets as buckets_module
+from colfunc.transforms.data_parallel import grad_layout
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -70,7 +70,12 @@ def shards(
                 off, n = chunk(v.shape[p.dim], k, i)
                 v = v.narrow(p.dim, off, n)
             elif isinstance(p, Partial):
-                prefix = tuple(mesh.coords[b] for b in mesh.axis_names[:a])
+                # the pieces differ only across the outer axes that split or reduce: ranks of
+                # a Replicate axis hold the same piece
+                prefix = tuple(
+                    0 if isinstance(q, Replicate) else mesh.coords[b]
+                    for b, q in zip(mesh.axis_names[:a], placements[:a])
+                )
                 v = _piece(v, p.op, k, i, hash((seed, a, prefix)) % 100_003)
         out.append(v.clone())
     return out

@@ -21,7 +21,7 @@ from test_dp_overlap import TINY_BUCKET, _problem
 
 import colfunc as cf
 from colfunc import core, models, optim, torch_private
-from colfunc.transforms import buckets
+from colfunc.transforms.data_parallel import buckets
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -155,6 +155,15 @@ def redistribute_local(
         else:
             x, cur[a] = _gather(x, shape, mesh, cur, a), Replicate()
 
+    # averages commute with sums: an average reduced into replicas or shards is reduced as a
+    # sum, and the exact total divided once at the end (an average taken first divides each
+    # rank's piece, and rounds)
+    factor = 1
+    if all(p.op in ("sum", "avg") for p in cur if isinstance(p, Partial)):
+        for a in range(len(names)):
+            if cur[a] == Partial("avg") and not isinstance(dst[a], Partial):
+                cur[a] = Partial("sum")
+                factor *= mesh.axis_size(names[a])
     for a in range(len(names)):  # phase 2: build the target, outermost axis first
         p, q, axis = cur[a], dst[a], names[a]
         if p == q:
@@ -169,4 +178,4 @@ def redistribute_local(
         elif isinstance(q, Partial):
             x = _to_partial(x, mesh, axis, q.op)
         cur[a] = q
-    return x
+    return x / factor if factor != 1 else x

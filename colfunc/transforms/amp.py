@@ -142,7 +142,7 @@ class AmpConfig:
     def build(self, step: Step, comp: Composition) -> Step:
         # under offload the parameters stay in host memory: its fetches cast each chunk, and
         # its gradients stay there too, unscaled by offload in the masters' dtype
-        return _build(step, self, offloaded=comp.offload_fetches)
+        return _build(step, self, offloaded=comp.offload is not None and comp.offload.fetches)
 
 
 def amp(

@@ -9,19 +9,21 @@ order of :data:`ORDER` (innermost first)::
 
 So ``cf.zero(cf.shard(step, mesh), 2)`` and ``cf.shard(cf.zero(step, 2), mesh)`` are the same
 step, and a builder knows, from typed fields of the composition, what the transforms around it
-and beneath it will do: ``shard`` leaves the data-parallel reduction to a ``zero`` above it,
-``zero`` reads the mesh, the batch axis, the bucket size and the overlap that ``shard`` was
-given. Conflicts (a transform applied twice, an axis the mesh lacks) are refused here, when the
+and beneath it will do. The data-parallel reduction is decided once, from the whole
+composition, as one :class:`~colfunc.transforms.data_parallel.Reduction` (``reduction``): its
+layer is applied right above ``zero``, and ``offload`` calls it on its host rows. Conflicts (a transform applied twice, an axis the mesh lacks) are refused here, when the
 step is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 from colfunc.step import Step
-from colfunc.transforms.buckets import BUCKET_BYTES
+from colfunc.transforms.data_parallel.buckets import BUCKET_BYTES
+from colfunc.transforms.data_parallel.reducer import Reduction
 
 if TYPE_CHECKING:
     from colfunc.sharding import Mesh
@@ -67,52 +69,12 @@ class Composition:
         """The size of the data-parallel gradient buckets."""
         return self.shard.bucket_bytes if self.shard is not None else BUCKET_BYTES
 
-    @property
-    def reduce_in_backward(self) -> bool:
-        """Whether data-parallel gradients may be reduced during the backward pass: asked for
-        (``shard(overlap=True)``, the default) and no pipeline beneath, which completes the
-        gradients only after its last microbatch."""
-        overlap = self.shard.overlap if self.shard is not None else True
-        return overlap and self.pipeline is None
-
-    @property
-    def zero_reduces(self) -> bool:
-        """Whether ``zero`` owns the data-parallel gradient reduction (``shard`` then leaves
-        its gradients unreduced). ZeRO stage 0 over ``shard``'s own data-parallel axis is plain
-        data parallelism: ``shard`` reduces, as for ``shard`` alone."""
-        z = self.zero
-        if z is None:
-            return False
-        plain = z.stage == 0 and self.shard is not None and self.shard.data_axis == z.axis
-        return not plain
-
-    @property
-    def offload_fetches(self) -> bool:
-        """Whether ``offload`` fetches the parameters chunk by chunk (every policy but
-        ``"device"``): ``amp`` then leaves the casts to compute dtype to those fetches."""
-        return self.offload is not None and self.offload.policy != "device"
-
-    @property
-    def overlaps_update(self) -> bool:
-        """Whether the optimizer may start on data-parallel gradients while the last buckets
-        are still being reduced (a step's ``overlap_update``, :class:`colfunc.core.StepRun`):
-        plain data parallelism reduced in the backward pass (``shard``'s, or ZeRO stage 0's),
-        and nothing between the backward pass and the optimizer that reads gradients: no
-        ``amp`` (its overflow check), no ``offload``, no tensor or sequence layout (their
-        update works on local pieces), no pipeline, no ZeRO stage above 0."""
-        sh, z = self.shard, self.zero
-        plain_shard = sh is None or (
-            not sh.plan and not sh.sequence_parallel and sh.tensor_mode == "1d"
-        )
-        data_parallel = (sh is not None and sh.data_axis is not None) or z is not None
-        return (
-            plain_shard
-            and data_parallel
-            and (z is None or z.stage == 0)
-            and self.amp is None
-            and self.offload is None
-            and self.reduce_in_backward
-        )
+    @functools.cached_property
+    def reduction(self) -> Reduction | None:
+        """The data-parallel reduction, decided once from what ``shard``, ``zero``, ``offload``
+        and the others were given (None: no data-parallel axis); see
+        :mod:`colfunc.transforms.data_parallel`."""
+        return Reduction.of(self)
 
     def applied(self) -> tuple[Any, ...]:
         """The configs applied, innermost first."""
@@ -143,12 +105,15 @@ class Composition:
 
     def build(self, base: Step) -> Step:
         """``base`` with every applied transform, in :data:`ORDER`."""
-        step = base
-        for config in self.applied():
-            step = config.build(step, self)
-        return dataclasses.replace(
-            step, base=base, composition=self, overlap_update=self.overlaps_update
-        )
+        step, red = base, self.reduction
+        for name in ORDER:
+            config = getattr(self, name)
+            if config is not None:
+                step = config.build(step, self)
+            if name == "zero" and red is not None and not red.host:
+                step = red.wrap(step)  # the data-parallel layer, above shard and zero
+        overlap = red is not None and red.overlap_update
+        return dataclasses.replace(step, base=base, composition=self, overlap_update=overlap)
 
 
 def apply_transform(step: Step, name: str, config: Any) -> Step:

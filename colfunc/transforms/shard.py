@@ -8,12 +8,15 @@ runs on them and the propagation rules insert the collectives.
 
 Every rank is handed the same global batch and keeps its slice along dim 0 over ``batch_axis``,
 and the gradients are averaged over that axis in a few large buckets (one ``all_reduce`` per
-bucket rather than one per parameter), as DDP does: each scanned layer's gradients are packed
-into the open bucket as soon as the backward pass has computed them, and a full bucket's
+bucket rather than one per parameter), as DDP does: each scanned layer's gradients are written
+into the flat buffers as soon as the backward pass has computed them, and a full bucket's
 ``all_reduce`` starts at once, running while the backward pass goes on to the earlier layers. The
 parameters outside the stacked layers (embeddings, final norm) follow in the last buckets. The
 loss is the mean of the ranks' local means, which is the global mean when every rank holds the
-same number of counted labels (always so without ``-100`` labels).
+same number of counted labels (always so without ``-100`` labels). The batch split, the loss mean
+and the buckets are the one data-parallel layer's (:mod:`colfunc.transforms.data_parallel`),
+shared with ``zero`` and ``offload``: this transform places the parameters and pushes its tensor
+and sequence frames.
 """
 
 from __future__ import annotations
@@ -29,13 +32,11 @@ from colfunc import core, tree
 from colfunc.core import P
 from colfunc.nn.plans import fitting_sizes
 from colfunc.random import Abstract
-from colfunc.sharding import Mesh, ShardedTensor, comm, distribute, placements_from_spec
+from colfunc.sharding import Mesh, ShardedTensor, distribute, placements_from_spec
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms import grid
-from colfunc.transforms.buckets import GradBuckets, all_reduce_tree, finish_buckets
 from colfunc.transforms.composition import apply_transform
-from colfunc.transforms.grad_layout import BufferPool
 from colfunc.transforms.local import as_full, in_placement, local_update
 from colfunc.transforms.sequence import (
     LONG_MODES,
@@ -49,7 +50,7 @@ from colfunc.transforms.sequence import (
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
 
-__all__ = ["ShardConfig", "matmul_order", "place", "shard", "split_batch"]
+__all__ = ["ShardConfig", "matmul_order", "place", "shard"]
 
 PyTree = Any
 
@@ -141,7 +142,7 @@ def matmul_order(params: PyTree) -> PyTree:
     forward and backward take 0.975x the time column-major for ``512 -> 128``, but 1.03x for
     ``128 -> 512`` and 1.0x for ``128 -> 128``: so only the narrowing weights are reordered. The
     gradient buckets lay each row out as its parameter's
-    (:func:`colfunc.transforms.grad_layout.row_strides`), and the fused AdamW takes parameter,
+    (:func:`colfunc.transforms.data_parallel.grad_layout.row_strides`), and the fused AdamW takes parameter,
     gradient and moments row by row in that order, so no pass transposes anything.
     """
     if not isinstance(params, dict) or not isinstance(params.get("blocks"), dict | list | tuple):
@@ -157,23 +158,6 @@ def matmul_order(params: PyTree) -> PyTree:
         return x.transpose(1, 2).contiguous().transpose(1, 2)  # strides (in * out, 1, in)
 
     return {**params, "blocks": tree.map(one, params["blocks"])}
-
-
-def split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
-    """This rank's rows of every batch tensor, split over the data-parallel ``axis``."""
-    n, i = mesh.axis_size(axis), mesh.axis_index(axis)
-
-    def split(path: str, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if x.shape[0] % n:
-            raise ValueError(
-                f"shard: batch entry {path!r} has {x.shape[0]} rows, not divisible by the "
-                f"{axis!r} axis size {n}; use a global batch size that is a multiple of {n}"
-            )
-        return x.chunk(n, dim=0)[i]
-
-    return tree.map_with_path(split, batch)
 
 
 class _SequenceParallel(CarrySplitter):
@@ -420,32 +404,23 @@ def _check_divisors(
 
 
 def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
-    mesh, plan_, dp = cfg.mesh, cfg.plan, cfg.data_axis
+    """Places the parameters and pushes the tensor and sequence frames; the batch split over
+    ``data_axis``, the loss mean and the gradient reduction are the data-parallel layer's
+    (:mod:`colfunc.transforms.data_parallel`), applied above this one."""
+    mesh, plan_ = cfg.mesh, cfg.plan
     grid_layout = cfg.grid_layout
     _check_divisors(step.loss_fn, plan_, mesh, grid_layout)
-    # zero above owns the data-parallel reduction; else it starts inside the backward pass
-    # unless a pipeline beneath differentiates microbatch by microbatch, and is the sync piece
-    reduces = dp is not None and not comp.zero_reduces
-    in_backward = reduces and comp.reduce_in_backward
-    # the gradients land in flat buffers whose buckets start in the backward pass, or after
-    # it with overlap=False; a pipeline beneath hands its microbatches' sums to ``sync``
-    buffered = reduces and comp.pipeline is None
-    inner_layout, inner_fb, inner_fwd, inner_sync = (
-        step.layout,
-        step.forward_backward,
-        step.forward,
-        step.sync,
-    )
+    reduction = comp.reduction
+    inner_layout, inner_fb, inner_fwd = step.layout, step.forward_backward, step.forward
     # zero stages 1-3 hand the optimizer chunks (plain local tensors) and say themselves how
     # their norms add up; otherwise the update runs on the local pieces of sharded tensors
     chunked = comp.zero is not None and comp.zero.stage >= 1
     long_seq = cfg.sequence_layout
     sharded = bool(plan_) or long_seq is not None
     update = local_update(step.update, mesh) if sharded and not chunked else step.update
-
-    # plain data parallelism into flat buffers keeps its stacked weights in matmul order
-    # (see matmul_order); elsewhere (sharded, chunked, offloaded, pipelined) they stay row-major
-    reorder = buffered and dp is not None and not sharded and comp.offload is None
+    # plain data parallelism keeps its stacked weights in matmul order in its flat buffers (see
+    # matmul_order); elsewhere (sharded, chunked, offloaded, pipelined) they stay row-major
+    reorder = reduction is not None and reduction.matmul_order
 
     def layout(params: PyTree) -> PyTree:
         split_acts = long_seq is not None or grid_layout is not None
@@ -453,18 +428,18 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         return matmul_order(placed) if reorder else placed
 
     megatron = cfg.sequence_parallel == "megatron"
-    seq = _sequence_frame(plan_, mesh, dp, step.loss_fn) if megatron else None
+    seq = _sequence_frame(plan_, mesh, cfg.data_axis, step.loss_fn) if megatron else None
     if long_seq is not None:
         divisors = getattr(step.loss_fn, "divisors", {})
-        heads_axes = sorted(_plan_axes(plan_) - {dp})
+        heads_axes = sorted(_plan_axes(plan_) - {cfg.data_axis})
         tp = math.prod(mesh.axis_size(a) for a in heads_axes)
         long_seq.check_heads(divisors.get("n_head"), divisors.get("n_kv_heads"), tp)
     batch_dims = getattr(step.loss_fn, "batch_sequence_dims", None)
     carry_dims = dict(getattr(step.loss_fn, "sequence_dims", {"": 1}))
     grid_frame = grid.GridLinear(grid_layout) if grid_layout is not None else None
 
-    def prepare(batch: PyTree) -> tuple[PyTree, LongSequence | None]:
-        local = split_batch(batch, dp, mesh) if dp else batch
+    def prepare(local: PyTree) -> tuple[PyTree, LongSequence | None]:
+        """This data-parallel rank's batch (split above) cut further by the tensor layout."""
         if grid_layout is not None:
             return grid.split_batch(local, grid_layout), None
         if long_seq is None:
@@ -480,54 +455,24 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         if long_frame is not None:
             stack.enter_context(core.context(long_frame))
 
-    def loss_over_dp(loss: torch.Tensor) -> torch.Tensor:
-        loss = as_full(loss)
-        if dp is not None:
-            loss = comm.all_reduce(loss.detach(), dp, op="avg", mesh=mesh)
-        return loss
-
-    pool = BufferPool()  # the gradient buffers, kept from step to step
-
     def forward_backward(
         params: PyTree, batch: PyTree, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, PyTree]:
         local_batch, long_frame = prepare(batch)
-        # the loss is averaged over dp in the gradients' last bucket (one collective fewer)
-        trained = step.trainable_part(params)  # the leaves that get gradients
-        buckets = (
-            GradBuckets(
-                mesh, dp, cfg.bucket_bytes, trained, carry_loss=True, pool=pool, early=in_backward
-            )
-            if buffered and dp
-            else None
-        )
         with contextlib.ExitStack() as stack:
             frames(stack, long_frame)
-            if buckets is not None:
-                stack.enter_context(core.context(buckets.frame))
             loss, grads = inner_fb(params, local_batch, extra)
-        if buckets is not None:
-            grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
-            if buckets.loss is not None:
-                return buckets.loss, grads
-        else:  # gradients take their parameter's placements (a rule may leave one Partial)
-            grads = tree.map(in_placement, grads, trained)
-        return loss_over_dp(loss), grads
+        if reduction is None:  # gradients take their parameter's placements (a rule may leave
+            # one Partial); the data-parallel layer does it where it reduces
+            grads = tree.map(in_placement, grads, step.trainable_part(params))
+        return as_full(loss), grads
 
     def forward(params: PyTree, batch: PyTree, extra: dict[str, Any]) -> torch.Tensor:
         local_batch, long_frame = prepare(batch)
         with contextlib.ExitStack() as stack:
             frames(stack, long_frame)
-            loss = inner_fwd(params, local_batch, extra)
-        return loss_over_dp(loss)
-
-    def sync(grads: PyTree) -> PyTree:
-        grads = inner_sync(grads)
-        if not reduces or buffered:
-            return grads  # zero above reduces, or the buckets did in forward_backward
-        assert dp is not None
-        return all_reduce_tree(grads, dp, mesh)
+            return as_full(inner_fwd(params, local_batch, extra))
 
     return step.replace(
-        layout=layout, forward=forward, forward_backward=forward_backward, sync=sync, update=update
+        layout=layout, forward=forward, forward_backward=forward_backward, update=update
     )

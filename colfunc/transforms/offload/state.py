@@ -3,7 +3,6 @@ holds what is fetched or homed, and the gradients written home (see :mod:`colfun
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +12,6 @@ from colfunc import core, tree
 from colfunc.memory.chunks import ChunkLayout
 from colfunc.memory.placement import device_budget
 from colfunc.memory.pool import DevicePool, Mirror
-from colfunc.sharding import Mesh, current_mesh
 from colfunc.transforms.local import (
     rewrap,
 )
@@ -49,25 +47,6 @@ def _first_fraction(sizes: list[int], fraction: float) -> set[int]:
         acc += s
         out.add(i)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class DataParallel:
-    """The data parallelism beneath an offloaded step (see the module docs)."""
-
-    bound: Mesh | None  # the mesh shard bound (None: the current mesh, inside cf.launch)
-    split: str | None  # the axis shard splits the batch over (None: every rank the whole batch)
-    axis: str  # the axis the gradients are averaged over
-    stage: int | None  # the zero stage beneath (None: data-parallel shard alone)
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.bound if self.bound is not None else current_mesh()
-
-    @property
-    def cuts_optimizer(self) -> bool:
-        """ZeRO stages 1-2: whole parameters, optimizer states in chunks by rank."""
-        return self.stage in (1, 2)
 
 
 class OffloadState:
@@ -160,6 +139,12 @@ class OffloadState:
         one per parameter leaf: None for a frozen one."""
         got = dict(tree.flatten_with_paths(states)[0])
         return [got.get(path) for path in self.paths]
+
+    def grad_rows(self) -> list[torch.Tensor]:
+        """This step's gradients where they live: the host rows of the trained leaves, then
+        the device-homed chunks' mirrors (a frozen leaf has none)."""
+        homed = [m.grad for m in self.pool.mirrors.values()]
+        return [g for g in self.grads if g is not None] + homed
 
     def trained_grads(self) -> PyTree:
         """The host gradients as a tree: every leaf's, or the trainable leaves' only."""

@@ -10,17 +10,17 @@ import torch
 
 from colfunc import torch_private, tree
 from colfunc.sharding import from_local
-from colfunc.transforms.chunks import (
+from colfunc.transforms.data_parallel.chunks import (
     Gathered,
     StartedGather,
     layer_of,
     whole,
 )
-from colfunc.transforms.layer_gather import restored, saved_piece, start_gather
+from colfunc.transforms.data_parallel.layer_gather import restored, saved_piece, start_gather
 from colfunc.transforms.offload.state import OffloadState
 
 if TYPE_CHECKING:
-    from colfunc.transforms.zero import ZeroLayout
+    from colfunc.transforms.data_parallel.layout import ZeroLayout
 
 PyTree = Any
 

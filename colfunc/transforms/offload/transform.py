@@ -12,7 +12,7 @@ from colfunc.memory.chunks import chunk_layout
 from colfunc.memory.placement import device_budget
 from colfunc.memory.pool import DevicePool
 from colfunc.random import Abstract
-from colfunc.sharding import Mesh, ShardedTensor, comm
+from colfunc.sharding import Mesh, ShardedTensor
 from colfunc.step import Step, TrainState, check_loss
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.local import (
@@ -21,7 +21,6 @@ from colfunc.transforms.local import (
     to_local,
 )
 from colfunc.transforms.offload.state import (
-    DataParallel,
     OffloadState,
     host_device,
     offload_state,
@@ -31,15 +30,14 @@ from colfunc.transforms.offload.streaming import Streaming
 from colfunc.transforms.offload.update import (
     adamw_update,
     as_meta_tree,
-    average_grads,
     local_state,
     norm_axes,
     zero_update,
 )
-from colfunc.transforms.shard import split_batch
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
+    from colfunc.transforms.data_parallel import Reduction
 
 PyTree = Any
 
@@ -108,6 +106,12 @@ class OffloadConfig:
         )
 
     @property
+    def fetches(self) -> bool:
+        """Whether the parameters are fetched chunk by chunk (every policy but ``"device"``):
+        ``amp`` then leaves the casts to compute dtype to those fetches."""
+        return self.policy != "device"
+
+    @property
     def params_fraction(self) -> float:
         return 0.0 if self.offload_params is None else float(self.offload_params)
 
@@ -117,15 +121,11 @@ class OffloadConfig:
 
     def build(self, step: Step, comp: Composition) -> Step:
         # amp, built around offload, computes in its dtype: the fetches cast each chunk to it
-        compute = comp.amp.dtype if comp.amp is not None and comp.offload_fetches else None
+        compute = comp.amp.dtype if comp.amp is not None and self.fetches else None
         compute = compute if isinstance(compute, torch.dtype) else None
-        # data parallel beneath: shard (without a plan) splits the batch, zero (if any) says how
-        # the gradients are reduced and what each rank keeps
-        axis = comp.zero.axis if comp.zero is not None else comp.batch_axis
-        dp = None
-        if axis is not None:
-            stage = comp.zero.stage if comp.zero is not None else None
-            dp = DataParallel(comp.mesh, comp.batch_axis, axis, stage)
+        # data parallel beneath: the composition's reduction splits the batch, averages the
+        # loss and reduces the host rows; zero's stage says what each rank keeps
+        dp = comp.reduction
         # tensor parallel beneath: each rank offloads its local pieces, which the fetches wrap
         # back as the tensor-parallel parameters they are
         tp = comp.mesh if comp.shard is not None and comp.shard.plan else None
@@ -136,7 +136,7 @@ def _build(
     step: Step,
     cfg: OffloadConfig,
     compute: torch.dtype | None = None,
-    dp: DataParallel | None = None,
+    dp: Reduction | None = None,
     tp: Mesh | None = None,
 ) -> Step:
     if cfg.policy == "device":
@@ -212,8 +212,8 @@ def _build(
         if grad:
             state.pool.begin_step()
             state.make_mirrors(leaves)
-        if dp is not None and dp.split is not None:
-            batch = split_batch(batch, dp.split, dp.mesh)
+        if dp is not None:
+            batch = dp.split_batch(batch)
         token = torch.zeros((), requires_grad=True) if grad else None
         frame = Streaming(state, leaves, token, extra["zero"] if gathers else None)
         state.pool.select(tuple((tuple(x.shape), x.dtype) for x in tree.tensors(batch)))
@@ -234,14 +234,13 @@ def _build(
                 state.zero_unwritten()
                 if scale != 1.0:  # amp's loss scale, undone where the gradients live
                     state.unscale(scale)
-                if dp is not None:
-                    average_grads(state, dp)
+                if dp is not None:  # the same reduction, on the host rows
+                    with DevicePool.host():
+                        dp.reduce_rows(state.grad_rows())
         if record:
             _check_warmup(state)
         loss = loss.detach()
-        loss = as_full(loss)  # a tensor-parallel loss, replicated
-        if dp is not None and dp.split is not None:
-            loss = comm.all_reduce(loss, dp.split, op="avg", mesh=dp.mesh)
+        loss = dp.mean_loss(loss) if dp is not None else as_full(loss)
         return loss, (state.trained_grads() if grad else None)
 
     def forward_backward(

@@ -1,6 +1,6 @@
-"""An offloaded step's update: its data-parallel averaging, the ZeRO cut of its gradients,
-and AdamW on the host (the C++ CPU Adam) and on device-homed chunks (see
-:mod:`colfunc.transforms.offload`)."""
+"""An offloaded step's update: ZeRO 1-2's chunks of the masters and moments (their gradients
+reduce-scattered by the data-parallel reduction), and AdamW on the host (the C++ CPU Adam) and
+on device-homed chunks (see :mod:`colfunc.transforms.offload`)."""
 
 from __future__ import annotations
 
@@ -14,44 +14,19 @@ from colfunc.optim.adam import AdamState
 from colfunc.optim.base import learning_rate
 from colfunc.sharding import Mesh
 from colfunc.step import TrainState
-from colfunc.transforms.buckets import all_reduce_buckets
-from colfunc.transforms.chunks import (
-    as_chunk,
-    by_rank,
-    cut_chunk,
-    mesh_axes,
-    reduce_scatter_flat,
-)
+from colfunc.transforms.data_parallel.chunks import cut_chunk, mesh_axes
 from colfunc.transforms.local import (
     axes_reduction,
     local_piece,
     sharded_axes,
     to_local,
 )
-from colfunc.transforms.offload.state import DataParallel, OffloadState, offload_state
+from colfunc.transforms.offload.state import OffloadState, offload_state
 
 if TYPE_CHECKING:
-    from colfunc.transforms.zero import ZeroLayout
+    from colfunc.transforms.data_parallel import Reduction, ZeroLayout
 
 PyTree = Any
-
-
-def average_grads(state: OffloadState, dp: DataParallel) -> None:
-    """Average the step's gradients over the data-parallel axis where they live, in place (host
-    rows, device-homed mirrors). ZeRO-3's arrive summed over the ranks by the gathers'
-    backward; ZeRO 1-2 reduce-scatter theirs in the update."""
-    n = dp.mesh.axis_size(dp.axis)
-    if n == 1:
-        return
-    homed = [m.grad for m in state.pool.mirrors.values()]
-    xs = [g for g in state.grads if g is not None] + homed  # (a frozen leaf has none)
-    with DevicePool.host(), torch.no_grad():
-        if dp.stage == 3:
-            for x in xs:
-                x.div_(n)
-        elif not dp.cuts_optimizer:
-            for x, r in zip(xs, all_reduce_buckets(xs, dp.axis, dp.mesh), strict=True):
-                x.copy_(r)
 
 
 def as_meta_tree(params: PyTree) -> PyTree:
@@ -62,7 +37,7 @@ def as_meta_tree(params: PyTree) -> PyTree:
 
 
 def zero_update(
-    state: TrainState, dp: DataParallel, hyper: Any, inner_update: Any
+    state: TrainState, dp: Reduction, hyper: Any, inner_update: Any
 ) -> tuple[TrainState, dict[str, Any]]:
     """ZeRO 1-2 under offload: the whole host gradients reduce-scattered, so each rank holds
     the averaged chunks it owns; the CPU Adam updates those chunks of the masters with this
@@ -78,10 +53,7 @@ def zero_update(
     metas = z.metas_of(trained)
     with DevicePool.host(), torch.no_grad():
         stacked = [m.stacked for m in tree.leaves(metas)]
-        pieces = reduce_scatter_flat(
-            [by_rank(g, st, n) for g, st in zip(host, stacked)], z.axis, z.mesh, "avg"
-        )
-        grads = [as_chunk(p, g, st) for p, g, st in zip(pieces, host, stacked)]
+        grads = dp.scatter_rows(host, stacked)  # the data-parallel reduction, on host rows
         if hyper is None:
             new_state, info = inner_update(tree.unflatten(treedef, grads), state)
             return local_state(new_state), info

@@ -29,8 +29,8 @@ from colfunc import core, tree
 from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh, from_local
 from colfunc.sharding.placement import Shard
 from colfunc.step import Step, TrainState
-from colfunc.transforms.buckets import all_reduce_buckets
 from colfunc.transforms.composition import apply_transform
+from colfunc.transforms.data_parallel import reduce_leaves
 from colfunc.transforms.local import local_piece, rewrap
 from colfunc.transforms.pipeline import schedules
 from colfunc.transforms.pipeline.link import DTYPES
@@ -322,7 +322,7 @@ def _build(step: Step, cfg: PipelineConfig) -> Step:
             return grads
         flat, treedef = tree.flatten_with_paths(grads)
         shared = [i for i, (path, _) in enumerate(flat) if not _is_block(path)]
-        summed = all_reduce_buckets([local_piece(flat[i][1]) for i in shared], axis, mesh, op="sum")
+        summed = reduce_leaves([flat[i][1] for i in shared], axis, mesh, op="sum")
         leaves = [g for _, g in flat]
         for i, s in zip(shared, summed):
             leaves[i] = rewrap(leaves[i], s)

@@ -12,11 +12,11 @@ from torch.utils.checkpoint import checkpoint
 from colfunc import core, torch_private, tree
 from colfunc.sharding import ShardedTensor
 from colfunc.sharding.dispatch import is_param
-from colfunc.transforms.chunks import Gathered, StartedGather, gather_flat, whole
+from colfunc.transforms.data_parallel.chunks import Gathered, StartedGather, gather_flat, whole
 from colfunc.transforms.local import local_piece
 
 if TYPE_CHECKING:
-    from colfunc.transforms.zero import ZeroLayout
+    from colfunc.transforms.data_parallel.layout import ZeroLayout
 
 PyTree = Any
 

@@ -4,7 +4,7 @@ they are cut into buckets, and the pool that keeps them from one step to the nex
 A layout (:class:`Layout`: the buffers, each leaf's :class:`Place`, the bucket :class:`Cut` s)
 follows from the leaves' shapes and dtypes alone, so it is cut once per kind of step
 (:func:`cut_layout`) and only materialized per step (:func:`make_views`, from buffers a
-:class:`BufferPool` hands out). :class:`colfunc.transforms.buckets.GradBuckets` reduces them.
+:class:`BufferPool` hands out). :class:`colfunc.transforms.data_parallel.buckets.GradBuckets` reduces them.
 """
 
 from __future__ import annotations

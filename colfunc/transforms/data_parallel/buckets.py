@@ -23,8 +23,8 @@ import torch
 
 from colfunc import core, torch_private, tree
 from colfunc.sharding import Mesh, comm
-from colfunc.transforms import grad_layout
-from colfunc.transforms.grad_layout import (
+from colfunc.transforms.data_parallel import grad_layout
+from colfunc.transforms.data_parallel.grad_layout import (
     BufferPool,
     Layout,
     Views,
