@@ -155,8 +155,12 @@ def reduce_scatter_flat(
 
 
 def padded(g: torch.Tensor, n: int) -> torch.Tensor:
+    """``g``'s local piece flattened and zero-padded to a multiple of ``n`` (a view when no
+    padding is needed)."""
     flat = local_piece(g).reshape(-1)
     c = -(-flat.numel() // n)
+    if c * n == flat.numel():
+        return flat
     return torch.nn.functional.pad(flat, (0, c * n - flat.numel()))
 
 

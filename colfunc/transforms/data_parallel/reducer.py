@@ -230,14 +230,17 @@ class Reduction:
                     early=early,
                 )
             elif mode == "reduce_scatter" and when == "backward":
-                buckets = ScatterBuckets(m, self.axis, self.bucket_bytes)
+                buckets = ScatterBuckets(m, self.axis, self.bucket_bytes, trained)
             if buckets is None:  # reduced in sync (or a single rank: nothing to reduce)
                 loss, grads = inner_fb(params, local, extra)
                 return self.mean_loss(loss), tree.map(in_placement, grads, trained)
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, local, extra)
             if isinstance(buckets, ScatterBuckets):
-                return self.mean_loss(loss), buckets.finish(grads, params)
+                carried = as_full(loss) if self.split == self.axis else None
+                grads = buckets.finish(grads, params, loss=carried)
+                mean = buckets.loss
+                return (mean if mean is not None else self.mean_loss(loss)), grads
             grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads

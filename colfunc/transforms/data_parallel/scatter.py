@@ -11,6 +11,7 @@ from colfunc import core, tree
 from colfunc.sharding import Mesh, comm
 from colfunc.transforms.data_parallel.buckets import PackedBuckets
 from colfunc.transforms.data_parallel.chunks import as_chunk, by_rank, is_stacked, padded
+from colfunc.transforms.data_parallel.grad_layout import first_bucket_bytes
 from colfunc.transforms.local import in_placement, local_piece
 
 __all__ = ["ScatterBuckets"]
@@ -26,11 +27,17 @@ class ScatterBuckets(PackedBuckets):
     chunk is) and a bucket is reduce-scattered, so each rank receives only its averaged chunks.
     """
 
-    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int) -> None:
+    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int, params: PyTree = None) -> None:
         super().__init__(mesh, axis, bucket_bytes)
+        if params is not None:  # the first bucket as data parallelism's (first_bucket_bytes)
+            ts = [local_piece(p) for p in tree.tensors(params)]
+            if ts:
+                total = sum(t.numel() * self.dtype_of(t).itemsize for t in ts)
+                self.limit = first_bucket_bytes(ts[0].device, bucket_bytes, total)
         self.frame = core.LayerGrads(self.on_layer)
         self.n = mesh.axis_size(axis)
         self.kept: dict[str, dict[int, list[torch.Tensor]]] = {}
+        self.loss: torch.Tensor | None = None  # the carried mean loss, after finish
 
     def launch(self, gs: list[torch.Tensor]) -> comm.Pending:
         packed = torch.cat([g.view(self.n, -1) for g in gs], dim=1).reshape(-1)
@@ -49,9 +56,12 @@ class ScatterBuckets(PackedBuckets):
             else:  # scanned, but cut whole: kept until the whole gradient is known
                 self.kept.setdefault(path, {}).setdefault(i, []).append(row)
 
-    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
-        """This rank's averaged gradient chunks, from the backward pass's ``grads``."""
+    def finish(self, grads: PyTree, params: PyTree, loss: torch.Tensor | None = None) -> PyTree:
+        """This rank's averaged gradient chunks, from the backward pass's ``grads``. With
+        ``loss`` (this rank's 0-d loss), the ranks' mean loss rides in the last bucket, one
+        copy in every rank's chunk (a collective and a wait fewer): it is then ``self.loss``."""
         handed = self.frame.handed
+        self.loss = None
         flat, treedef = tree.flatten_with_paths(grads)
         placed = dict(tree.flatten_with_paths(params)[0])
         for path, g in flat:
@@ -71,7 +81,12 @@ class ScatterBuckets(PackedBuckets):
             elif g is not local_piece(handed[path]):  # something outside the scan added to it
                 for i in range(g.shape[0]):
                     self.add((path, i), padded(g[i], self.n))
+        if loss is not None:
+            self.add(("loss",), loss.detach().reshape(1).expand(self.n).contiguous())
         got = self.wait()
+        if loss is not None:
+            (mean,) = got[("loss",)]
+            self.loss = mean.reshape(()).to(loss.dtype)
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         out = []
         for path, g in flat:
