@@ -152,7 +152,13 @@ class Reduction:
             overlap_update=(
                 buffered and when == "backward" and plain_shard and comp.amp is None and off is None
             ),
-            matmul_order=buffered and split == axis and plain_shard and off is None,
+            # (ZeRO 1-2 keep whole parameters too, gathered back in the same order)
+            matmul_order=(
+                (buffered or (mode == "reduce_scatter" and when != "sync"))
+                and split == axis
+                and plain_shard
+                and off is None
+            ),
         )
 
     # --- what is reduced, and where ---------------------------------------------------------
@@ -237,10 +243,7 @@ class Reduction:
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, local, extra)
             if isinstance(buckets, ScatterBuckets):
-                carried = as_full(loss) if self.split == self.axis else None
-                grads = buckets.finish(grads, params, loss=carried)
-                mean = buckets.loss
-                return (mean if mean is not None else self.mean_loss(loss)), grads
+                return self.mean_loss(loss), buckets.finish(grads, params)
             grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads

@@ -37,7 +37,6 @@ class ScatterBuckets(PackedBuckets):
         self.frame = core.LayerGrads(self.on_layer)
         self.n = mesh.axis_size(axis)
         self.kept: dict[str, dict[int, list[torch.Tensor]]] = {}
-        self.loss: torch.Tensor | None = None  # the carried mean loss, after finish
 
     def launch(self, gs: list[torch.Tensor]) -> comm.Pending:
         packed = torch.cat([g.view(self.n, -1) for g in gs], dim=1).reshape(-1)
@@ -56,12 +55,9 @@ class ScatterBuckets(PackedBuckets):
             else:  # scanned, but cut whole: kept until the whole gradient is known
                 self.kept.setdefault(path, {}).setdefault(i, []).append(row)
 
-    def finish(self, grads: PyTree, params: PyTree, loss: torch.Tensor | None = None) -> PyTree:
-        """This rank's averaged gradient chunks, from the backward pass's ``grads``. With
-        ``loss`` (this rank's 0-d loss), the ranks' mean loss rides in the last bucket, one
-        copy in every rank's chunk (a collective and a wait fewer): it is then ``self.loss``."""
+    def finish(self, grads: PyTree, params: PyTree) -> PyTree:
+        """This rank's averaged gradient chunks, from the backward pass's ``grads``."""
         handed = self.frame.handed
-        self.loss = None
         flat, treedef = tree.flatten_with_paths(grads)
         placed = dict(tree.flatten_with_paths(params)[0])
         for path, g in flat:
@@ -81,12 +77,7 @@ class ScatterBuckets(PackedBuckets):
             elif g is not local_piece(handed[path]):  # something outside the scan added to it
                 for i in range(g.shape[0]):
                     self.add((path, i), padded(g[i], self.n))
-        if loss is not None:
-            self.add(("loss",), loss.detach().reshape(1).expand(self.n).contiguous())
         got = self.wait()
-        if loss is not None:
-            (mean,) = got[("loss",)]
-            self.loss = mean.reshape(()).to(loss.dtype)
         self.frame.close()  # no cycle keeps the backend's results alive until a collection
         out = []
         for path, g in flat:
