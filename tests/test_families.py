@@ -4,7 +4,8 @@ file) goes through ``hf.load``/``hf.save``, the run config and the engine, again
 
 The toy family is Mistral without a sliding window (LLaMA's computation) with a parameter tree of
 its own (everything under ``"net"``), so that nothing on the way may assume the built-in
-families' paths (``params["embed"]["tokens"]``).
+families' paths (``params["embed"]["tokens"]``). colfunc builds Mistral natively too
+(:mod:`colfunc.models.mistral`): each test here sets that one aside, as a registry without it.
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ FAMILY = Family(
     kv_cache=_kv_cache,
 )
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _the_first_families_only():
+    """The registry as a user adding Mistral finds it when colfunc does not build Mistral: the
+    native LLaMA-shaped families that also read these folders (``mistral``; the Qwens, for the
+    registry's contents) step aside for each test, and come back after it."""
+    aside = [models.unregister(name) for name in ("mistral", "qwen2", "qwen3")]
+    try:
+        yield
+    finally:
+        for f in aside:
+            models.register(f)
 
 
 @pytest.fixture

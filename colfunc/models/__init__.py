@@ -1,5 +1,7 @@
-"""Models as pure functions over parameter pytrees: the causal language models GPT-2, LLaMA and
-OPT, and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for video.
+"""Models as pure functions over parameter pytrees: the causal language models GPT-2, OPT and
+the LLaMA-shaped families of one shared decoder (:mod:`colfunc.models.decoder`: LLaMA, Mistral,
+Qwen 2, Qwen 3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
+video.
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
 ``loss(cfg)`` (a ``layered`` loss), ``tp_plan`` and ``family``: its :class:`Family`, which
@@ -8,7 +10,7 @@ families are registered here; a new one is one module and one :func:`register` l
 :mod:`colfunc.models.family`).
 """
 
-from colfunc.models import dit, gpt, llama, opt
+from colfunc.models import decoder, dit, gpt, llama, mistral, opt, qwen2, qwen3
 from colfunc.models.family import (
     FAMILIES,
     Family,
@@ -23,7 +25,7 @@ from colfunc.models.family import (
     unregister,
 )
 
-for _module in (gpt, llama, opt, dit):
+for _module in (gpt, llama, mistral, qwen2, qwen3, opt, dit):
     register(_module.family)
 
 __all__ = [
@@ -32,13 +34,17 @@ __all__ = [
     "HFMapping",
     "HFWeight",
     "KVCacheSpec",
+    "decoder",
     "dit",
     "get",
     "gpt",
     "llama",
+    "mistral",
     "of_config",
     "of_hf",
     "opt",
+    "qwen2",
+    "qwen3",
     "register",
     "registered",
     "unregister",

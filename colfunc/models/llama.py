@@ -1,34 +1,20 @@
-"""LLaMA (Touvron et al. 2023) as a pure function over a pytree of parameters.
+"""LLaMA (Touvron et al. 2023), Llama 2 and Llama 3: the shared decoder
+(:mod:`colfunc.models.decoder`) without biases or q/k norms, with LLaMA 3.1's rotary scaling.
 
-Pre-RMSNorm blocks, rotary position embeddings (rotate-half convention), SwiGLU MLP,
-grouped-query attention, no biases; the head is separate unless ``tie_embeddings``. The blocks are
-stacked on a leading layer axis and run by ``scan_layers``.
-
-Legend: L layers, B batch, T sequence, S = T - 1 predicted positions, D width (d_model),
-F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
+``Config``, ``init``, ``apply``, ``loss``, ``paged_forward`` and ``param_shapes`` are the
+decoder's, for a ``Config`` that names this family.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import sys
 from typing import Any
 
-import torch
-
-from colfunc import nn, ops, random
-from colfunc.core import Layered, P, layered, scan_layers
-from colfunc.models.family import (
-    Family,
-    HFMapping,
-    HFWeight,
-    KVCacheSpec,
-    linear,
-    positive_number,
-    require,
-)
+from colfunc.core import P
+from colfunc.models import decoder
+from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
+from colfunc.models.family import require
 
 __all__ = [
     "Config",
@@ -42,397 +28,28 @@ __all__ = [
     "tp_plans",
 ]
 
-Params = dict[str, Any]
-Carry = dict[str, Any]  # {"h": x_BTD, "rope": (cos_TR, sin_TR)}
-
-
-def _swiglu_width(d_model: int) -> int:
-    # LLaMA keeps the MLP's parameter count at that of a 4x GELU MLP: 2/3 * 4 * d, rounded up to a
-    # multiple of 32 so the width splits evenly over common tensor-parallel degrees.
-    return 32 * math.ceil(8 * d_model / 3 / 32)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """LLaMA sizes. ``n_kv_heads=None`` means ``n_head`` (no grouping); ``d_ff=None`` means the
-    SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32; ``head_dim=None`` means
-    ``d_model / n_head`` (Qwen 3 and Gemma give another: q/k/v are ``n_head * head_dim`` wide)."""
+class Config(decoder.Config):
+    """LLaMA sizes (see :class:`colfunc.models.decoder.Config`)."""
 
-    vocab_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    max_seq_len: int = 128
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_head)
-        if self.d_ff is None and isinstance(self.d_model, int):
-            object.__setattr__(self, "d_ff", _swiglu_width(self.d_model))
-        for name in (
-            "vocab_size",
-            "n_layer",
-            "n_head",
-            "d_model",
-            "max_seq_len",
-            "n_kv_heads",
-            "d_ff",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
-        if self.head_dim is None:  # the width split over the heads
-            if self.d_model % self.n_head:
-                raise ValueError(
-                    f"llama.Config: n_head={self.n_head} must divide d_model={self.d_model} "
-                    "(or give head_dim)"
-                )
-            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
-        head_dim = self.head_dim
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
-            raise ValueError(f"llama.Config: head_dim must be a positive int, got {head_dim!r}")
-        if head_dim % 2:
-            raise ValueError(
-                f"llama.Config: rotary embeddings need an even head dim; head_dim={head_dim} "
-                f"(d_model={self.d_model} / n_head={self.n_head} unless given)"
-            )
-        assert self.n_kv_heads is not None
-        if self.n_head % self.n_kv_heads:
-            raise ValueError(
-                f"llama.Config: n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}"
-            )
-        if not positive_number(self.rope_theta):
-            raise ValueError(f"llama.Config: rope_theta must be > 0, got {self.rope_theta!r}")
-        try:
-            self.rope_scaling  # noqa: B018  (checks the rope_* fields together)
-        except ValueError as e:
-            detail = str(e).removeprefix("RopeScaling: ")
-            raise ValueError(f"llama.Config: the rope_* fields: {detail}") from None
-        if not positive_number(self.norm_eps):
-            raise ValueError(f"llama.Config: norm_eps must be > 0, got {self.norm_eps!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(
-                f"llama.Config: tie_embeddings must be a bool, got {self.tie_embeddings!r}"
-            )
-
-    @functools.cached_property  # (made once: every forward pass reads it)
-    def rope_scaling(self) -> nn.RopeScaling:
-        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"`` or
-        ``"llama3"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
-        return nn.RopeScaling(
-            type=self.rope_type,
-            factor=self.rope_factor,
-            low_freq_factor=self.rope_low_freq_factor,
-            high_freq_factor=self.rope_high_freq_factor,
-            original_max_position=self.rope_original_max_seq_len or self.max_seq_len,
-        )
-
-    @classmethod
-    def tiny(cls) -> Config:
-        """Byte-level, 4 layers, width 128, 4 query heads sharing 2 key/value heads, context 128."""
-        return cls(vocab_size=256, n_layer=4, n_head=4, n_kv_heads=2, d_model=128, max_seq_len=128)
-
-    @classmethod
-    def small(cls) -> Config:
-        """Byte-level, 6 layers, width 384, 6 query heads sharing 2 key/value heads, context 256."""
-        return cls(vocab_size=256, n_layer=6, n_head=6, n_kv_heads=2, d_model=384, max_seq_len=256)
+    family_name = "llama"
 
 
-# Megatron-LM tensor parallelism: q/k/v and the gate/up projections split their output dim
-# (column parallel, whole heads per rank, so n_kv_heads must be divisible by the degree), the
-# attention and MLP output projections their input dim (row parallel); the embedding and the head
-# split the vocabulary. Parameters not named here are replicated.
-tp_plans: dict[str, dict[str, P]] = nn.tensor_plans(
-    column=(
-        "blocks.attn.wq",
-        "blocks.attn.wk",
-        "blocks.attn.wv",
-        "blocks.mlp.w_gate",
-        "blocks.mlp.w_up",
-    ),
-    row=("blocks.attn.wo", "blocks.mlp.w_down"),
-    hidden=("blocks.ln1.weight", "blocks.ln2.weight", "final_norm.weight"),
-    vocab=("embed.tokens",),
-    head=("head.weight",),
-)
+tp_plans: dict[str, dict[str, P]] = decoder.plans()
 tp_plan: dict[str, P] = tp_plans["1d"]
 
 
-def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The shape of every parameter, by dotted path (in the order of :func:`init`)."""
-    L, D, V, F = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.d_ff
-    assert F is not None and cfg.n_kv_heads is not None  # resolved by Config.__post_init__
-    assert cfg.head_dim is not None
-    HE, KE = cfg.n_head * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes = {
-        "embed.tokens": (V, D),
-        "blocks.ln1.weight": (L, D),
-        "blocks.attn.wq": (L, D, HE),
-        "blocks.attn.wk": (L, D, KE),
-        "blocks.attn.wv": (L, D, KE),
-        "blocks.attn.wo": (L, HE, D),
-        "blocks.ln2.weight": (L, D),
-        "blocks.mlp.w_gate": (L, D, F),
-        "blocks.mlp.w_up": (L, D, F),
-        "blocks.mlp.w_down": (L, F, D),
-        "final_norm.weight": (D,),
-    }
-    if not cfg.tie_embeddings:
-        shapes["head.weight"] = (D, V)  # [in, out] like every other weight
-    return shapes
-
-
-_NORM_WEIGHTS = {"blocks.ln1.weight", "blocks.ln2.weight", "final_norm.weight"}
-_RESIDUAL_OUT = {"blocks.attn.wo", "blocks.mlp.w_down"}
-
-
-def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
-    """Fresh fp32 parameters; each value depends only on ``(seed, path)``.
-
-    ``abstract=True``: :class:`colfunc.random.Abstract` leaves, described but not made, for a
-    step that makes each where it belongs (``step.init``; see ``zero`` and ``offload``).
-
-    Weights N(0, 0.02), the residual-stream output projections N(0, 0.02 / sqrt(2 * n_layer))
-    as in GPT-2, norm weights 1.
-    """
-    std_out = 0.02 / math.sqrt(2 * cfg.n_layer)
-
-    def value(path: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if path in _NORM_WEIGHTS:
-            return torch.ones(shape)
-        return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
-
-    if abstract:
-        return nn.nest(
-            {
-                p: random.abstract(s, functools.partial(value, p, s))
-                for p, s in param_shapes(cfg).items()
-            }
-        )
-    return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
-
-
-def _head_dim(cfg: Config) -> int:
-    assert cfg.head_dim is not None  # resolved by Config.__post_init__
-    return cfg.head_dim
-
-
-def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
-    nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
-    return nn.embedding(input_ids_BT, params["embed"]["tokens"])
-
-
-def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
-    """What each block reads: the residual stream and the rotary tables, made once per pass."""
-    E = _head_dim(cfg)
-    return {
-        "h": x_BTD,
-        "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device, cfg.rope_scaling),
-    }
-
-
-def _block(layer: Params, carry: Carry, cfg: Config) -> Carry:
-    return _block_kv(layer, carry, cfg, None)[0]
-
-
-def _block_kv(
-    layer: Params, carry: Carry, cfg: Config, paged: nn.Paged | None
-) -> tuple[Carry, dict[str, torch.Tensor] | None]:
-    """One block; with ``paged`` its attention reads the KV cache, and it also returns this
-    layer's new keys and values."""
-    x_BTD, rope = carry["h"], carry["rope"]
-    E = _head_dim(cfg)
-    h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
-    a_BTD, kv = nn.attend(h_BTD, layer["attn"], head_dim=E, rope=rope, paged=paged)
-    x_BTD = x_BTD + a_BTD
-    h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
-    return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}, kv
-
-
-def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
-    h_BTD = ops.rms_norm(x_BTD, params["final_norm"]["weight"], cfg.norm_eps)
-    if cfg.tie_embeddings:
-        return nn.unembed(h_BTD, params["embed"]["tokens"])
-    return nn.linear(h_BTD, params["head"]["weight"])
-
-
-def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Logits ``[B, T, V]`` for ``input_ids[B, T]`` (fp32 for fp32 params)."""
-    carry = _carry(_embed(params, input_ids, cfg), cfg)
-    carry = scan_layers(lambda layer, c: _block(layer, c, cfg), carry, params["blocks"])
-    return _logits(params, carry["h"], cfg)
-
-
-def paged_forward(
-    params: Params,
-    tokens_N: torch.Tensor,
-    batch: nn.PagedBatch,
-    cache: dict[str, torch.Tensor],
-    cfg: Config,
-    select_R: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
-    and values; see :func:`colfunc.models.gpt.paged_forward`. The rotary tables are taken at the
-    new tokens' positions."""
-    E = _head_dim(cfg)
-    x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
-    cos_TR, sin_TR = nn.rope_tables(
-        cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device, cfg.rope_scaling
-    )
-    positions_N = batch.token_positions()
-    carry: Carry = {"h": x_1ND, "rope": (cos_TR[positions_N], sin_TR[positions_N])}
-    block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
-    carry, ys = nn.paged_scan(block, carry, params["blocks"], cache, batch)
-    return _logits(params, carry["h"][:, select_R], cfg)[0], ys
-
-
-def loss(cfg: Config) -> Layered:
-    """``loss_fn(params, {"input_ids", "labels"})``: mean next-token cross-entropy, ``-100`` ignored.
-
-    The same computation as :func:`apply` followed by the shifted cross-entropy, in the
-    ``layered(pre, block, post)`` form that ``pipeline`` cuts into stages.
-    """
-
-    def pre(params: Params, batch: Any) -> Carry:
-        return _carry(_embed(params, nn.batch_field(batch, "input_ids"), cfg), cfg)
-
-    def block(layer: Params, carry: Carry) -> Carry:
-        return _block(layer, carry, cfg)
-
-    def post(params: Params, carry: Carry, batch: Any) -> torch.Tensor:
-        head = lambda h: _logits(params, h, cfg)  # noqa: E731
-        return nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
-
-    # whole heads per rank: the attention splits by head (any vocabulary splits, unevenly)
-    divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads}
-    # only the residual stream has a sequence dim to split; the rotary tables stay whole
-    return layered(pre, block, post, name="llama", divisors=divisors, sequence_dims={"h": 1})
-
-
-# --- the family: Hugging Face's LlamaForCausalLM, and the KV cache -----------------------------
-
-
-def _hf_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
-    h = "model.layers.{i}."
-    layer = [
-        HFWeight(h + "input_layernorm.weight", ("blocks.ln1.weight",)),
-        linear(h + "self_attn.q_proj.weight", "blocks.attn.wq"),
-        linear(h + "self_attn.k_proj.weight", "blocks.attn.wk"),
-        linear(h + "self_attn.v_proj.weight", "blocks.attn.wv"),
-        linear(h + "self_attn.o_proj.weight", "blocks.attn.wo"),
-        HFWeight(h + "post_attention_layernorm.weight", ("blocks.ln2.weight",)),
-        linear(h + "mlp.gate_proj.weight", "blocks.mlp.w_gate"),
-        linear(h + "mlp.up_proj.weight", "blocks.mlp.w_up"),
-        linear(h + "mlp.down_proj.weight", "blocks.mlp.w_down"),
-    ]
-    top = [
-        HFWeight("model.embed_tokens.weight", ("embed.tokens",)),
-        HFWeight("model.norm.weight", ("final_norm.weight",)),
-        HFWeight("lm_head.weight", ("embed.tokens",))
-        if cfg.tie_embeddings
-        else linear("lm_head.weight", "head.weight"),
-    ]
-    return top, layer
-
-
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _read_hf_config(c: Any) -> Config:
-    require("LLaMA", c, "hidden_act", ("silu",))
+def _read(c: Any) -> Config:
     require("LLaMA", c, "attention_bias", (False,))
-    require("LLaMA", c, "mlp_bias", (False,))
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or {
-        **(getattr(c, "rope_scaling", None) or {}),
-        "rope_theta": getattr(c, "rope_theta", 10000.0),
-    }
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in nn.ROPE_TYPES:
-        raise ValueError(
-            f"from_hf: LLaMA with rope_type={rope_type!r} is not supported; colfunc's model "
-            f"computes the rope types {', '.join(nn.ROPE_TYPES)}"
-        )
-    scaling: dict[str, Any] = {}
-    needs = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(rope_type, ())
-    missing = [k for k in needs if k not in rope]
-    if missing:
-        raise ValueError(f"from_hf: LLaMA rope_type={rope_type!r} without {', '.join(missing)}")
-    if rope_type != "default":
-        scaling = dict(rope_type=rope_type, rope_factor=float(rope["factor"]))
-    if rope_type == "llama3":
-        scaling.update(
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
-    return Config(
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        d_model=c.hidden_size,
-        max_seq_len=c.max_position_embeddings,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        d_ff=c.intermediate_size,
-        head_dim=head_dim,
-        rope_theta=float(rope["rope_theta"]),
-        **scaling,
-        norm_eps=c.rms_norm_eps,
-        tie_embeddings=bool(c.tie_word_embeddings),
-    )
+    return decoder.read_hf_config(c, Config, "LLaMA")  # type: ignore[return-value]
 
 
-def _write_hf_config(cfg: Config) -> dict[str, Any]:
-    return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters=_write_rope(cfg),
-        tie_word_embeddings=cfg.tie_embeddings,
-    )
-
-
-def _write_rope(cfg: Config) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type != "default":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        rope.update(
-            low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
-        )
-    return rope
-
-
-family = Family(
-    name="llama",
-    module=sys.modules[__name__],
-    config=Config,
-    hf=HFMapping(
-        architectures=("LlamaForCausalLM",),
-        model_type="llama",
-        weights=_hf_weights,
-        read_config=_read_hf_config,
-        write_config=_write_hf_config,
-    ),
-    kv_cache=KVCacheSpec.of_decoder,
+family = decoder.family(
+    sys.modules[__name__],
+    Config,
+    architecture="LlamaForCausalLM",
+    model_type="llama",
+    read=_read,
+    write=decoder.write_hf_config,
 )

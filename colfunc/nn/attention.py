@@ -140,22 +140,35 @@ def rope_tables(
     return angle_TR.cos(), angle_TR.sin()
 
 
+def _qk_norm(
+    q: torch.Tensor, k: torch.Tensor, p: dict[str, torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query and key head RMS-normalized over its head dim, where ``p`` has the weights."""
+    if "q_norm" not in p:
+        return q, k
+    return ops.rms_norm(q, p["q_norm"], eps), ops.rms_norm(k, p["k_norm"], eps)
+
+
 def self_attention(
     x_BTD: torch.Tensor,
     p: dict[str, torch.Tensor],
     *,
     head_dim: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Causal multi-head (or grouped-query) self-attention.
 
     ``p`` holds ``wq[D, H*E]``, ``wk, wv[D, K*E]``, ``wo[H*E, D]`` and optionally the biases
-    ``bq, bk, bv, bo``. Query heads share key/value heads in contiguous groups of ``H / K``.
-    ``rope`` is ``(cos[T, R], sin[T, R])`` from :func:`rope_tables`, applied to q and k.
+    ``bq, bk, bv, bo`` and the per-head RMS norm weights ``q_norm, k_norm[E]`` (Qwen 3: each
+    query and key head normalized, with ``norm_eps``, before the rotation). Query heads share
+    key/value heads in contiguous groups of ``H / K``. ``rope`` is ``(cos[T, R], sin[T, R])``
+    from :func:`rope_tables`, applied to q and k.
     """
     q_BHTE = split_heads(linear(x_BTD, p["wq"], p.get("bq")), head_dim)
     k_BKTE = split_heads(linear(x_BTD, p["wk"], p.get("bk")), head_dim)
     v_BKTE = split_heads(linear(x_BTD, p["wv"], p.get("bv")), head_dim)
+    q_BHTE, k_BKTE = _qk_norm(q_BHTE, k_BKTE, p, norm_eps)
     if rope is not None:
         cos_TR, sin_TR = rope
         q_BHTE = ops.rope(q_BHTE, cos_TR, sin_TR)
@@ -171,6 +184,7 @@ def paged_self_attention(
     head_dim: int,
     paged: Paged,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`self_attention` of a packed batch whose earlier tokens are in a paged KV cache.
 
@@ -182,6 +196,7 @@ def paged_self_attention(
     q_NHE = linear(x_1ND, p["wq"], p.get("bq")).view(N, -1, head_dim)
     k_NKE = linear(x_1ND, p["wk"], p.get("bk")).view(N, -1, head_dim)
     v_NKE = linear(x_1ND, p["wv"], p.get("bv")).view(N, -1, head_dim)
+    q_NHE, k_NKE = _qk_norm(q_NHE, k_NKE, p, norm_eps)
     if rope is not None:
         cos_NR, sin_NR = rope
         q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
@@ -197,12 +212,16 @@ def attend(
     head_dim: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     paged: Paged | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """A block's attention: :func:`self_attention` (and None), or with ``paged``
-    :func:`paged_self_attention` and this layer's new ``{"k", "v"}``."""
+    :func:`paged_self_attention` and this layer's new ``{"k", "v"}``. ``norm_eps``: the q/k
+    norms' epsilon, where ``p`` has them."""
     if paged is None:
-        return self_attention(x_BTD, p, head_dim=head_dim, rope=rope), None
-    y, (k, v) = paged_self_attention(x_BTD, p, head_dim=head_dim, paged=paged, rope=rope)
+        return self_attention(x_BTD, p, head_dim=head_dim, rope=rope, norm_eps=norm_eps), None
+    y, (k, v) = paged_self_attention(
+        x_BTD, p, head_dim=head_dim, paged=paged, rope=rope, norm_eps=norm_eps
+    )
     return y, {"k": k, "v": v}
 
 

@@ -1,0 +1,75 @@
+"""Mistral: the shared decoder (:mod:`colfunc.models.decoder`) as LLaMA's, read from and written
+to Hugging Face's ``MistralForCausalLM``.
+
+A sliding window shorter than the context (Mistral 7B v0.1's 4096) is refused by name: every
+layer attends to its whole context here. ``sliding_window=None`` (v0.2 on), or a window no shorter
+than ``max_position_embeddings``, computes the same model and loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from colfunc.core import P
+from colfunc.models import decoder
+from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
+
+__all__ = [
+    "Config",
+    "apply",
+    "family",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+    "tp_plans",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(decoder.Config):
+    """Mistral sizes (see :class:`colfunc.models.decoder.Config`): no biases, rotary base 10^6
+    (v0.2 on), RMS norm epsilon 1e-5."""
+
+    family_name = "mistral"
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.qkv_bias or self.o_bias or self.qk_norm:
+            raise ValueError(
+                "mistral.Config: Mistral has no attention biases and no q/k norms; got "
+                f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, qk_norm={self.qk_norm}"
+            )
+
+
+tp_plans: dict[str, dict[str, P]] = decoder.plans()
+tp_plan: dict[str, P] = tp_plans["1d"]
+
+
+def _read(c: Any) -> Config:
+    window = getattr(c, "sliding_window", None)
+    if window is not None and window < c.max_position_embeddings:
+        raise ValueError(
+            f"from_hf: Mistral with sliding_window={window!r} (shorter than "
+            f"max_position_embeddings={c.max_position_embeddings}) is not supported; colfunc's "
+            "model attends to the whole context (sliding_window=None)"
+        )
+    return decoder.read_hf_config(c, Config, "Mistral")  # type: ignore[return-value]
+
+
+def _write(cfg: decoder.Config) -> dict[str, Any]:
+    return {**decoder.write_hf_config(cfg), "sliding_window": None}
+
+
+family = decoder.family(
+    sys.modules[__name__],
+    Config,
+    architecture="MistralForCausalLM",
+    model_type="mistral",
+    read=_read,
+    write=_write,
+)

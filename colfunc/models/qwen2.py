@@ -1,0 +1,72 @@
+"""Qwen 2 and Qwen 2.5: the shared decoder (:mod:`colfunc.models.decoder`) with biases on the
+q, k and v projections.
+
+Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is refused by
+name: every layer attends to its whole context here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from colfunc.core import P
+from colfunc.models import decoder
+from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
+from colfunc.models.family import require
+
+__all__ = [
+    "Config",
+    "apply",
+    "family",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+    "tp_plans",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(decoder.Config):
+    """Qwen 2 sizes (see :class:`colfunc.models.decoder.Config`): q/k/v biases, rotary base
+    10^6, RMS norm epsilon 1e-6."""
+
+    family_name = "qwen2"
+    qkv_bias: bool = True
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.qkv_bias or self.o_bias or self.qk_norm:
+            raise ValueError(
+                "qwen2.Config: Qwen 2 has q/k/v biases (qkv_bias=True), no output-projection "
+                f"bias and no q/k norms; got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
+                f"qk_norm={self.qk_norm} (colfunc.models.decoder.Config takes any mix)"
+            )
+
+
+tp_plans: dict[str, dict[str, P]] = decoder.plans(qkv_bias=True)
+tp_plan: dict[str, P] = tp_plans["1d"]
+
+
+def _read(c: Any) -> Config:
+    require("Qwen2", c, "use_sliding_window", (False,))
+    return decoder.read_hf_config(c, Config, "Qwen2")  # type: ignore[return-value]
+
+
+def _write(cfg: decoder.Config) -> dict[str, Any]:
+    return {**decoder.write_hf_config(cfg), "use_sliding_window": False}
+
+
+family = decoder.family(
+    sys.modules[__name__],
+    Config,
+    architecture="Qwen2ForCausalLM",
+    model_type="qwen2",
+    read=_read,
+    write=_write,
+)

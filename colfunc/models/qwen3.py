@@ -1,0 +1,79 @@
+"""Qwen 3 (dense): the shared decoder (:mod:`colfunc.models.decoder`) with an RMS norm over each
+query and key head before the rotation, a head dim of its own, and biases on all four attention
+projections when ``attention_bias``.
+
+Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is refused by
+name: every layer attends to its whole context here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from colfunc.core import P
+from colfunc.models import decoder
+from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
+from colfunc.models.family import require
+
+__all__ = [
+    "Config",
+    "apply",
+    "family",
+    "init",
+    "loss",
+    "paged_forward",
+    "param_shapes",
+    "tp_plan",
+    "tp_plans",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(decoder.Config):
+    """Qwen 3 sizes (see :class:`colfunc.models.decoder.Config`): q/k norms, rotary base 10^6,
+    RMS norm epsilon 1e-6; ``qkv_bias`` and ``o_bias`` together are Hugging Face's
+    ``attention_bias``."""
+
+    family_name = "qwen3"
+    qk_norm: bool = True
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.qk_norm or self.qkv_bias != self.o_bias:
+            raise ValueError(
+                "qwen3.Config: Qwen 3 has q/k norms (qk_norm=True) and biases on all four "
+                f"attention projections or none; got qk_norm={self.qk_norm}, "
+                f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
+            )
+
+
+tp_plans: dict[str, dict[str, P]] = decoder.plans()
+tp_plan: dict[str, P] = tp_plans["1d"]
+
+
+def _read(c: Any) -> Config:
+    require("Qwen3", c, "use_sliding_window", (False,))
+    bias = bool(getattr(c, "attention_bias", False))
+    return decoder.read_hf_config(c, Config, "Qwen3", qkv_bias=bias, o_bias=bias)  # type: ignore[return-value]
+
+
+def _write(cfg: decoder.Config) -> dict[str, Any]:
+    return {
+        **decoder.write_hf_config(cfg),
+        "attention_bias": cfg.qkv_bias,
+        "use_sliding_window": False,
+    }
+
+
+family = decoder.family(
+    sys.modules[__name__],
+    Config,
+    architecture="Qwen3ForCausalLM",
+    model_type="qwen3",
+    read=_read,
+    write=_write,
+)

@@ -1,0 +1,195 @@
+"""Mistral, Qwen 2 and Qwen 3 as configurations of the one shared decoder.
+
+For each family, on tiny random ``transformers`` models built here (vocabularies that are not a
+power of two, no download): logits and loss equal ``transformers``' within 1e-5 (fp32); one AdamW
+step equals ``transformers`` + ``torch.optim.AdamW`` (fp64, 1e-9); training under dp2 x tp2 with
+ZeRO-3 and under a 2-stage pipeline equals one device (fp64 AdamW, 1e-9); the engine, alone and
+under ``tp=2``, gives ``generate``'s greedy tokens; export then ``from_pretrained`` gives the same
+logits, and a bf16 folder loads; what the decoder does not compute (a sliding window, an unknown
+rope type) is refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import colfunc as cf
+from colfunc import hf, models, optim
+from colfunc.inference import Engine, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(600)
+
+SIZES = dict(
+    vocab_size=53, hidden_size=24, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=40, num_hidden_layers=2, max_position_embeddings=48, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
+
+# family -> (its module, the transformers config class, extra config fields)
+FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
+    "mistral": (models.mistral, "MistralConfig", {"sliding_window": None}),
+    "qwen2": (models.qwen2, "Qwen2Config", {}),
+    "qwen3": (models.qwen3, "Qwen3Config", {"head_dim": 10}),
+    "qwen3_bias": (models.qwen3, "Qwen3Config", {"head_dim": 8, "attention_bias": True}),
+}
+
+
+def _hf(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, **extra: Any) -> Any:
+    _, config_class, fields = FAMILIES[name]
+    cfg = getattr(transformers, config_class)(
+        **{**SIZES, **fields, **extra}, attn_implementation="eager"
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+        with torch.no_grad():  # biases and norm weights away from their zero and one
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, dtype=p.dtype) * 0.2)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def _batch(seed: int, rows: int = 2, length: int = 20) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 53, (rows, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_and_loss_equal_transformers(name: str) -> None:
+    module = FAMILIES[name][0]
+    model = _hf(name, seed=1, dtype=torch.float32)
+    cfg, params = hf.from_hf(model)
+    assert type(cfg) is module.Config
+    batch = _batch(1)
+    with torch.no_grad():
+        ref = model(**batch)
+        logits = module.apply(params, batch["input_ids"], cfg)
+        loss = module.loss(cfg)(params, batch)
+    assert (logits - ref.logits).abs().max().item() <= 1e-5
+    assert abs(loss.item() - ref.loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
+    module = FAMILIES[name][0]
+    model = _hf(name, seed=2)
+    cfg, params = hf.from_hf(model)
+    params_before = dict(cf.tree.flatten_with_paths(params)[0])
+    batch = _batch(2)
+    # eps 1e-4: the first update is lr * g / (|g| + eps), so an absolute gradient error d moves
+    # it by at most lr * d / eps (see below)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), **hyper)
+    model(**batch).loss.backward()
+    opt.step()
+    step = cf.train_step(module.loss(cfg), optim.adamw(**hyper))
+    state, _ = step(step.init(params), batch)
+    want = dict(cf.tree.flatten_with_paths(hf.from_hf(model)[1])[0])
+    got = dict(cf.tree.flatten_with_paths(state.params)[0])
+    assert got.keys() == want.keys()
+    # transformers' eager attention takes its softmax and rotary tables in fp32 whatever the
+    # weights, so its fp64 gradients are fp32-accurate (d up to ~1e-7 on these gradients): the
+    # updates then agree to lr * d / eps ~ 1e-5, where the step itself is about lr = 1e-2
+    for path, x in got.items():
+        torch.testing.assert_close(x, want[path], rtol=0, atol=1e-5)
+    moved = max((x - params_before[p]).abs().max().item() for p, x in got.items())
+    assert moved >= 0.5e-2  # the step moved the parameters, by about lr
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral"])
+@pytest.mark.parametrize(
+    ("mesh", "how"),
+    [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline")],
+    ids=["dp2xtp2_zero3", "pp2"],
+)
+def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> None:
+    module = FAMILIES[name][0]
+    cfg, params = hf.from_hf(_hf(name, seed=3))
+    batches = [_batch(10 + k, rows=4, length=8) for k in range(2)]
+    ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2, weight_decay=0.1))
+
+    def main(m: cf.Mesh):
+        if how == "zero3":
+            step = cf.zero(cf.shard(ref, m, plan=module.tp_plan), stage=3)
+        else:
+            step = cf.pipeline(ref, 2, microbatches=2)
+        return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-9)
+
+    for losses in cf.launch(main, mesh=mesh):
+        assert len(losses) == len(batches)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral"])
+def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
+    module = FAMILIES[name][0]
+    model = _hf(name, seed=7)
+    cfg, params = hf.from_hf(model)
+    prompts = [[1, 2, 3, 4], [50, 9, 30, 31, 32, 7, 7]]
+    want = cf.testing.hf_greedy(model, prompts, 10)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(module, cfg, params, block_size=4, num_blocks=16)
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == want
+
+    def main(mesh: cf.Mesh):
+        engine = Engine(module, cfg, params, mesh=mesh, block_size=4, num_blocks=16)
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+
+    for tokens in cf.launch(main, mesh={"tp": 2}):
+        assert tokens == want
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) -> None:
+    model = _hf(name, seed=4)
+    cfg, params = hf.from_hf(model)
+    hf.save(tmp_path / "out", cfg, params)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    assert type(back) is type(model)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], tensor), key
+    ids = _batch(4)["input_ids"]
+    with torch.no_grad():
+        diff = back(input_ids=ids).logits - model(input_ids=ids).logits
+    assert diff.abs().max().item() <= 1e-5
+    assert hf.load(str(tmp_path / "out"), torch.float64)[0] == cfg
+    hf.save(tmp_path / "bf16", cfg, params, dtype="bfloat16")
+    cfg16, params16 = hf.load(str(tmp_path / "bf16"))
+    assert cfg16 == cfg
+    ours = dict(cf.tree.flatten_with_paths(params)[0])
+    for path, x in cf.tree.flatten_with_paths(params16)[0]:
+        assert x.dtype == torch.bfloat16, path
+        assert torch.equal(x, ours[path].to(torch.bfloat16)), path
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "match"),
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True"),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True"),
+        ("mistral", {"sliding_window": 16}, "sliding_window=16"),
+        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_what_the_decoder_does_not_compute_is_refused_by_name(name, extra, match) -> None:
+    model = _hf(name, **extra)
+    with pytest.raises(ValueError, match=match):
+        hf.from_hf(model)
+
+
+def test_family_configs_refuse_the_variations_they_do_not_have() -> None:
+    with pytest.raises(ValueError, match=r"qwen2\.Config: Qwen 2 has q/k/v biases"):
+        models.qwen2.Config(qkv_bias=False)
+    with pytest.raises(ValueError, match=r"qwen3\.Config: Qwen 3 has q/k norms"):
+        models.qwen3.Config(qkv_bias=True)
+    with pytest.raises(ValueError, match=r"mistral\.Config: Mistral has no attention biases"):
+        models.mistral.Config(qk_norm=True)
+    with pytest.raises(ValueError, match=r"qwen2\.Config: qk_norm must be a bool"):
+        models.qwen2.Config(qk_norm=1)
