@@ -5,8 +5,9 @@ power of two, no download): logits and loss equal ``transformers``' within 1e-5 
 step equals ``transformers`` + ``torch.optim.AdamW`` (fp64, 1e-9); training under dp2 x tp2 with
 ZeRO-3 and under a 2-stage pipeline equals one device (fp64 AdamW, 1e-9); the engine, alone and
 under ``tp=2``, gives ``generate``'s greedy tokens; export then ``from_pretrained`` gives the same
-logits, and a bf16 folder loads; what the decoder does not compute (a sliding window, an unknown
-rope type) is refused by name.
+logits, and a bf16 folder loads; sliding windows shorter than the prompts (Mistral's, Qwen 2's with every layer
+sliding) hold through all of it; what the decoder does not compute (sliding and full layers mixed,
+an unknown rope type) is refused by name.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen2": (models.qwen2, "Qwen2Config", {}),
     "qwen3": (models.qwen3, "Qwen3Config", {"head_dim": 10}),
     "qwen3_bias": (models.qwen3, "Qwen3Config", {"head_dim": 8, "attention_bias": True}),
+    # sliding windows shorter than the prompts (20 tokens)
+    "mistral_window": (models.mistral, "MistralConfig", {"sliding_window": 5}),
+    "qwen2_window": (
+        models.qwen2,
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
+    ),
 }
 
 
@@ -103,7 +111,7 @@ def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
     assert moved >= 0.5e-2  # the step moved the parameters, by about lr
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral", "mistral_window"])
 @pytest.mark.parametrize(
     ("mesh", "how"),
     [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline")],
@@ -126,12 +134,15 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
         assert len(losses) == len(batches)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral"])
+@pytest.mark.parametrize(
+    "name", ["qwen2", "qwen3_bias", "mistral", "mistral_window", "qwen2_window"]
+)
 def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
     module = FAMILIES[name][0]
     model = _hf(name, seed=7)
     cfg, params = hf.from_hf(model)
-    prompts = [[1, 2, 3, 4], [50, 9, 30, 31, 32, 7, 7]]
+    # the second prompt is longer than the windows, and the tokens run on past them
+    prompts = [[1, 2, 3, 4], [50, 9, 30, 31, 32, 7, 7, 8, 40, 41, 2, 3]]
     want = cf.testing.hf_greedy(model, prompts, 10)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine = Engine(module, cfg, params, block_size=4, num_blocks=16)
@@ -171,9 +182,16 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("name", "extra", "match"),
     [
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True"),
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True"),
-        ("mistral", {"sliding_window": 16}, "sliding_window=16"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+            "use_sliding_window=True and layer_types",
+        ),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+            "slides every layer or none",
+        ),
         ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ],
@@ -193,3 +211,44 @@ def test_family_configs_refuse_the_variations_they_do_not_have() -> None:
         models.mistral.Config(qk_norm=True)
     with pytest.raises(ValueError, match=r"qwen2\.Config: qk_norm must be a bool"):
         models.qwen2.Config(qk_norm=1)
+    with pytest.raises(ValueError, match=r"mistral\.Config: sliding_window must be None or an"):
+        models.mistral.Config(sliding_window=0)
+
+
+def test_a_window_as_long_as_the_context_reads_as_none_and_the_window_round_trips() -> None:
+    long = _hf("mistral", sliding_window=48)  # = max_position_embeddings
+    assert hf.from_hf(long)[0].sliding_window is None
+    cfg = hf.from_hf(_hf("qwen2_window"))[0]
+    assert cfg.sliding_window == 6
+    written = hf.hf_config(cfg)
+    assert (written.use_sliding_window, written.sliding_window) == (True, 6)
+    assert set(written.layer_types) == {"sliding_attention"}
+
+
+def test_the_window_masks_what_it_should() -> None:
+    """Each query sees its last ``window`` keys, itself included; under a long-sequence frame a
+    window is refused."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    got = cf.ops.attention(q, k, v, causal=True, window=3)
+    scores = (q @ k.transpose(-1, -2)) / 2.0
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    scores = scores.masked_fill(~((j <= i) & (j > i - 3)), float("-inf"))
+    torch.testing.assert_close(got, scores.softmax(-1) @ v, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
+        cf.ops.attention(q, k, v, causal=True, window=0)
+    with pytest.raises(ValueError, match="a sliding window is for causal attention"):
+        cf.ops.attention(q, k, v, causal=False, window=3)
+
+
+def test_a_window_under_a_long_sequence_shard_is_refused_by_name() -> None:
+    cfg, params = hf.from_hf(_hf("mistral_window", seed=5))
+    step = cf.train_step(models.mistral.loss(cfg), optim.sgd(0.1))
+    batch = _batch(5, rows=2, length=16)
+
+    def main(mesh: cf.Mesh) -> None:
+        s = cf.shard(step, mesh, sequence_parallel="ring")
+        with pytest.raises(ValueError, match="sliding-window attention under a long-sequence"):
+            s(s.init(params), batch)
+
+    cf.launch(main, mesh={"sp": 2})

@@ -4,7 +4,8 @@ Pre-RMSNorm blocks, rotary position embeddings (rotate-half convention), SwiGLU 
 grouped-query attention; the head is separate unless ``tie_embeddings``. The blocks are stacked
 on a leading layer axis and run by ``scan_layers``. What the families vary is a field of
 :class:`Config`: q/k/v biases (``qkv_bias``, Qwen 2), an output-projection bias (``o_bias``),
-RMS norms of each query and key head (``qk_norm``, Qwen 3), the head dim, the rotary base and
+RMS norms of each query and key head (``qk_norm``, Qwen 3), a sliding attention window
+(``sliding_window``, Mistral), the head dim, the rotary base and
 scaling. A family (:mod:`colfunc.models.llama`, ``qwen2``, ``qwen3``, ``mistral``) is a
 ``Config`` subclass naming itself, its tensor-parallel plan and its Hugging Face side
 (:func:`hf_mapping`); every function here takes any of them.
@@ -65,7 +66,9 @@ class Config:
     ``head_dim=None`` means ``d_model / n_head`` (Qwen 3 and Gemma give another: q/k/v are
     ``n_head * head_dim`` wide). ``qkv_bias``: q/k/v projections with biases; ``o_bias``: the
     attention output projection with one; ``qk_norm``: an RMS norm over each query and key head
-    (weights ``[E]`` shared by the heads) before the rotation. Subclasses name their family
+    (weights ``[E]`` shared by the heads) before the rotation; ``sliding_window``: every layer
+    attends to each token's last ``sliding_window`` tokens, itself included (None: all of
+    them). Subclasses name their family
     (``family_name``), which is the prefix of their errors and of their loss's name."""
 
     family_name: ClassVar[str] = "decoder"
@@ -89,6 +92,7 @@ class Config:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -144,6 +148,11 @@ class Config:
         if not positive_number(self.norm_eps):
             raise ValueError(
                 f"{self.family_name}.Config: norm_eps must be > 0, got {self.norm_eps!r}"
+            )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(
+                f"{self.family_name}.Config: sliding_window must be None or an int >= 1, got {w!r}"
             )
         for flag in ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm"):
             if not isinstance(getattr(self, flag), bool):
@@ -307,7 +316,13 @@ def _block_kv(
     E = _head_dim(cfg)
     h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
     a_BTD, kv = nn.attend(
-        h_BTD, layer["attn"], head_dim=E, rope=rope, paged=paged, norm_eps=cfg.norm_eps
+        h_BTD,
+        layer["attn"],
+        head_dim=E,
+        rope=rope,
+        paged=paged,
+        norm_eps=cfg.norm_eps,
+        window=cfg.sliding_window,
     )
     x_BTD = x_BTD + a_BTD
     h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)

@@ -1,9 +1,9 @@
 """Mistral: the shared decoder (:mod:`colfunc.models.decoder`) as LLaMA's, read from and written
 to Hugging Face's ``MistralForCausalLM``.
 
-A sliding window shorter than the context (Mistral 7B v0.1's 4096) is refused by name: every
-layer attends to its whole context here. ``sliding_window=None`` (v0.2 on), or a window no shorter
-than ``max_position_embeddings``, computes the same model and loads.
+Mistral 7B v0.1's sliding window (4096) is the decoder's ``sliding_window``: each token attends
+to its last ``sliding_window`` tokens, in training and in the engine. ``sliding_window=None``
+(v0.2 on), or a window no shorter than ``max_position_embeddings``, attends to everything.
 """
 
 from __future__ import annotations
@@ -51,18 +51,15 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
+    # a window no shorter than the context computes the same model as none
     window = getattr(c, "sliding_window", None)
-    if window is not None and window < c.max_position_embeddings:
-        raise ValueError(
-            f"from_hf: Mistral with sliding_window={window!r} (shorter than "
-            f"max_position_embeddings={c.max_position_embeddings}) is not supported; colfunc's "
-            "model attends to the whole context (sliding_window=None)"
-        )
-    return decoder.read_hf_config(c, Config, "Mistral")  # type: ignore[return-value]
+    if window is not None and window >= c.max_position_embeddings:
+        window = None
+    return decoder.read_hf_config(c, Config, "Mistral", sliding_window=window)  # type: ignore[return-value]
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
-    return {**decoder.write_hf_config(cfg), "sliding_window": None}
+    return {**decoder.write_hf_config(cfg), "sliding_window": cfg.sliding_window}
 
 
 family = decoder.family(

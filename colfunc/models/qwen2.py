@@ -1,8 +1,9 @@
 """Qwen 2 and Qwen 2.5: the shared decoder (:mod:`colfunc.models.decoder`) with biases on the
 q, k and v projections.
 
-Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is refused by
-name: every layer attends to its whole context here.
+Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is the decoder's
+``sliding_window`` where every layer slides (``max_window_layers=0``); a mix of sliding and full
+layers is refused by name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from colfunc.core import P
 from colfunc.models import decoder
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
-from colfunc.models.family import require
+from colfunc.models.qwen2_window import read_window as _window
+from colfunc.models.qwen2_window import write_window as _write_window
 
 __all__ = [
     "Config",
@@ -54,12 +56,12 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
-    require("Qwen2", c, "use_sliding_window", (False,))
-    return decoder.read_hf_config(c, Config, "Qwen2")  # type: ignore[return-value]
+    window = _window(c, "Qwen2")
+    return decoder.read_hf_config(c, Config, "Qwen2", sliding_window=window)  # type: ignore[return-value]
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
-    return {**decoder.write_hf_config(cfg), "use_sliding_window": False}
+    return {**decoder.write_hf_config(cfg), **_write_window(cfg)}
 
 
 family = decoder.family(

@@ -2,8 +2,9 @@
 query and key head before the rotation, a head dim of its own, and biases on all four attention
 projections when ``attention_bias``.
 
-Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is refused by
-name: every layer attends to its whole context here.
+Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is the decoder's
+``sliding_window`` where every layer slides (``max_window_layers=0``); a mix of sliding and full
+layers is refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 from colfunc.core import P
 from colfunc.models import decoder
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
-from colfunc.models.family import require
+from colfunc.models.qwen2_window import read_window as _window
+from colfunc.models.qwen2_window import write_window as _write_window
 
 __all__ = [
     "Config",
@@ -56,16 +58,18 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
-    require("Qwen3", c, "use_sliding_window", (False,))
+    window = _window(c, "Qwen3")
     bias = bool(getattr(c, "attention_bias", False))
-    return decoder.read_hf_config(c, Config, "Qwen3", qkv_bias=bias, o_bias=bias)  # type: ignore[return-value]
+    return decoder.read_hf_config(
+        c, Config, "Qwen3", qkv_bias=bias, o_bias=bias, sliding_window=window
+    )  # type: ignore[return-value]
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
     return {
         **decoder.write_hf_config(cfg),
         "attention_bias": cfg.qkv_bias,
-        "use_sliding_window": False,
+        **_write_window(cfg),
     }
 
 

@@ -156,6 +156,7 @@ def self_attention(
     head_dim: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_eps: float = 1e-6,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal multi-head (or grouped-query) self-attention.
 
@@ -163,7 +164,8 @@ def self_attention(
     ``bq, bk, bv, bo`` and the per-head RMS norm weights ``q_norm, k_norm[E]`` (Qwen 3: each
     query and key head normalized, with ``norm_eps``, before the rotation). Query heads share
     key/value heads in contiguous groups of ``H / K``. ``rope`` is ``(cos[T, R], sin[T, R])``
-    from :func:`rope_tables`, applied to q and k.
+    from :func:`rope_tables`, applied to q and k. ``window``: sliding-window attention (each
+    token sees its last ``window`` tokens, itself included).
     """
     q_BHTE = split_heads(linear(x_BTD, p["wq"], p.get("bq")), head_dim)
     k_BKTE = split_heads(linear(x_BTD, p["wk"], p.get("bk")), head_dim)
@@ -173,7 +175,7 @@ def self_attention(
         cos_TR, sin_TR = rope
         q_BHTE = ops.rope(q_BHTE, cos_TR, sin_TR)
         k_BKTE = ops.rope(k_BKTE, cos_TR, sin_TR)
-    y_BHTE = ops.attention(q_BHTE, k_BKTE, v_BKTE, causal=True)
+    y_BHTE = ops.attention(q_BHTE, k_BKTE, v_BKTE, causal=True, window=window)
     return linear(merge_heads(y_BHTE), p["wo"], p.get("bo"))
 
 
@@ -185,6 +187,7 @@ def paged_self_attention(
     paged: Paged,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_eps: float = 1e-6,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`self_attention` of a packed batch whose earlier tokens are in a paged KV cache.
 
@@ -201,7 +204,9 @@ def paged_self_attention(
         cos_NR, sin_NR = rope
         q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
         k_NKE = ops.rope(k_NKE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
-    y_NHE = ops.paged_attention(q_NHE, k_NKE, v_NKE, paged.k_cache, paged.v_cache, paged.batch)
+    y_NHE = ops.paged_attention(
+        q_NHE, k_NKE, v_NKE, paged.k_cache, paged.v_cache, paged.batch, window=window
+    )
     return linear(y_NHE.reshape(1, N, -1), p["wo"], p.get("bo")), (k_NKE, v_NKE)
 
 
@@ -213,14 +218,16 @@ def attend(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     paged: Paged | None = None,
     norm_eps: float = 1e-6,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """A block's attention: :func:`self_attention` (and None), or with ``paged``
     :func:`paged_self_attention` and this layer's new ``{"k", "v"}``. ``norm_eps``: the q/k
-    norms' epsilon, where ``p`` has them."""
+    norms' epsilon, where ``p`` has them; ``window``: a sliding window."""
     if paged is None:
-        return self_attention(x_BTD, p, head_dim=head_dim, rope=rope, norm_eps=norm_eps), None
+        y = self_attention(x_BTD, p, head_dim=head_dim, rope=rope, norm_eps=norm_eps, window=window)
+        return y, None
     y, (k, v) = paged_self_attention(
-        x_BTD, p, head_dim=head_dim, paged=paged, rope=rope, norm_eps=norm_eps
+        x_BTD, p, head_dim=head_dim, paged=paged, rope=rope, norm_eps=norm_eps, window=window
     )
     return y, {"k": k, "v": v}
 

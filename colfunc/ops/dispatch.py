@@ -103,6 +103,7 @@ def attention(
     v_BHSD: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention, ``q[B,H,T,D]`` against ``k, v[B,Hkv,S,D]`` (H a multiple of Hkv).
 
@@ -110,12 +111,45 @@ def attention(
     ``scale`` defaults to ``1/sqrt(D)``. The Triton kernel is flash attention (head dims 16-128).
     Under a sequence-parallel ``shard`` (Ulysses, ring), a frame on the context stack runs it
     across the ranks of the sequence axis (:class:`colfunc.core.AttentionInterceptor`).
+    A sliding ``window`` (an int >= 1, causal only) keeps each query's last ``window`` keys,
+    itself included; it runs the reference (masked) path, and is refused under the
+    long-sequence modes.
     """
+    if window is not None:
+        return _windowed(q_BHTD, k_BHSD, v_BHSD, causal, scale, window)
     for frame in core.attention_frames():
         handled = frame.attention(q_BHTD, k_BHSD, v_BHSD, causal, scale)
         if handled is not None:
             return handled
     return _attention(q_BHTD, k_BHSD, v_BHSD, causal, scale)
+
+
+def check_window(window: int | None, what: str = "attention") -> None:
+    """``window`` is None or an int >= 1 (a ValueError naming it otherwise)."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"{what}: window must be None or an int >= 1, got {window!r}")
+
+
+def _windowed(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: int,
+) -> torch.Tensor:
+    check_window(window)
+    if not causal:
+        raise ValueError("attention: a sliding window is for causal attention; pass causal=True")
+    if core.attention_frames():
+        raise ValueError(
+            "attention: sliding-window attention under a long-sequence shard (ulysses, ring, "
+            "zigzag, usp) is not supported; split the sequence with sequence_parallel=True "
+            "(Megatron) or not at all"
+        )
+    return reference.attention(q_BHTD, k_BHSD, v_BHSD, causal, scale, window=window)
 
 
 def _attention(
@@ -267,6 +301,7 @@ def _paged_attention_op(
     block_tables: torch.Tensor,
     context_lens: list[int],
     query_lens: list[int],
+    window: int = 0,
 ) -> torch.Tensor:
     # an operator of its own, so that a ShardedTensor sees one op with one sharding rule (heads
     # split alike in the queries, keys, values and the cache) rather than its insides; inside,
@@ -274,6 +309,8 @@ def _paged_attention_op(
     batch = PagedBatch(block_tables, tuple(context_lens), tuple(query_lens))
     args = (q, k, v, k_cache, v_cache, batch)
     tensors = (q, k, v, k_cache, v_cache, block_tables)
+    if window:  # a sliding window: the reference's masks (the kernels attend to everything)
+        return reference.paged_attention(*args, window=window)
     if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
         out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
         return out
@@ -300,6 +337,7 @@ def paged_attention(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences (``batch.query_lens`` new tokens each) over a paged KV
     cache holding their first ``batch.context_lens`` tokens (at the blocks of
@@ -307,7 +345,9 @@ def paged_attention(
     the default scale ``1/sqrt(E)``. See :func:`colfunc.ops.reference.paged_attention`; on
     ShardedTensors, heads split over an axis stay split (``torch.ops.colfunc.paged_attention``
     has its own rule). The Triton kernel (power-of-two block sizes, head dims 16-128) is one
-    program per query token and head, streaming its blocks with an online softmax."""
+    program per query token and head, streaming its blocks with an online softmax. A sliding
+    ``window`` keeps each token's last ``window`` keys (the reference path)."""
+    check_window(window, "paged_attention")
     out: torch.Tensor = torch.ops.colfunc.paged_attention(
         q_NHE,
         k_NKE,
@@ -317,6 +357,7 @@ def paged_attention(
         batch.block_tables,
         list(batch.context_lens),
         list(batch.query_lens),
+        window or 0,
     )
     return out
 

@@ -51,11 +51,13 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
 
 
-def _causal_mask(T: int, S: int, device: Any) -> torch.Tensor:
-    """``[T, S]``: query ``i`` sees key ``j`` where ``j <= i + S - T`` (aligned bottom-right)."""
+def _causal_mask(T: int, S: int, device: Any, window: int | None = None) -> torch.Tensor:
+    """``[T, S]``: query ``i`` sees key ``j`` where ``j <= i + S - T`` (aligned bottom-right),
+    and with a sliding ``window`` only the last ``window`` of those (``j > i + S - T - window``)."""
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(S, device=device)[None, :]
-    return j <= i + (S - T)
+    mask = j <= i + (S - T)
+    return mask if window is None else mask & (j > i + (S - T) - window)
 
 
 def attention(
@@ -64,16 +66,18 @@ def attention(
     v_BHSD: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention with grouped-query heads; a causal mask aligned bottom-right when T != S.
 
     Bottom-right alignment means query ``i`` sees keys ``j <= i + S - T``: the last query is the
-    newest token, as in decoding against a KV cache.
+    newest token, as in decoding against a KV cache. A sliding ``window`` (causal only) keeps
+    the last ``window`` keys of each query, itself included (Mistral's ``sliding_window``).
     """
     _check_attention(q_BHTD, k_BHSD, v_BHSD)
     T, S = q_BHTD.shape[2], k_BHSD.shape[2]
     gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
-    if not causal or T == S:
+    if (not causal or T == S) and window is None:
         if q_BHTD.is_meta and not gqa:
             # a meta tensor stands for a CPU one (cf.memory.predict's dry run): the kernel the CPU
             # runs (flash, saving only the log-sum-exp), not the math path meta would take
@@ -88,7 +92,7 @@ def attention(
         raise ValueError(
             f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
         )
-    mask_TS = _causal_mask(T, S, q_BHTD.device)
+    mask_TS = _causal_mask(T, S, q_BHTD.device, window)
     return F.scaled_dot_product_attention(
         q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_TS, scale=scale, enable_gqa=gqa
     )
@@ -334,6 +338,7 @@ def paged_attention(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of sequences over a paged KV cache.
 
@@ -341,7 +346,8 @@ def paged_attention(
     and ``[N, K, E]``), after ``context_lens[s]`` tokens whose keys and values are in the cache
     (``[C blocks, B slots, K, E]``) at the blocks its row of ``block_tables`` lists. Each new token
     sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
-    a (chunked) prefill has more. Returns ``[N, H, E]``; the scale is ``1/sqrt(E)``.
+    a (chunked) prefill has more. Returns ``[N, H, E]``; the scale is ``1/sqrt(E)``. A sliding
+    ``window`` keeps each token's last ``window`` keys, itself included.
 
     Sequences with one new token are computed together, in groups of similar context length:
     a group's blocks are gathered into one padded batch (a block past a context may be any
@@ -350,8 +356,8 @@ def paged_attention(
     check_paged_lens(q_NHE, batch)
     out_NHE = torch.empty_like(q_NHE)
     args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE)
-    paged_decode_into(out_NHE, *args, batch)
-    paged_prefill_into(out_NHE, *args, batch)
+    paged_decode_into(out_NHE, *args, batch, window)
+    paged_prefill_into(out_NHE, *args, batch, window)
     return out_NHE
 
 
@@ -381,6 +387,7 @@ def paged_decode_into(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with one new token."""
     block_tables_SM, context_lens, query_lens = (
@@ -406,7 +413,10 @@ def paged_decode_into(
         rows = torch.tensor([starts[s] for s in group], device=device)
         seq = torch.arange(len(group), device=device)
         k_SLKE[seq, ctx], v_SLKE[seq, ctx] = k_NKE[rows], v_NKE[rows]
-        mask_SL = torch.arange(M * B, device=device)[None, :] <= ctx[:, None]
+        slots_L = torch.arange(M * B, device=device)[None, :]
+        mask_SL = slots_L <= ctx[:, None]
+        if window is not None:  # the last `window` tokens, the new one included
+            mask_SL &= slots_L > ctx[:, None] - window
         y = F.scaled_dot_product_attention(
             q_NHE[rows][:, :, None],
             k_SLKE.transpose(1, 2),
@@ -425,6 +435,7 @@ def paged_prefill_into(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with several new tokens."""
     block_tables_SM, context_lens, query_lens = (
@@ -454,5 +465,6 @@ def paged_prefill_into(
             k_TKE.transpose(0, 1)[None],
             v_TKE.transpose(0, 1)[None],
             causal=True,
+            window=window,
         )
         out_NHE[lo:hi] = y[0].transpose(0, 1)
