@@ -1,4 +1,4 @@
-"""Mistral, Qwen 2 and Qwen 3 as configurations of the one shared decoder.
+"""Mistral, Qwen 2, Qwen 3 and Phi-3 as configurations of the one shared decoder.
 
 For each family, on tiny random ``transformers`` models built here (vocabularies that are not a
 power of two, no download): logits and loss equal ``transformers``' within 1e-5 (fp32); one AdamW
@@ -38,7 +38,9 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen2": (models.qwen2, "Qwen2Config", {}),
     "qwen3": (models.qwen3, "Qwen3Config", {"head_dim": 10}),
     "qwen3_bias": (models.qwen3, "Qwen3Config", {"head_dim": 8, "attention_bias": True}),
+    "phi3": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": None}),
     # sliding windows shorter than the prompts (20 tokens)
+    "phi3_window": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": 5}),
     "mistral_window": (models.mistral, "MistralConfig", {"sliding_window": 5}),
     "qwen2_window": (
         models.qwen2,
@@ -111,7 +113,7 @@ def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
     assert moved >= 0.5e-2  # the step moved the parameters, by about lr
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral", "mistral_window"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral_window", "phi3"])
 @pytest.mark.parametrize(
     ("mesh", "how"),
     [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline")],
@@ -135,7 +137,7 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2", "qwen3_bias", "mistral", "mistral_window", "qwen2_window"]
+    "name", ["qwen2", "qwen3_bias", "mistral", "mistral_window", "qwen2_window", "phi3_window"]
 )
 def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
     module = FAMILIES[name][0]
@@ -194,6 +196,7 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
         ),
         ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ],
 )
 def test_what_the_decoder_does_not_compute_is_refused_by_name(name, extra, match) -> None:

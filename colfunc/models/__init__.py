@@ -1,6 +1,6 @@
 """Models as pure functions over parameter pytrees: the causal language models GPT-2, OPT and
 the LLaMA-shaped families of one shared decoder (:mod:`colfunc.models.decoder`: LLaMA, Mistral,
-Qwen 2, Qwen 3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
+Qwen 2, Qwen 3, Phi-3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
 video.
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
@@ -10,7 +10,7 @@ families are registered here; a new one is one module and one :func:`register` l
 :mod:`colfunc.models.family`).
 """
 
-from colfunc.models import decoder, dit, gpt, llama, mistral, opt, qwen2, qwen3
+from colfunc.models import decoder, dit, gpt, llama, mistral, opt, phi3, qwen2, qwen3
 from colfunc.models.family import (
     FAMILIES,
     Family,
@@ -25,7 +25,7 @@ from colfunc.models.family import (
     unregister,
 )
 
-for _module in (gpt, llama, mistral, qwen2, qwen3, opt, dit):
+for _module in (gpt, llama, mistral, qwen2, qwen3, phi3, opt, dit):
     register(_module.family)
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "of_config",
     "of_hf",
     "opt",
+    "phi3",
     "qwen2",
     "qwen3",
     "register",

@@ -40,6 +40,7 @@ __all__ = [
     "Config",
     "apply",
     "family",
+    "family_weights",
     "init",
     "loss",
     "paged_forward",
@@ -394,7 +395,10 @@ def loss(cfg: Config) -> Layered:
 # --- Hugging Face: the LlamaForCausalLM layout the families share -----------------------------
 
 
-def _hf_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
+def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
+    """The weight table of ``LlamaForCausalLM`` with ``cfg``'s biases and q/k norms: ``(top,
+    per_layer)`` entries, each naming one colfunc path (a family that fuses some, as Phi-3,
+    rewrites those)."""
     h = "model.layers.{i}."
     a = h + "self_attn."
     biases = [
@@ -525,6 +529,7 @@ def family(
     model_type: str,
     read: Callable[[Any], Config],
     write: Callable[[Config], dict[str, Any]],
+    weights: Callable[[Any], tuple[list[HFWeight], list[HFWeight]]] | None = None,
 ) -> Family:
     """A LLaMA-shaped family's :class:`Family`: its module, its ``Config`` subclass, its
     ``transformers`` class and config (``read`` and ``write``: the config both ways, built on
@@ -537,7 +542,7 @@ def family(
         hf=HFMapping(
             architectures=(architecture,),
             model_type=model_type,
-            weights=_hf_weights,
+            weights=weights or family_weights,
             read_config=read,
             write_config=write,
         ),
