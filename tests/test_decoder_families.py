@@ -3,7 +3,8 @@
 For each family, on tiny random ``transformers`` models built here (vocabularies that are not a
 power of two, no download): logits and loss equal ``transformers``' within 1e-5 (fp32); one AdamW
 step equals ``transformers`` + ``torch.optim.AdamW`` (fp64, 1e-9); training under dp2 x tp2 with
-ZeRO-3 and under a 2-stage pipeline equals one device (fp64 AdamW, 1e-9); the engine, alone and
+ZeRO-3, under a 2-stage pipeline and under tp2 with offload equals one device (fp64 AdamW,
+1e-9); the engine, alone and
 under ``tp=2``, gives ``generate``'s greedy tokens; export then ``from_pretrained`` gives the same
 logits, and a bf16 folder loads; sliding windows shorter than the prompts (Mistral's, Qwen 2's with every layer
 sliding) hold through all of it; what the decoder does not compute (sliding and full layers mixed,
@@ -116,8 +117,8 @@ def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral_window", "phi3"])
 @pytest.mark.parametrize(
     ("mesh", "how"),
-    [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline")],
-    ids=["dp2xtp2_zero3", "pp2"],
+    [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline"), ({"tp": 2}, "offload")],
+    ids=["dp2xtp2_zero3", "pp2", "tp2_offload"],
 )
 def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> None:
     module = FAMILIES[name][0]
@@ -128,6 +129,8 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
     def main(m: cf.Mesh):
         if how == "zero3":
             step = cf.zero(cf.shard(ref, m, plan=module.tp_plan), stage=3)
+        elif how == "offload":  # each rank's tensor-parallel pieces homed on the host
+            step = cf.offload(cf.shard(ref, m, plan=module.tp_plan), "host", "256KiB")
         else:
             step = cf.pipeline(ref, 2, microbatches=2)
         return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-9)
