@@ -1,0 +1,139 @@
+"""The decoder families against ``transformers``: a training step and the engine's generation.
+
+For each family (LLaMA, Mistral, Qwen 2, Qwen 3, Phi-3) a random ``transformers`` model of about
+20M parameters (8 layers, width 256, 4 query heads sharing 2 key/value heads, vocabulary 32000,
+Mistral and Phi-3 with a sliding window of 64, shorter than the 128-token batches) is loaded into
+colfunc with ``hf.from_hf``; both sides run in the same process, interleaved, in fp32 on this
+machine's CPU threads:
+
+- ``train``: one step on the same batch (8 x 128 tokens): ``cf.train_step(family.loss(cfg),
+  optim.adamw)`` against the module's forward and backward and ``torch.optim.AdamW(fused=True)``
+  (``attn_implementation="sdpa"``, its default). The median over steps of ours/theirs (goal: at
+  most 1.0); the first step's losses are checked to agree (1e-4).
+- ``generate``: 16 requests (prompts of 16-96 tokens, 32 new tokens each, greedy): the engine
+  against ``transformers``' own continuous batching (``generate_batch``); output tokens/s, the
+  ratio ours/theirs (goal: at least 1.0). The engine's tokens are checked against ``generate``'s
+  for two prompts.
+
+    python benchmarks/models.py [--families llama,mistral] [--steps 6] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import transformers
+
+import colfunc as cf
+from colfunc import hf, optim
+from colfunc.inference import Engine, SamplingParams
+
+SIZE = dict(
+    vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)  # fmt: skip
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 64}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 64}),
+    "phi3": ("Phi3Config", {"sliding_window": 64}),
+}
+HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model(name: str) -> Any:
+    config_class, extra = FAMILIES[name]
+    c = getattr(transformers, config_class)(**SIZE, **extra)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(c)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _train(name: str, m: Any, steps: int) -> tuple[float, float, int]:
+    """(median ours/theirs, loss gap at the first step, parameters)."""
+    cfg, params = hf.from_hf(m)
+    family = cf.models.of_config(cfg)
+    step = cf.train_step(family.module.loss(cfg), optim.adamw(**HYPER), donate=True)
+    state = step.init(params)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), fused=True, **HYPER)
+    g = torch.Generator().manual_seed(1)
+    ratios, gap = [], 0.0
+    for i in range(steps + 1):
+        ids = torch.randint(1, SIZE["vocab_size"], (8, 128), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        t_ours = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = m(**batch).loss
+        loss.backward()
+        opt.step()
+        t_theirs = time.perf_counter() - t0
+        if i == 0:  # the same weights: the same loss
+            gap = abs(float(metrics["loss"]) - loss.item())
+        else:  # (the first step of each side warms up)
+            ratios.append(t_ours / t_theirs)
+    m.eval()
+    return statistics.median(ratios), gap, sum(p.numel() for p in m.parameters())
+
+
+def _generate(m: Any) -> tuple[float, float, float, bool]:
+    """(ours tok/s, theirs tok/s, ratio, greedy tokens equal)."""
+    cfg, params = hf.from_hf(m)
+    family = cf.models.of_config(cfg)
+    engine = Engine(family.module, cfg, params, max_num_seqs=16, max_num_batched_tokens=1024)
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(16, 97, (16,), generator=g).tolist()
+    prompts = [torch.randint(1, SIZE["vocab_size"], (k,), generator=g).tolist() for k in lens]
+    new = 32
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    t0 = time.perf_counter()
+    got = engine.generate(prompts, greedy)
+    t_ours = time.perf_counter() - t0
+    with torch.inference_mode():
+        gc = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
+        t0 = time.perf_counter()
+        m.generate_batch(inputs=prompts, generation_config=gc, warmup=False)
+        t_theirs = time.perf_counter() - t0
+        want = cf.testing.hf_greedy(m, prompts[:2], new)
+    same = [o.outputs[0].token_ids for o in got[:2]] == want
+    total = new * len(prompts)
+    return total / t_ours, total / t_theirs, t_theirs / t_ours, same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--steps", type=int, default=6, help="timed training steps per family")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, ", end="")
+    print(f"{torch.get_num_threads()} threads; fp32; batch 8 x 128 tokens")
+    print("| family | params | train ours/theirs | first-step loss gap | ours tok/s | "
+          "generate_batch tok/s | ours/theirs | greedy equal |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name in args.families.split(","):
+        m = _model(name)
+        ratio, gap, n = _train(name, m, args.steps)
+        ours, theirs, speed, same = _generate(m)
+        print(
+            f"| {name} | {n / 1e6:.1f}M | {ratio:.3f} | {gap:.1e} | {ours:.1f} | {theirs:.1f} | "
+            f"{speed:.2f} | {same} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
