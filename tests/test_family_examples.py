@@ -52,7 +52,12 @@ def _folder(root: Path, config_class: str, extra: dict) -> Path:
     fast = cf.testing.save_bpe_tokenizer(root, 300, "</s>")
     eos = fast.eos_token_id
     c = getattr(transformers, config_class)(
-        **SIZES, **extra, vocab_size=len(fast) + 7, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos
+        **SIZES,
+        **extra,
+        vocab_size=len(fast) + 7,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(c).save_pretrained(root)
