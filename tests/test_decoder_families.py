@@ -258,3 +258,54 @@ def test_a_window_under_a_long_sequence_shard_is_refused_by_name() -> None:
             s(s.init(params), batch)
 
     cf.launch(main, mesh={"sp": 2})
+
+
+def test_a_sliding_window_gives_back_the_blocks_before_it() -> None:
+    """Under a window of 5 tokens with blocks of 2, a sequence holds at most 5 blocks
+    (ceil(5 / 2) + 2) however long it grows; with prefix caching on, a prompt served twice, two
+    samples sharing a prompt, and preemptions forced by a small cache, the greedy tokens are
+    still ``generate``'s."""
+    model = _hf("mistral_window", seed=9)
+    cfg, params = hf.from_hf(model)
+    long = [(7 * i + 3) % 50 + 1 for i in range(30)]
+    prompts = [long, long[:17], [4, 8, 15, 16, 23, 42, 4, 8]]
+    want = cf.testing.hf_greedy(model, prompts, 12)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    engine = Engine(models.mistral, cfg, params, block_size=2, num_blocks=64)
+    most = 0
+
+    def watch() -> None:
+        nonlocal most
+        for seq in engine.scheduler.running:
+            most = max(most, sum(b >= 0 for b in seq.blocks))
+
+    for prompt, tokens in zip(prompts, want):
+        engine.add_request(prompt, greedy, request_id=str(len(prompt)))
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+            watch()
+        assert outs[0].outputs[0].token_ids == tokens
+    assert 0 < most <= 5
+    assert engine.stats()["blocks_used"] == 0  # every block given back, at the end too
+    # preemptions, and the same tokens (two samples of the long prompt share its blocks)
+    many = [[(5 * i + 11 * r) % 50 + 1 for i in range(8)] for r in range(6)]
+    want_many = cf.testing.hf_greedy(model, many, 12)
+    small = Engine(models.mistral, cfg, params, block_size=2, num_blocks=24, max_num_seqs=8)
+    two = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    for r, prompt in enumerate(many):
+        small.add_request(prompt, greedy, request_id=f"m{r}")
+    small.add_request(long, two, request_id="long")
+    done: dict[str, list[list[int]]] = {}
+    for k in range(200):
+        if not small.has_unfinished():
+            break
+        if k in (6, 9):  # preemption forced: the newest sequence, its windowed blocks given back
+            small.scheduler.preempt(small.scheduler.running[-1])
+        for o in small.step():
+            if o.finished:
+                done[o.request_id] = [c.token_ids for c in o.outputs]
+    assert [done[f"m{r}"][0] for r in range(6)] == want_many
+    assert done["long"] == [want[0], want[0]]
+    assert small.stats()["preemptions"] == 2 and small.stats()["blocks_used"] == 0

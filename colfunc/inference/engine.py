@@ -23,7 +23,7 @@ import torch
 from colfunc import models, nn
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
-from colfunc.inference.scheduler import Scheduler, Sequence
+from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
 from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer
 from colfunc.sharding import Mesh, ShardedTensor, from_local
 from colfunc.sharding.placement import Shard
@@ -201,7 +201,9 @@ class Engine:
             "v": torch.zeros(shape, dtype=spec.dtype, device=spec.device),
         }
         self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.allocator, max_num_seqs, max_num_batched_tokens, window=spec.window
+        )
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._default_seed = itertools.count()
@@ -334,6 +336,7 @@ class Engine:
         tables = torch.zeros(len(work.items), M, dtype=torch.int32)
         for s, (seq, n) in enumerate(work.items):
             lo = seq.computed
+            # (a block given back before a sliding window reads as -1: the attention skips it)
             tables[s, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             tokens += seq.tokens[lo : lo + n]
             positions += range(lo, lo + n)
@@ -371,7 +374,9 @@ class Engine:
             group = [seq]
             if seq.index == 0 and req.forks:  # the prompt is computed: the others share it
                 for fork in req.forks:
-                    fork.blocks = [self.allocator.share(b) for b in seq.blocks]
+                    fork.blocks = [
+                        b if b == DROPPED else self.allocator.share(b) for b in seq.blocks
+                    ]
                     fork.computed, fork.keys = seq.computed, list(seq.keys)
                     self.scheduler.running.append(fork)
                 group += req.forks

@@ -7,6 +7,11 @@ A waiting sequence starts from the longest prefix of full blocks found in the pr
 a running sequence needs a block and none is free, the newest running sequence is preempted: its
 blocks are released and it waits again, at the front, to be recomputed from its tokens (prompt
 and output so far), which gives the same keys and values.
+
+Under a sliding window (every layer attending to each token's last ``window`` tokens), a
+sequence's blocks that fall wholly before the window of its next token are given back as it
+advances: a sequence holds at most ``window / block_size + 2`` blocks. A given-back block keeps
+its place in the block table as :data:`DROPPED`, which the attention reads past.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from colfunc.inference.kv_cache import BlockAllocator, block_hash
 from colfunc.inference.sampling import SamplingParams
 
-__all__ = ["Scheduled", "Scheduler", "Sequence"]
+__all__ = ["DROPPED", "Scheduled", "Scheduler", "Sequence"]
+
+DROPPED = -1  # a block table's entry for a block given back (before a sliding window)
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,9 +69,14 @@ class Scheduler:
     """The waiting and running queues over one :class:`BlockAllocator`."""
 
     def __init__(
-        self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        window: int | None = None,
     ) -> None:
         self.allocator = allocator
+        self.window = window
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -92,10 +104,22 @@ class Scheduler:
         while len(seq.blocks) * size < seq.computed + n:
             seq.blocks.append(a.allocate())
 
+    def _slide(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks that lie wholly before the window of its next token (the
+        first it computes next sees the keys from ``computed - window + 1`` on)."""
+        if self.window is None:
+            return
+        dead = max(0, seq.computed - self.window + 1) // self.allocator.block_size
+        for j in range(min(dead, len(seq.blocks))):
+            if seq.blocks[j] != DROPPED:
+                self.allocator.release(seq.blocks[j])
+                seq.blocks[j] = DROPPED
+
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s blocks, last first (so that a prefix outlives its tails)."""
         for block in reversed(seq.blocks):
-            self.allocator.release(block)
+            if block != DROPPED:
+                self.allocator.release(block)
         seq.blocks, seq.computed = [], 0
 
     def _keys(self, seq: Sequence, upto: int) -> None:
@@ -122,7 +146,9 @@ class Scheduler:
         full = seq.computed // self.allocator.block_size
         self._keys(seq, full)
         for j in range(full):
-            self.allocator.register(seq.blocks[j], seq.keys[j])
+            if seq.blocks[j] != DROPPED:
+                self.allocator.register(seq.blocks[j], seq.keys[j])
+        self._slide(seq)
 
     # --- queues -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -101,22 +101,36 @@ class HFMapping:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     """The KV cache a family's ``paged_forward`` reads: per layer and token slot, ``kv_heads``
-    keys and values of ``head_dim``, in ``dtype`` on ``device``."""
+    keys and values of ``head_dim``, in ``dtype`` on ``device``. ``window``: every layer attends
+    to each token's last ``window`` tokens only (a sliding window), so a sequence's blocks that
+    fall wholly before the window are given back as it advances (None: all are kept)."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVCacheSpec: {name} must be an int >= 1, got {value!r}")
+        w = self.window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"KVCacheSpec: window must be None or an int >= 1, got {w!r}")
 
     @classmethod
-    def like(cls, table: torch.Tensor, *, layers: int, kv_heads: int, head_dim: int) -> KVCacheSpec:
+    def like(
+        cls,
+        table: torch.Tensor,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        window: int | None = None,
+    ) -> KVCacheSpec:
         """A cache in ``table``'s dtype and on its device (a model's embedding, say)."""
         return cls(
             layers=layers,
@@ -124,18 +138,24 @@ class KVCacheSpec:
             head_dim=head_dim,
             dtype=table.dtype,
             device=table.device,
+            window=window,
         )
 
     @classmethod
     def of_decoder(cls, cfg: Any, params: Params) -> KVCacheSpec:
         """The cache of a decoder whose config has ``n_layer``, ``n_head`` and ``d_model`` (and
-        optionally ``n_kv_heads`` and ``head_dim``, else ``n_head`` and ``d_model / n_head``),
+        optionally ``n_kv_heads`` and ``head_dim``, else ``n_head`` and ``d_model / n_head``,
+        and ``sliding_window``),
         stored as its token embedding ``params["embed"]["tokens"]`` is: one key and one value of
         every key/value head per layer and token."""
         kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_head
         head_dim = getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_head
         return cls.like(
-            params["embed"]["tokens"], layers=cfg.n_layer, kv_heads=kv_heads, head_dim=head_dim
+            params["embed"]["tokens"],
+            layers=cfg.n_layer,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            window=getattr(cfg, "sliding_window", None),
         )
 
     def slot_bytes(self) -> int:

@@ -372,6 +372,14 @@ def check_paged_lens(q_NHE: torch.Tensor, batch: PagedBatch) -> None:
         )
 
 
+def _first_block(context_len: int, window: int | None, block_size: int) -> int:
+    """The first block a token at position ``context_len`` reads under a sliding ``window`` (it
+    sees the keys from ``context_len - window + 1`` on); 0 without one."""
+    if window is None:
+        return 0
+    return max(0, context_len - window + 1) // block_size
+
+
 def _starts(query_lens: Sequence[int]) -> list[int]:
     starts = [0]
     for n in query_lens:
@@ -400,16 +408,22 @@ def paged_decode_into(
     starts = _starts(query_lens)
     for group in _by_length([s for s, n in enumerate(query_lens) if n == 1], context_lens):
         # every decoding sequence of the group's blocks in one gather, [S, M * B, K, E], its new
-        # key and value written at its context length, everything after it masked out
+        # key and value written at its context length, everything after it masked out; under a
+        # sliding window each sequence's blocks from the first its window reaches (the blocks
+        # before it may have been given back: -1 in the table)
         device = q_NHE.device
         K = k_NKE.shape[1]
-        M = -(-(max(context_lens[s] for s in group) + 1) // B)
-        index = torch.tensor(group, device=device)
-        picked = block_tables_SM[index, :M].reshape(-1).long()
+        first = [_first_block(context_lens[s], window, B) for s in group]
+        M = max(-(-(context_lens[s] + 1) // B) - f for s, f in zip(group, first))
+        index = torch.tensor(group, device=device)[:, None]
+        cols = torch.tensor(first, device=device)[:, None] + torch.arange(M, device=device)
+        cols = cols.clamp(max=block_tables_SM.shape[1] - 1)  # (past a context: masked out)
+        picked = block_tables_SM[index, cols].reshape(-1).long().clamp(min=0)
         shape = (len(group), M * B, K, k_cache_CBKE.shape[-1])
         k_SLKE = k_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
         v_SLKE = v_cache_CBKE.flatten(1).index_select(0, picked).view(shape)
-        ctx = torch.tensor([context_lens[s] for s in group], device=device)
+        offset = torch.tensor([f * B for f in first], device=device)
+        ctx = torch.tensor([context_lens[s] for s in group], device=device) - offset
         rows = torch.tensor([starts[s] for s in group], device=device)
         seq = torch.arange(len(group), device=device)
         k_SLKE[seq, ctx], v_SLKE[seq, ctx] = k_NKE[rows], v_NKE[rows]
@@ -447,10 +461,13 @@ def paged_prefill_into(
     starts = _starts(query_lens)
 
     def context(s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` cached keys and values of sequence ``s``, ``[n, K, E]``."""
-        blocks = block_tables_SM[s, : -(-n // B)]
-        k = k_cache_CBKE[blocks].flatten(0, 1)[:n]
-        return k, v_cache_CBKE[blocks].flatten(0, 1)[:n]
+        """The ``n`` cached keys and values of sequence ``s``, ``[n - d, K, E]``, from the first
+        block its window reaches (``d`` tokens before it left out: its first new token's window
+        starts after them, and the bottom-right mask is the same without them)."""
+        f = _first_block(n, window, B)
+        blocks = block_tables_SM[s, f : -(-n // B)]
+        k = k_cache_CBKE[blocks].flatten(0, 1)[: n - f * B]
+        return k, v_cache_CBKE[blocks].flatten(0, 1)[: n - f * B]
 
     for s, n in enumerate(query_lens):
         if n == 1:
