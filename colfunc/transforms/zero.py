@@ -171,12 +171,10 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
             return new, info
         with torch.no_grad():
             if not frozen:
-                gathered = z.gather_chunks(new.params, like=state.params)
-                return new._replace(params=gathered), info
+                return new._replace(params=z.gather_chunks(new.params)), info
             # the updated leaves gathered back; the frozen ones never moved
             trained = tree.subset(new.params, set(tree.paths(grads)).__contains__)
-            like = tree.subset(state.params, set(tree.paths(grads)).__contains__)
-            params = tree.merge(state.params, z.gather_chunks(trained, metas, like=like))
+            params = tree.merge(state.params, z.gather_chunks(trained, metas))
         return new._replace(params=params), info
 
     return step.replace(

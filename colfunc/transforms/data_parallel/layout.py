@@ -40,26 +40,20 @@ class ZeroLayout:
         with torch.no_grad():
             return tree.map(self.gather, params, self.metas_of(params))
 
-    def gather_chunks(self, chunks: PyTree, metas: PyTree = None, like: PyTree = None) -> PyTree:
+    def gather_chunks(self, chunks: PyTree, metas: PyTree = None) -> PyTree:
         """Whole tensors from a tree of this rank's chunks (``[L, c]`` for stacked ones, ``[c]``
         for the others), in one all_gather per dtype. ``metas`` is the part of the layout that
-        ``chunks`` holds, when it is not the whole parameter tree. ``like`` (the tensors these
-        replace): each plain result is laid out with its strides (a weight kept in matmul order
-        stays so: :func:`colfunc.transforms.shard.matmul_order`)."""
+        ``chunks`` holds, when it is not the whole parameter tree."""
         n = self.mesh.axis_size(self.axis)
         flat, treedef = tree.flatten_with_paths(chunks)
         metas = treedef.flatten_up_to(self.metas if metas is None else metas)
-        olds = treedef.flatten_up_to(like) if like is not None else [None] * len(flat)
         cs = [c for _, c in flat]
         gathered = gather_flat([c.reshape(-1) for c in cs], self.axis, self.mesh)  # [n * numel]
         out = []
-        for f, c, m, old in zip(gathered, cs, metas, olds):
+        for f, c, m in zip(gathered, cs, metas):
             if m.stacked:  # rank-major [n, L, c] to layer-major [L, n * c]
                 f = f.view(n, *c.shape).transpose(0, 1).reshape(c.shape[0], -1)
-            y = whole(f, m)
-            if _plain(old) and _plain(y) and y.stride() != old.stride():
-                y = torch.empty_strided(old.shape, old.stride(), dtype=y.dtype).copy_(y)
-            out.append(y)
+            out.append(whole(f, m))
         return tree.unflatten(treedef, out)
 
     def gather_opt(self, states: PyTree) -> PyTree:
@@ -83,7 +77,3 @@ class ZeroLayout:
 
     def __repr__(self) -> str:
         return f"ZeroLayout(stage={self.stage}, axis={self.axis!r})"
-
-
-def _plain(x: Any) -> bool:
-    return type(x) is torch.Tensor

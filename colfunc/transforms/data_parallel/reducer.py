@@ -152,13 +152,7 @@ class Reduction:
             overlap_update=(
                 buffered and when == "backward" and plain_shard and comp.amp is None and off is None
             ),
-            # (ZeRO 1-2 keep whole parameters too, gathered back in the same order)
-            matmul_order=(
-                (buffered or (mode == "reduce_scatter" and when != "sync"))
-                and split == axis
-                and plain_shard
-                and off is None
-            ),
+            matmul_order=buffered and split == axis and plain_shard and off is None,
         )
 
     # --- what is reduced, and where ---------------------------------------------------------
