@@ -197,7 +197,7 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
             {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
             "slides every layer or none",
         ),
-        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
+        ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ],

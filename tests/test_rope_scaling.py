@@ -1,4 +1,5 @@
-"""Scaled rotary embeddings (Llama 3.1's ``llama3``, ``linear``) against ``transformers``."""
+"""Scaled rotary embeddings (Llama 3.1's ``llama3``, ``linear``) against ``transformers`` (YaRN:
+``test_rope_yarn.py``)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,17 @@ def test_the_engine_decodes_with_the_scaled_tables() -> None:
 @pytest.mark.parametrize(
     ("rope", "match"),
     [
-        ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "rope_type='yarn'"),
+        (
+            {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "factor": 2.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_type='longrope'",
+        ),
         ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_type='dynamic'"),
     ],
 )

@@ -88,6 +88,12 @@ class Config:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_truncate: bool = True
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -163,14 +169,20 @@ class Config:
 
     @functools.cached_property  # (made once: every forward pass reads it)
     def rope_scaling(self) -> nn.RopeScaling:
-        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"`` or
-        ``"llama3"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
+        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"``,
+        ``"llama3"`` or ``"yarn"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
         return nn.RopeScaling(
             type=self.rope_type,
             factor=self.rope_factor,
             low_freq_factor=self.rope_low_freq_factor,
             high_freq_factor=self.rope_high_freq_factor,
             original_max_position=self.rope_original_max_seq_len or self.max_seq_len,
+            beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow,
+            attention_factor=self.rope_attention_factor,
+            mscale=self.rope_mscale,
+            mscale_all_dim=self.rope_mscale_all_dim,
+            truncate=self.rope_truncate,
         )
 
     @classmethod
@@ -462,7 +474,11 @@ def read_hf_config(c: Any, config: type[Config], label: str, **fields: Any) -> C
             f"computes the rope types {', '.join(nn.ROPE_TYPES)}"
         )
     scaling: dict[str, Any] = {}
-    needs = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(rope_type, ())
+    needs = {
+        "linear": ("factor",),
+        "llama3": _LLAMA3_KEYS,
+        "yarn": ("factor", "original_max_position_embeddings"),
+    }.get(rope_type, ())
     missing = [k for k in needs if k not in rope]
     if missing:
         raise ValueError(f"from_hf: {label} rope_type={rope_type!r} without {', '.join(missing)}")
@@ -473,6 +489,24 @@ def read_hf_config(c: Any, config: type[Config], label: str, **fields: Any) -> C
             rope_low_freq_factor=float(rope["low_freq_factor"]),
             rope_high_freq_factor=float(rope["high_freq_factor"]),
             rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    if rope_type == "yarn":
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"from_hf: {label} yarn with partial_rotary_factor="
+                f"{rope['partial_rotary_factor']!r} is not supported (1.0 only)"
+            )
+        optional = {
+            "rope_attention_factor": rope.get("attention_factor"),
+            "rope_mscale": rope.get("mscale"),
+            "rope_mscale_all_dim": rope.get("mscale_all_dim"),
+        }
+        scaling.update(
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+            **{k: float(v) for k, v in optional.items() if v is not None},
         )
     return config(
         vocab_size=c.vocab_size,
@@ -518,6 +552,17 @@ def _write_rope(cfg: Config) -> dict[str, Any]:
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_scaling.original_max_position,
         )
+    if cfg.rope_type == "yarn":
+        rope.update(
+            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
+            beta_fast=cfg.rope_beta_fast,
+            beta_slow=cfg.rope_beta_slow,
+            truncate=cfg.rope_truncate,
+        )
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            value = getattr(cfg, f"rope_{key}")
+            if value is not None:
+                rope[key] = value
     return rope
 
 

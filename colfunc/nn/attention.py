@@ -54,7 +54,7 @@ def merge_heads(x_BHTE: torch.Tensor) -> torch.Tensor:
     return x_BHTE.transpose(1, 2).reshape(B, T, -1)
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +67,11 @@ class RopeScaling:
     - ``"llama3"``: Llama 3.1's: wavelengths shorter than ``original_max_position /
       high_freq_factor`` kept, longer than ``original_max_position / low_freq_factor`` divided
       by ``factor``, the ones between interpolated smoothly.
+    - ``"yarn"``: YaRN (Peng et al. 2023; Qwen 2.5's long context): frequencies that turn more
+      than ``beta_fast`` times over ``original_max_position`` kept, fewer than ``beta_slow``
+      times divided by ``factor``, a linear ramp between (its bounds rounded out unless
+      ``truncate=False``); the tables multiplied by ``attention_factor`` (None: ``0.1 ln(factor)
+      + 1``, or the ratio of the ``mscale`` and ``mscale_all_dim`` forms where both are given).
     """
 
     type: str = "default"
@@ -74,6 +79,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -81,10 +92,18 @@ class RopeScaling:
                 f"RopeScaling: type={self.type!r} is not built; the built types are "
                 f"{', '.join(ROPE_TYPES)}"
             )
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"RopeScaling: {name} must be > 0, got {value!r}")
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise ValueError(f"RopeScaling: {name} must be None or > 0, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"RopeScaling: truncate must be a bool, got {self.truncate!r}")
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
@@ -96,11 +115,47 @@ class RopeScaling:
                 f"RopeScaling: original_max_position must be a positive int, got {value!r}"
             )
 
+    @property
+    def table_factor(self) -> float:
+        """What the cos and sin tables are multiplied by (YaRN's attention factor; else 1)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor)
+
+    def yarn(self, pos_freq_R: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+        """YaRN's frequencies from ``theta ** (2r / E)`` (the operations of the
+        ``transformers`` reference, so that the tables agree with it)."""
+        dim, old = head_dim, self.original_max_position
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # (no zero-width ramp)
+        ramp = torch.arange(dim // 2, dtype=torch.float32, device=pos_freq_R.device)
+        extrapolation = 1 - torch.clamp((ramp - low) / (high - low), 0, 1)
+        inv_interpolation = 1.0 / (self.factor * pos_freq_R)
+        inv_extrapolation = 1.0 / pos_freq_R
+        return inv_interpolation * (1 - extrapolation) + inv_extrapolation * extrapolation
+
     def scale(self, inv_freq_R: torch.Tensor) -> torch.Tensor:
         """The frequencies ``inv_freq_R`` as this scaling changes them (the operations of the
-        ``transformers`` reference, so that the tables agree with it)."""
+        ``transformers`` reference, so that the tables agree with it). YaRN's need the base and
+        the head dim: :meth:`yarn`."""
         if self.type == "default":
             return inv_freq_R
+        if self.type == "yarn":
+            raise ValueError("RopeScaling.scale: yarn's frequencies come from RopeScaling.yarn")
         if self.type == "linear":
             return inv_freq_R / self.factor
         old_context = self.original_max_position
@@ -132,12 +187,22 @@ def rope_tables(
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
     exponent_R = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq_R = 1.0 / (theta**exponent_R)
-    if scaling is not None:
-        inv_freq_R = scaling.scale(inv_freq_R)
+    if scaling is not None and scaling.type == "yarn":
+        inv_freq_R = scaling.yarn(theta**exponent_R, head_dim, theta)
+    else:
+        inv_freq_R = 1.0 / (theta**exponent_R)
+        if scaling is not None:
+            inv_freq_R = scaling.scale(inv_freq_R)
     # the positions a sequence dim holds (arange, unless a sequence-parallel frame reorders it)
     angle_TR = positions(seq_len, device).float()[:, None] * inv_freq_R[None, :]
+    factor = scaling.table_factor if scaling is not None else 1.0
+    if factor != 1.0:
+        return angle_TR.cos() * factor, angle_TR.sin() * factor
     return angle_TR.cos(), angle_TR.sin()
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _qk_norm(
