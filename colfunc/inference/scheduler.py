@@ -110,10 +110,12 @@ class Scheduler:
         if self.window is None:
             return
         dead = max(0, seq.computed - self.window + 1) // self.allocator.block_size
-        for j in range(min(dead, len(seq.blocks))):
-            if seq.blocks[j] != DROPPED:
-                self.allocator.release(seq.blocks[j])
-                seq.blocks[j] = DROPPED
+        # the given-back blocks are always a prefix: only the newly dead ones are visited
+        j = min(dead, len(seq.blocks)) - 1
+        while j >= 0 and seq.blocks[j] != DROPPED:
+            self.allocator.release(seq.blocks[j])
+            seq.blocks[j] = DROPPED
+            j -= 1
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s blocks, last first (so that a prefix outlives its tails)."""

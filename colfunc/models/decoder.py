@@ -167,6 +167,16 @@ class Config:
                     f"{self.family_name}.Config: {flag} must be a bool, got {getattr(self, flag)!r}"
                 )
 
+    def require_variations(self, ok: bool, what: str) -> None:
+        """A family's refusal of the decoder's variations it does not have: a ValueError
+        naming ``what`` it has and the fields given, unless ``ok``."""
+        if not ok:
+            raise ValueError(
+                f"{self.family_name}.Config: {what}; got qkv_bias={self.qkv_bias}, "
+                f"o_bias={self.o_bias}, qk_norm={self.qk_norm} "
+                "(colfunc.models.decoder.Config takes any mix)"
+            )
+
     @functools.cached_property  # (made once: every forward pass reads it)
     def rope_scaling(self) -> nn.RopeScaling:
         """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"``,
@@ -454,11 +464,16 @@ def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def read_hf_config(c: Any, config: type[Config], label: str, **fields: Any) -> Config:
+def read_hf_config(
+    c: Any, config: type[Config], label: str, *, sliding_window: int | None = None, **fields: Any
+) -> Config:
     """``config`` from a Hugging Face LLaMA-shaped config ``c``: sizes, rotary settings, norm
     and embeddings; ``fields`` are the family's own (its biases, its q/k norms), read by the
     family, which also refuses what it does not compute (:func:`require`). ``label`` names the
-    family in errors."""
+    family in errors. ``sliding_window``: the window every layer slides by, as the family reads
+    it; one no shorter than the context computes the same model as none, and is read as None."""
+    if sliding_window is not None and sliding_window >= c.max_position_embeddings:
+        sliding_window = None
     require(label, c, "hidden_act", ("silu",))
     require(label, c, "mlp_bias", (False,))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -521,6 +536,7 @@ def read_hf_config(c: Any, config: type[Config], label: str, **fields: Any) -> C
         **scaling,
         norm_eps=c.rms_norm_eps,
         tie_embeddings=bool(c.tie_word_embeddings),
+        sliding_window=sliding_window,
         **fields,
     )
 

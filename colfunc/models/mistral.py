@@ -39,11 +39,8 @@ class Config(decoder.Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.qkv_bias or self.o_bias or self.qk_norm:
-            raise ValueError(
-                "mistral.Config: Mistral has no attention biases and no q/k norms; got "
-                f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, qk_norm={self.qk_norm}"
-            )
+        none = not (self.qkv_bias or self.o_bias or self.qk_norm)
+        self.require_variations(none, "Mistral has no attention biases and no q/k norms")
 
 
 tp_plans: dict[str, dict[str, P]] = decoder.plans()
@@ -51,10 +48,7 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
-    # a window no shorter than the context computes the same model as none
     window = getattr(c, "sliding_window", None)
-    if window is not None and window >= c.max_position_embeddings:
-        window = None
     return decoder.read_hf_config(c, Config, "Mistral", sliding_window=window)  # type: ignore[return-value]
 
 

@@ -40,11 +40,8 @@ class Config(decoder.Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.qkv_bias or self.o_bias or self.qk_norm:
-            raise ValueError(
-                "phi3.Config: Phi-3 has no attention biases and no q/k norms; got "
-                f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, qk_norm={self.qk_norm}"
-            )
+        none = not (self.qkv_bias or self.o_bias or self.qk_norm)
+        self.require_variations(none, "Phi-3 has no attention biases and no q/k norms")
 
 
 tp_plans: dict[str, dict[str, P]] = decoder.plans()
@@ -84,8 +81,6 @@ def _read(c: Any) -> Config:
             "model rotates the whole head dim (partial_rotary_factor=1.0)"
         )
     window = getattr(c, "sliding_window", None)
-    if window is not None and window >= c.max_position_embeddings:
-        window = None  # no shorter than the context: the same model
     return decoder.read_hf_config(c, Config, "Phi3", sliding_window=window)  # type: ignore[return-value]
 
 

@@ -43,12 +43,10 @@ class Config(decoder.Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.qkv_bias or self.o_bias or self.qk_norm:
-            raise ValueError(
-                "qwen2.Config: Qwen 2 has q/k/v biases (qkv_bias=True), no output-projection "
-                f"bias and no q/k norms; got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
-                f"qk_norm={self.qk_norm} (colfunc.models.decoder.Config takes any mix)"
-            )
+        self.require_variations(
+            self.qkv_bias and not (self.o_bias or self.qk_norm),
+            "Qwen 2 has q/k/v biases (qkv_bias=True), no output-projection bias and no q/k norms",
+        )
 
 
 tp_plans: dict[str, dict[str, P]] = decoder.plans(qkv_bias=True)

@@ -21,7 +21,7 @@ def read_window(c: Any, label: str) -> int | None:
                  for i in range(n)]  # fmt: skip
     sliding = [t == "sliding_attention" for t in types]
     if window is None or not any(sliding):
-        return None
+        return None  # (one no shorter than the context: None too, in read_hf_config)
     if not all(sliding):
         raise ValueError(
             f"from_hf: {label} with use_sliding_window=True and layer_types {list(types)} "
@@ -29,8 +29,6 @@ def read_window(c: Any, label: str) -> int | None:
             "colfunc's model slides every layer or none (max_window_layers=0, or "
             "use_sliding_window=False)"
         )
-    if window >= c.max_position_embeddings:  # no shorter than the context: the same model
-        return None
     return int(window)
 
 

@@ -45,12 +45,11 @@ class Config(decoder.Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.qk_norm or self.qkv_bias != self.o_bias:
-            raise ValueError(
-                "qwen3.Config: Qwen 3 has q/k norms (qk_norm=True) and biases on all four "
-                f"attention projections or none; got qk_norm={self.qk_norm}, "
-                f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
-            )
+        self.require_variations(
+            self.qk_norm and self.qkv_bias == self.o_bias,
+            "Qwen 3 has q/k norms (qk_norm=True) and biases on all four attention projections "
+            "or none",
+        )
 
 
 tp_plans: dict[str, dict[str, P]] = decoder.plans()

@@ -36,7 +36,6 @@ import torch
 
 from colfunc import core, tree
 from colfunc.random import Abstract
-from colfunc.sharding import Mesh, current_mesh
 from colfunc.step import Step, TrainState
 from colfunc.transforms.composition import apply_transform
 from colfunc.transforms.data_parallel.chunks import cut_chunk, is_stacked, mesh_axes
@@ -104,23 +103,15 @@ def _build(step: Step, cfg: ZeroConfig, comp: Composition) -> Step:
     at stage 0, reduce-scatter at 1-2, gather on use at 3) is applied by the data-parallel
     layer above it (:mod:`colfunc.transforms.data_parallel`)."""
     stage, axis = cfg.stage, cfg.axis
-    bound = comp.mesh
+    reduction = comp.reduction
+    assert reduction is not None  # (zero always implies one)
     # shard beneath (if any) leaves its update unwrapped for stages 1-3, whose chunks are
     # local tensors already
     inner_update, inner_layout = step.update, step.layout
     inner_init_extra, inner_init_opt = step.init_extra, step.init_opt
 
-    def mesh_() -> Mesh:
-        m = bound if bound is not None else current_mesh()
-        if axis not in m.axis_names:
-            raise ValueError(
-                f"zero: axis {axis!r} is not an axis of the mesh {m.shape}; pass axis= one of "
-                f"{m.axis_names}"
-            )
-        return m
-
     def cut(params: PyTree) -> tuple[PyTree, ZeroLayout]:
-        m = mesh_()
+        m = reduction.mesh  # the mesh shard bound, else the current one, checked for `axis`
         n, i = m.axis_size(axis), m.axis_index(axis)
         flat, treedef = tree.flatten_with_paths(params)
         # stacked layers are cut layer by layer, so that each layer's gradients can be
