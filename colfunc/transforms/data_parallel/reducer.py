@@ -280,9 +280,7 @@ class Reduction:
     def _whole_rest(params: PyTree, z: ZeroLayout) -> PyTree:
         """ZeRO-3: the parameters outside the stacked layers gathered whole (their gradients
         are reduce-scattered after the backward pass), the stacked layers left as chunks for
-        the per-layer gathers."""
-        if not isinstance(params, dict) or "blocks" not in params:
-            return z.gather_params(params)
+        the per-layer gathers (zero's layout has refused parameters without ``blocks``)."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
         rest_metas = {k: z.metas[k] for k in rest}
         with torch.no_grad():
