@@ -10,7 +10,7 @@ families are registered here; a new one is one module and one :func:`register` l
 :mod:`colfunc.models.family`).
 """
 
-from colfunc.models import decoder, dit, gpt, llama, mistral, opt, phi3, qwen2, qwen3
+from colfunc.models import decoder, decoder_hf, dit, gpt, llama, mistral, opt, phi3, qwen2, qwen3
 from colfunc.models.family import (
     FAMILIES,
     Family,
@@ -35,6 +35,7 @@ __all__ = [
     "HFWeight",
     "KVCacheSpec",
     "decoder",
+    "decoder_hf",
     "dit",
     "get",
     "gpt",

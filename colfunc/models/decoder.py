@@ -6,9 +6,9 @@ on a leading layer axis and run by ``scan_layers``. What the families vary is a 
 :class:`Config`: q/k/v biases (``qkv_bias``, Qwen 2), an output-projection bias (``o_bias``),
 RMS norms of each query and key head (``qk_norm``, Qwen 3), a sliding attention window
 (``sliding_window``, Mistral), the head dim, the rotary base and
-scaling. A family (:mod:`colfunc.models.llama`, ``qwen2``, ``qwen3``, ``mistral``) is a
+scaling. A family (:mod:`colfunc.models.llama`, ``qwen2``, ``qwen3``, ``mistral``, ``phi3``) is a
 ``Config`` subclass naming itself, its tensor-parallel plan and its Hugging Face side
-(:func:`hf_mapping`); every function here takes any of them.
+(:mod:`colfunc.models.decoder_hf`); every function here takes any of them.
 
 Legend: L layers, B batch, T sequence, S = T - 1 predicted positions, D width (d_model),
 F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -27,27 +26,17 @@ import torch
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.models.family import (
-    Family,
-    HFMapping,
-    HFWeight,
-    KVCacheSpec,
-    linear,
     positive_number,
-    require,
 )
 
 __all__ = [
     "Config",
     "apply",
-    "family",
-    "family_weights",
     "init",
     "loss",
     "paged_forward",
     "param_shapes",
     "plans",
-    "read_hf_config",
-    "write_hf_config",
 ]
 
 Params = dict[str, Any]
@@ -411,201 +400,4 @@ def loss(cfg: Config) -> Layered:
     # only the residual stream has a sequence dim to split; the rotary tables stay whole
     return layered(
         pre, block, post, name=cfg.family_name, divisors=divisors, sequence_dims={"h": 1}
-    )
-
-
-# --- Hugging Face: the LlamaForCausalLM layout the families share -----------------------------
-
-
-def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
-    """The weight table of ``LlamaForCausalLM`` with ``cfg``'s biases and q/k norms: ``(top,
-    per_layer)`` entries, each naming one colfunc path (a family that fuses some, as Phi-3,
-    rewrites those)."""
-    h = "model.layers.{i}."
-    a = h + "self_attn."
-    biases = [
-        HFWeight(a + f"{x}_proj.bias", (f"blocks.attn.b{x}",))
-        for x, on in (("q", cfg.qkv_bias), ("k", cfg.qkv_bias), ("v", cfg.qkv_bias))
-        if on
-    ]
-    norms = (
-        [
-            HFWeight(a + "q_norm.weight", ("blocks.attn.q_norm",)),
-            HFWeight(a + "k_norm.weight", ("blocks.attn.k_norm",)),
-        ]
-        if cfg.qk_norm
-        else []
-    )
-    o_bias = [HFWeight(a + "o_proj.bias", ("blocks.attn.bo",))] if cfg.o_bias else []
-    layer = [
-        HFWeight(h + "input_layernorm.weight", ("blocks.ln1.weight",)),
-        linear(a + "q_proj.weight", "blocks.attn.wq"),
-        linear(a + "k_proj.weight", "blocks.attn.wk"),
-        linear(a + "v_proj.weight", "blocks.attn.wv"),
-        *biases,
-        *norms,
-        linear(a + "o_proj.weight", "blocks.attn.wo"),
-        *o_bias,
-        HFWeight(h + "post_attention_layernorm.weight", ("blocks.ln2.weight",)),
-        linear(h + "mlp.gate_proj.weight", "blocks.mlp.w_gate"),
-        linear(h + "mlp.up_proj.weight", "blocks.mlp.w_up"),
-        linear(h + "mlp.down_proj.weight", "blocks.mlp.w_down"),
-    ]
-    top = [
-        HFWeight("model.embed_tokens.weight", ("embed.tokens",)),
-        HFWeight("model.norm.weight", ("final_norm.weight",)),
-        HFWeight("lm_head.weight", ("embed.tokens",))
-        if cfg.tie_embeddings
-        else linear("lm_head.weight", "head.weight"),
-    ]
-    return top, layer
-
-
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def read_hf_config(
-    c: Any, config: type[Config], label: str, *, sliding_window: int | None = None, **fields: Any
-) -> Config:
-    """``config`` from a Hugging Face LLaMA-shaped config ``c``: sizes, rotary settings, norm
-    and embeddings; ``fields`` are the family's own (its biases, its q/k norms), read by the
-    family, which also refuses what it does not compute (:func:`require`). ``label`` names the
-    family in errors. ``sliding_window``: the window every layer slides by, as the family reads
-    it; one no shorter than the context computes the same model as none, and is read as None."""
-    if sliding_window is not None and sliding_window >= c.max_position_embeddings:
-        sliding_window = None
-    require(label, c, "hidden_act", ("silu",))
-    require(label, c, "mlp_bias", (False,))
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or {
-        **(getattr(c, "rope_scaling", None) or {}),
-        "rope_theta": getattr(c, "rope_theta", 10000.0),
-    }
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in nn.ROPE_TYPES:
-        raise ValueError(
-            f"from_hf: {label} with rope_type={rope_type!r} is not supported; colfunc's model "
-            f"computes the rope types {', '.join(nn.ROPE_TYPES)}"
-        )
-    scaling: dict[str, Any] = {}
-    needs = {
-        "linear": ("factor",),
-        "llama3": _LLAMA3_KEYS,
-        "yarn": ("factor", "original_max_position_embeddings"),
-    }.get(rope_type, ())
-    missing = [k for k in needs if k not in rope]
-    if missing:
-        raise ValueError(f"from_hf: {label} rope_type={rope_type!r} without {', '.join(missing)}")
-    if rope_type != "default":
-        scaling = dict(rope_type=rope_type, rope_factor=float(rope["factor"]))
-    if rope_type == "llama3":
-        scaling.update(
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
-    if rope_type == "yarn":
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"from_hf: {label} yarn with partial_rotary_factor="
-                f"{rope['partial_rotary_factor']!r} is not supported (1.0 only)"
-            )
-        optional = {
-            "rope_attention_factor": rope.get("attention_factor"),
-            "rope_mscale": rope.get("mscale"),
-            "rope_mscale_all_dim": rope.get("mscale_all_dim"),
-        }
-        scaling.update(
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
-            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-            rope_truncate=bool(rope.get("truncate", True)),
-            **{k: float(v) for k, v in optional.items() if v is not None},
-        )
-    return config(
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        d_model=c.hidden_size,
-        max_seq_len=c.max_position_embeddings,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        d_ff=c.intermediate_size,
-        head_dim=head_dim,
-        rope_theta=float(rope["rope_theta"]),
-        **scaling,
-        norm_eps=c.rms_norm_eps,
-        tie_embeddings=bool(c.tie_word_embeddings),
-        sliding_window=sliding_window,
-        **fields,
-    )
-
-
-def write_hf_config(cfg: Config) -> dict[str, Any]:
-    """The ``transformers`` config keyword arguments the LLaMA-shaped families share."""
-    return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters=_write_rope(cfg),
-        tie_word_embeddings=cfg.tie_embeddings,
-    )
-
-
-def _write_rope(cfg: Config) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type != "default":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        rope.update(
-            low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
-        )
-    if cfg.rope_type == "yarn":
-        rope.update(
-            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
-            beta_fast=cfg.rope_beta_fast,
-            beta_slow=cfg.rope_beta_slow,
-            truncate=cfg.rope_truncate,
-        )
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            value = getattr(cfg, f"rope_{key}")
-            if value is not None:
-                rope[key] = value
-    return rope
-
-
-def family(
-    module: Any,
-    config: type[Config],
-    *,
-    architecture: str,
-    model_type: str,
-    read: Callable[[Any], Config],
-    write: Callable[[Config], dict[str, Any]],
-    weights: Callable[[Any], tuple[list[HFWeight], list[HFWeight]]] | None = None,
-) -> Family:
-    """A LLaMA-shaped family's :class:`Family`: its module, its ``Config`` subclass, its
-    ``transformers`` class and config (``read`` and ``write``: the config both ways, built on
-    :func:`read_hf_config` and :func:`write_hf_config`); the weights as LLaMA's, with the
-    config's biases and q/k norms."""
-    return Family(
-        name=config.family_name,
-        module=module,
-        config=config,
-        hf=HFMapping(
-            architectures=(architecture,),
-            model_type=model_type,
-            weights=weights or family_weights,
-            read_config=read,
-            write_config=write,
-        ),
-        kv_cache=KVCacheSpec.of_decoder,
     )

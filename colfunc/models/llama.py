@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from colfunc.core import P
-from colfunc.models import decoder
+from colfunc.models import decoder, decoder_hf
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
 from colfunc.models.family import require
 
@@ -42,14 +42,14 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 def _read(c: Any) -> Config:
     require("LLaMA", c, "attention_bias", (False,))
-    return decoder.read_hf_config(c, Config, "LLaMA")  # type: ignore[return-value]
+    return decoder_hf.read_hf_config(c, Config, "LLaMA")  # type: ignore[return-value]
 
 
-family = decoder.family(
+family = decoder_hf.family(
     sys.modules[__name__],
     Config,
     architecture="LlamaForCausalLM",
     model_type="llama",
     read=_read,
-    write=decoder.write_hf_config,
+    write=decoder_hf.write_hf_config,
 )

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from colfunc.core import P
-from colfunc.models import decoder
+from colfunc.models import decoder, decoder_hf
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
 
 __all__ = [
@@ -49,14 +49,14 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 def _read(c: Any) -> Config:
     window = getattr(c, "sliding_window", None)
-    return decoder.read_hf_config(c, Config, "Mistral", sliding_window=window)  # type: ignore[return-value]
+    return decoder_hf.read_hf_config(c, Config, "Mistral", sliding_window=window)  # type: ignore[return-value]
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
-    return {**decoder.write_hf_config(cfg), "sliding_window": cfg.sliding_window}
+    return {**decoder_hf.write_hf_config(cfg), "sliding_window": cfg.sliding_window}
 
 
-family = decoder.family(
+family = decoder_hf.family(
     sys.modules[__name__],
     Config,
     architecture="MistralForCausalLM",

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from colfunc.core import P
-from colfunc.models import decoder
+from colfunc.models import decoder, decoder_hf
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
 from colfunc.models.family import HFWeight, linear, require
 
@@ -49,7 +49,7 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _weights(cfg: decoder.Config) -> tuple[list[HFWeight], list[HFWeight]]:
-    top, layer = decoder.family_weights(cfg)
+    top, layer = decoder_hf.family_weights(cfg)
     fused = {
         "blocks.attn.wq": linear(
             "model.layers.{i}.self_attn.qkv_proj.weight",
@@ -81,7 +81,7 @@ def _read(c: Any) -> Config:
             "model rotates the whole head dim (partial_rotary_factor=1.0)"
         )
     window = getattr(c, "sliding_window", None)
-    return decoder.read_hf_config(c, Config, "Phi3", sliding_window=window)  # type: ignore[return-value]
+    return decoder_hf.read_hf_config(c, Config, "Phi3", sliding_window=window)  # type: ignore[return-value]
 
 
 # Phi3Config's default special tokens (Phi-3's tokenizer), kept where the vocabulary holds them
@@ -91,14 +91,14 @@ _TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}
 def _write(cfg: decoder.Config) -> dict[str, Any]:
     ids = {k: (v if v < cfg.vocab_size else None) for k, v in _TOKEN_IDS.items()}
     return {
-        **decoder.write_hf_config(cfg),
+        **decoder_hf.write_hf_config(cfg),
         **ids,
         "sliding_window": cfg.sliding_window,
         "original_max_position_embeddings": cfg.max_seq_len,
     }
 
 
-family = decoder.family(
+family = decoder_hf.family(
     sys.modules[__name__],
     Config,
     architecture="Phi3ForCausalLM",

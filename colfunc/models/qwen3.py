@@ -14,10 +14,10 @@ import sys
 from typing import Any
 
 from colfunc.core import P
-from colfunc.models import decoder
+from colfunc.models import decoder, decoder_hf
 from colfunc.models.decoder import apply, init, loss, paged_forward, param_shapes
-from colfunc.models.qwen2_window import read_window as _window
-from colfunc.models.qwen2_window import write_window as _write_window
+from colfunc.models.decoder_hf import read_window as _window
+from colfunc.models.decoder_hf import write_window as _write_window
 
 __all__ = [
     "Config",
@@ -59,20 +59,20 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 def _read(c: Any) -> Config:
     window = _window(c, "Qwen3")
     bias = bool(getattr(c, "attention_bias", False))
-    return decoder.read_hf_config(
+    return decoder_hf.read_hf_config(
         c, Config, "Qwen3", qkv_bias=bias, o_bias=bias, sliding_window=window
     )  # type: ignore[return-value]
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
     return {
-        **decoder.write_hf_config(cfg),
+        **decoder_hf.write_hf_config(cfg),
         "attention_bias": cfg.qkv_bias,
         **_write_window(cfg),
     }
 
 
-family = decoder.family(
+family = decoder_hf.family(
     sys.modules[__name__],
     Config,
     architecture="Qwen3ForCausalLM",
