@@ -153,3 +153,32 @@ def test_without_the_flag_the_timeout_ends_a_hang_with_a_named_error(
         "rank 0: all_reduce(axis='dp', op='sum', shape=(4,), dtype=float32) did not complete "
         "within the collective timeout (2 s)"
     )
+
+
+def _scatters(mesh: Any) -> list[torch.Tensor]:
+    """Reduce-scatters of drawn (not small-integer) values: blocking along dims 0 and 1, started
+    asynchronously, summed and averaged, in fp32 and bf16."""
+    from colfunc.sharding import comm
+
+    g = torch.Generator().manual_seed(100 + mesh.rank)
+    n = mesh.axis_size("dp")
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3 * n, 5, generator=g).to(dtype)
+        out.append(comm.reduce_scatter(x, "dp", 0, "sum", mesh))
+        out.append(comm.reduce_scatter(x.T.contiguous(), "dp", 1, "avg", mesh))
+        out.append(comm.reduce_scatter_async(x.clone(), "dp", "avg", mesh).wait())
+        out.append(comm.reduce_scatter_async(x.clone(), "dp", "sum", mesh).wait())
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_reduce_scatter_sums_in_group_order_as_threads(size: int) -> None:
+    """Gloo's reduce-scatter (an all-to-all, then the chunks added in group order) gives the
+    threads backend's numbers bit for bit, rounding included, blocking or started early."""
+    shape = {"dp": size}
+    gloo = launch(_scatters, shape, backend="gloo", timeout=60)
+    threads = launch(_scatters, shape, backend="threads")
+    for r in range(size):
+        for k, (a, b) in enumerate(zip(gloo[r], threads[r], strict=True)):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {r}, case {k}"

@@ -162,8 +162,13 @@ class TorchWorld:
             # with d moved to the front, chunk j along d is rows [j*c, (j+1)*c): what the ops split
             xs = x.movedim(d, 0).contiguous() if d else x.contiguous()
             if op == "reduce_scatter":
-                out = x.new_empty((c, *xs.shape[1:]))
-                _reduce_scatter_single(out, xs, group=pg)
+                if self.name == "gloo":
+                    got = torch.empty_like(xs)
+                    dist.all_to_all_single(got, xs, group=pg)
+                    out = _sum_rows(got, n)
+                else:
+                    out = x.new_empty((c, *xs.shape[1:]))
+                    _reduce_scatter_single(out, xs, group=pg)
                 return out.movedim(0, d).contiguous() if d else out
             got = torch.empty_like(xs)
             dist.all_to_all_single(got, xs, group=pg)
@@ -203,7 +208,12 @@ class TorchWorld:
             work = _all_gather_single(out, buf, group=pg, async_op=True)
             return _Request(work, out, keep=buf)
         if call.op == "reduce_scatter" and call.dim == 0:
-            out = buf.new_empty((buf.shape[0] // len(call.group), *buf.shape[1:]))
+            n = len(call.group)
+            if self.name == "gloo":  # see _sum_rows
+                got = torch.empty_like(buf)
+                work = dist.all_to_all_single(got, buf, group=pg, async_op=True)
+                return _Request(work, got, keep=buf, then=lambda t: _sum_rows(t, n))
+            out = buf.new_empty((buf.shape[0] // n, *buf.shape[1:]))
             work = _reduce_scatter_single(out, buf, group=pg, async_op=True)
             return _Request(work, out, keep=buf)
         if call.op == "ppermute":
@@ -259,6 +269,20 @@ class TorchWorld:
         return out
 
 
+def _sum_rows(got: torch.Tensor, n: int) -> torch.Tensor:
+    """The sum of the ``n`` chunks of ``got`` along dim 0 (every member's chunk for this one, in
+    group order), added one after another as the threads backend sums.
+
+    Gloo's reduce-scatter is slower than its all-reduce of the same tensor (about 5 ms against 3
+    for 3.4 MB on 2 processes); an all-to-all sends the same ``(n-1)/n`` of the input per rank as
+    a ring reduce-scatter does and takes about 1.5 ms, and this sum another 0.3."""
+    rows = got.view(n, -1, *got.shape[1:])
+    acc = rows[0].clone()
+    for r in rows[1:]:
+        acc.add_(r)
+    return acc
+
+
 class _Works:
     """Several transfers in flight, waited for together."""
 
@@ -273,9 +297,16 @@ class _Works:
 class _Request:
     """An ``isend`` or ``irecv`` in progress and the buffer it reads or fills."""
 
-    def __init__(self, work: Any, buffer: torch.Tensor, keep: Any = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        buffer: torch.Tensor,
+        keep: Any = None,
+        then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.work, self.buffer = work, buffer
         self.keep = keep  # an input the transfer still reads
+        self.then = then  # what makes the result of the received buffer, once
         self.name: tuple[int, Callable[[], str]] | None = None  # (rank, what) for errors
 
     def wait(self) -> torch.Tensor:
@@ -284,6 +315,8 @@ class _Request:
         with _named(rank, what):
             self.work.wait()
         self.keep = None
+        if self.then is not None:
+            self.buffer, self.then = self.then(self.buffer), None
         return self.buffer
 
 

@@ -26,6 +26,7 @@ its host rows (:meth:`Reduction.reduce_rows`, :meth:`Reduction.scatter_rows`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -196,6 +197,14 @@ class Reduction:
             loss = comm.all_reduce(loss.detach(), self.split, op="avg", mesh=self.mesh)
         return loss
 
+    def start_mean_loss(self, loss: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """:meth:`mean_loss` started at once, so that it runs while the last gradient buckets
+        are waited for; calling the result waits for it (the same value)."""
+        loss = as_full(loss).detach()
+        if self.split is None:
+            return lambda: loss
+        return comm.all_reduce_async(loss.clone(), self.split, op="avg", mesh=self.mesh).wait
+
     # --- the data-parallel layer of the step -------------------------------------------------
     def wrap(self, step: Step) -> Step:
         """``step`` (built by ``shard`` and ``zero``) with its data-parallel reduction."""
@@ -237,7 +246,9 @@ class Reduction:
             with core.context(buckets.frame):
                 loss, grads = inner_fb(params, local, extra)
             if isinstance(buckets, ScatterBuckets):
-                return self.mean_loss(loss), buckets.finish(grads, params)
+                mean = self.start_mean_loss(loss)  # in flight while the buckets are awaited
+                grads = buckets.finish(grads, params)
+                return mean(), grads
             grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads
