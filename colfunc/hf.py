@@ -175,7 +175,15 @@ def hf_config(cfg: Config, **overrides: Any) -> Any:
 
     _, mapping = _mapping(cfg)
     kw = mapping.write_config(cfg)
-    return transformers.AutoConfig.for_model(mapping.model_type, **(kw | overrides))
+    out = transformers.AutoConfig.for_model(mapping.model_type, **(kw | overrides))
+    vocab = getattr(out, "vocab_size", None)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        # a class default past this vocabulary (a small model of a family whose tokenizer is
+        # large) names no token: none, unless given
+        value = getattr(out, name, None)
+        if name not in kw | overrides and isinstance(value, int) and vocab and value >= vocab:
+            setattr(out, name, None)
+    return out
 
 
 def folder_of(source: str, what: str = "model") -> Path:

@@ -1,4 +1,5 @@
-"""Mistral, Qwen 2, Qwen 3 and Phi-3 as configurations of the one shared decoder.
+"""Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3 and SmolLM 3 as configurations of
+the one shared decoder.
 
 For each family, on tiny random ``transformers`` models built here (vocabularies that are not a
 power of two, no download): logits and loss equal ``transformers``' within 1e-5 (fp32); one AdamW
@@ -7,7 +8,9 @@ ZeRO-3, under a 2-stage pipeline and under tp2 with offload equals one device (f
 1e-9); the engine, alone and
 under ``tp=2``, gives ``generate``'s greedy tokens; export then ``from_pretrained`` gives the same
 logits, and a bf16 folder loads; sliding windows shorter than the prompts (Mistral's, Qwen 2's with every layer
-sliding) hold through all of it; what the decoder does not compute (sliding and full layers mixed,
+sliding; Gemma's sliding layers between global ones) hold through all of it; so do Gemma 2's
+soft-capping, OLMo 2's post-norms and SmolLM 3's layers without rotary positions; what the
+decoder does not compute (sliding and full layers mixed,
 an unknown rope type) is refused by name.
 """
 
@@ -48,7 +51,30 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
         "Qwen2Config",
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
     ),
-}
+    "olmo2": (models.olmo2, "Olmo2Config", {"pad_token_id": 0}),
+    # global layers alternating with windows shorter than the prompts, soft-capping, a softmax
+    # scale of its own
+    "gemma2": (
+        models.gemma2,
+        "Gemma2Config",
+        {"head_dim": 8, "query_pre_attn_scalar": 10, "sliding_window": 5, "pad_token_id": 0,
+         "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0},
+    ),
+    "gemma3": (
+        models.gemma3,
+        "Gemma3TextConfig",
+        {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 5, "pad_token_id": 0,
+         "layer_types": ["sliding_attention", "full_attention"],
+         "rope_parameters": {
+             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    ),
+    "smollm3": (
+        models.smollm3,
+        "SmolLM3Config",
+        {"no_rope_layers": [1, 0], "pad_token_id": 0, "tie_word_embeddings": True},
+    ),
+}  # fmt: skip
 
 
 def _hf(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, **extra: Any) -> Any:
@@ -114,7 +140,10 @@ def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
     assert moved >= 0.5e-2  # the step moved the parameters, by about lr
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_bias", "mistral_window", "phi3"])
+@pytest.mark.parametrize(
+    "name",
+    ["qwen2", "qwen3_bias", "mistral_window", "phi3", "olmo2", "gemma2", "gemma3", "smollm3"],
+)
 @pytest.mark.parametrize(
     ("mesh", "how"),
     [({"dp": 2, "tp": 2}, "zero3"), ({"pp": 2}, "pipeline"), ({"tp": 2}, "offload")],
@@ -130,7 +159,8 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
         if how == "zero3":
             step = cf.zero(cf.shard(ref, m, plan=module.tp_plan), stage=3)
         elif how == "offload":  # each rank's tensor-parallel pieces homed on the host
-            step = cf.offload(cf.shard(ref, m, plan=module.tp_plan), "host", "256KiB")
+            budget = "512KiB" if name in ("gemma2", "gemma3", "smollm3") else "256KiB"
+            step = cf.offload(cf.shard(ref, m, plan=module.tp_plan), "host", budget)
         else:
             step = cf.pipeline(ref, 2, microbatches=2)
         return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-9)
@@ -140,7 +170,19 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2", "qwen3_bias", "mistral", "mistral_window", "qwen2_window", "phi3_window"]
+    "name",
+    [
+        "qwen2",
+        "qwen3_bias",
+        "mistral",
+        "mistral_window",
+        "qwen2_window",
+        "phi3_window",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "smollm3",
+    ],
 )
 def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
     module = FAMILIES[name][0]
@@ -200,6 +242,18 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
         ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                }
+            },
+            "rope_type='linear' on its sliding layers",
+        ),
+        ("gemma2", {"hidden_activation": "relu"}, "hidden_activation='relu'"),
+        ("olmo2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ],
 )
 def test_what_the_decoder_does_not_compute_is_refused_by_name(name, extra, match) -> None:
@@ -219,6 +273,20 @@ def test_family_configs_refuse_the_variations_they_do_not_have() -> None:
         models.qwen2.Config(qk_norm=1)
     with pytest.raises(ValueError, match=r"mistral\.Config: sliding_window must be None or an"):
         models.mistral.Config(sliding_window=0)
+    with pytest.raises(ValueError, match=r"mistral\.Config: norm_style='post': not a variation"):
+        models.mistral.Config(norm_style="post")
+    with pytest.raises(ValueError, match=r"gemma2\.Config: Gemma 2 has sandwich norms"):
+        models.gemma2.Config(norm_style="pre")
+    with pytest.raises(ValueError, match=r"olmo2\.Config: OLMo 2 has post-norms"):
+        models.olmo2.Config(qk_norm_width="head")
+    with pytest.raises(ValueError, match=r"layer_types has sliding layers but sliding_window"):
+        models.gemma3.Config(n_layer=2, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match=r"layer_types must be a tuple of n_layer=2"):
+        models.gemma2.Config(n_layer=2, sliding_window=4, layer_types=("full_attention",))
+    with pytest.raises(ValueError, match=r"nope_layers must be a tuple of layer indices in"):
+        models.smollm3.Config(n_layer=2, nope_layers=(2,))
+    with pytest.raises(ValueError, match=r"attn_softcap must be None or a number > 0"):
+        models.gemma2.Config(attn_softcap=0.0)
 
 
 def test_a_window_as_long_as_the_context_reads_as_none_and_the_window_round_trips() -> None:
@@ -229,6 +297,31 @@ def test_a_window_as_long_as_the_context_reads_as_none_and_the_window_round_trip
     written = hf.hf_config(cfg)
     assert (written.use_sliding_window, written.sliding_window) == (True, 6)
     assert set(written.layer_types) == {"sliding_attention"}
+
+
+def test_soft_capped_attention_is_the_written_out_formula() -> None:
+    """Scores capped at ``c * tanh(s / c)`` before the mask, grouped-query heads, with and
+    without a window; the paged op gives the same rows; a bad cap is refused by name."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 7, 4, generator=g, dtype=torch.float64) * 3
+    k, v = (torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    for window in (None, 3):
+        got = cf.ops.attention(q, k, v, causal=True, window=window, softcap=2.0, scale=0.3)
+        s = torch.tanh(q @ kk.transpose(-1, -2) * 0.3 / 2.0) * 2.0
+        seen = (j <= i) & ((j > i - window) if window else True)
+        want = s.masked_fill(~seen, float("-inf")).softmax(-1) @ vv
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # the paged op: a prompt of 7 tokens in one prefill, nothing cached (scale 1/sqrt(4) = 0.5)
+    q_NHE, k_NKE, v_NKE = (t[0].transpose(0, 1) for t in (q, k, v))
+    empty = k_NKE.new_zeros(1, 8, 2, 4)
+    batch = cf.ops.PagedBatch(torch.zeros(1, 1, dtype=torch.int32), (0,), (7,))
+    paged = cf.ops.paged_attention(q_NHE, k_NKE, v_NKE, empty, empty, batch, softcap=2.0)
+    plain = cf.ops.attention(q, k, v, causal=True, softcap=2.0)
+    torch.testing.assert_close(paged, plain[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="softcap must be None or a number > 0, got -1"):
+        cf.ops.attention(q, k, v, softcap=-1)
 
 
 def test_the_window_masks_what_it_should() -> None:

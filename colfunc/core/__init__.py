@@ -71,7 +71,7 @@ from colfunc.core.frames import (
     positions,
     sequence_split,
 )
-from colfunc.core.partition import P
+from colfunc.core.partition import P, Plan
 from colfunc.core.scan import Layered, ScanBlock, layered, num_layers, scan_layers
 from colfunc.core.stack import context, frames, innermost
 
@@ -85,6 +85,7 @@ __all__ = [
     "LossScale",
     "NormReduction",
     "P",
+    "Plan",
     "PositionsInterceptor",
     "ScanBlock",
     "ScanInterceptor",

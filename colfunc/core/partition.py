@@ -1,4 +1,5 @@
-"""``P``, a partition spec: which mesh axes split each dim of a parameter (a plan's values)."""
+"""``P``, a partition spec: which mesh axes split each dim of a parameter (a plan's values), and
+``Plan``, a plan whose optional patterns may match no parameter."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ class P(tuple):
 
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+
+class Plan(dict[str, P]):
+    """A plan (path pattern -> :class:`P`) naming the patterns that may match no parameter:
+    ``optional``, the parameters some of a model's configs lack (an untied head). Any other
+    pattern that matches nothing is an error in ``shard`` (a mistyped path)."""
+
+    def __init__(self, entries: dict[str, P], optional: frozenset[str] | set[str] = frozenset()):
+        super().__init__(entries)
+        self.optional = frozenset(optional)
+
+    def __repr__(self) -> str:
+        return f"Plan({dict.__repr__(self)}, optional={sorted(self.optional)})"

@@ -1,6 +1,6 @@
 """Models as pure functions over parameter pytrees: the causal language models GPT-2, OPT and
 the LLaMA-shaped families of one shared decoder (:mod:`colfunc.models.decoder`: LLaMA, Mistral,
-Qwen 2, Qwen 3, Phi-3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
+Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
 video.
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
@@ -10,7 +10,22 @@ families are registered here; a new one is one module and one :func:`register` l
 :mod:`colfunc.models.family`).
 """
 
-from colfunc.models import decoder, decoder_hf, dit, gpt, llama, mistral, opt, phi3, qwen2, qwen3
+from colfunc.models import (
+    decoder,
+    decoder_hf,
+    dit,
+    gemma2,
+    gemma3,
+    gpt,
+    llama,
+    mistral,
+    olmo2,
+    opt,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
 from colfunc.models.family import (
     FAMILIES,
     Family,
@@ -25,7 +40,7 @@ from colfunc.models.family import (
     unregister,
 )
 
-for _module in (gpt, llama, mistral, qwen2, qwen3, phi3, opt, dit):
+for _module in (gpt, llama, mistral, qwen2, qwen3, phi3, olmo2, gemma2, gemma3, smollm3, opt, dit):
     register(_module.family)
 
 __all__ = [
@@ -37,17 +52,21 @@ __all__ = [
     "decoder",
     "decoder_hf",
     "dit",
+    "gemma2",
+    "gemma3",
     "get",
     "gpt",
     "llama",
     "mistral",
     "of_config",
     "of_hf",
+    "olmo2",
     "opt",
     "phi3",
     "qwen2",
     "qwen3",
     "register",
     "registered",
+    "smollm3",
     "unregister",
 ]

@@ -4,9 +4,14 @@ Pre-RMSNorm blocks, rotary position embeddings (rotate-half convention), SwiGLU 
 grouped-query attention; the head is separate unless ``tie_embeddings``. The blocks are stacked
 on a leading layer axis and run by ``scan_layers``. What the families vary is a field of
 :class:`Config`: q/k/v biases (``qkv_bias``, Qwen 2), an output-projection bias (``o_bias``),
-RMS norms of each query and key head (``qk_norm``, Qwen 3), a sliding attention window
-(``sliding_window``, Mistral), the head dim, the rotary base and
-scaling. A family (:mod:`colfunc.models.llama`, ``qwen2``, ``qwen3``, ``mistral``, ``phi3``) is a
+RMS norms of the queries and keys (``qk_norm``: per head, Qwen 3 and Gemma 3; over all heads,
+OLMo 2), a sliding attention window (``sliding_window``, Mistral) on every layer or on those
+``layer_types`` names (Gemma 2/3), the head dim, the rotary base and scaling (and a base of its
+own for the sliding layers, Gemma 3; layers without rotary positions, SmolLM 3), norms before,
+after or around each sub-layer (``norm_style``: pre, post for OLMo 2, sandwich for Gemma) and
+Gemma's ``1 + w`` norm weights, a GeGLU MLP, scaled embeddings, soft-capped attention scores and
+logits and a softmax scale of its own (Gemma 2). Where layers differ, the scan takes each layer's
+index as its per-layer input (``xs``). A family (:mod:`colfunc.models.llama`, ``qwen2``, ``qwen3``, ``mistral``, ``phi3``) is a
 ``Config`` subclass naming itself, its tensor-parallel plan and its Hugging Face side
 (:mod:`colfunc.models.decoder_hf`); every function here takes any of them.
 
@@ -16,20 +21,19 @@ F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from colfunc import nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
-from colfunc.models.family import (
-    positive_number,
-)
+from colfunc.models.decoder_config import LAYER_TYPES, VARIATIONS, Config
 
 __all__ = [
+    "LAYER_TYPES",
+    "VARIATIONS",
     "Config",
     "apply",
     "init",
@@ -43,160 +47,15 @@ Params = dict[str, Any]
 Carry = dict[str, Any]  # {"h": x_BTD, "rope": (cos_TR, sin_TR)}
 
 
-def _swiglu_width(d_model: int) -> int:
-    # LLaMA keeps the MLP's parameter count at that of a 4x GELU MLP: 2/3 * 4 * d, rounded up to a
-    # multiple of 32 so the width splits evenly over common tensor-parallel degrees.
-    return 32 * math.ceil(8 * d_model / 3 / 32)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """A decoder's sizes and variations. ``n_kv_heads=None`` means ``n_head`` (no grouping);
-    ``d_ff=None`` means the SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32;
-    ``head_dim=None`` means ``d_model / n_head`` (Qwen 3 and Gemma give another: q/k/v are
-    ``n_head * head_dim`` wide). ``qkv_bias``: q/k/v projections with biases; ``o_bias``: the
-    attention output projection with one; ``qk_norm``: an RMS norm over each query and key head
-    (weights ``[E]`` shared by the heads) before the rotation; ``sliding_window``: every layer
-    attends to each token's last ``sliding_window`` tokens, itself included (None: all of
-    them). Subclasses name their family
-    (``family_name``), which is the prefix of their errors and of their loss's name."""
-
-    family_name: ClassVar[str] = "decoder"
-
-    vocab_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    max_seq_len: int = 128
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int | None = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_attention_factor: float | None = None
-    rope_mscale: float | None = None
-    rope_mscale_all_dim: float | None = None
-    rope_truncate: bool = True
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_head)
-        if self.d_ff is None and isinstance(self.d_model, int):
-            object.__setattr__(self, "d_ff", _swiglu_width(self.d_model))
-        for name in (
-            "vocab_size",
-            "n_layer",
-            "n_head",
-            "d_model",
-            "max_seq_len",
-            "n_kv_heads",
-            "d_ff",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"{self.family_name}.Config: {name} must be a positive int, got {value!r}"
-                )
-        if self.head_dim is None:  # the width split over the heads
-            if self.d_model % self.n_head:
-                raise ValueError(
-                    f"{self.family_name}.Config: n_head={self.n_head} must divide "
-                    f"d_model={self.d_model} "
-                    "(or give head_dim)"
-                )
-            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
-        head_dim = self.head_dim
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
-            raise ValueError(
-                f"{self.family_name}.Config: head_dim must be a positive int, got {head_dim!r}"
-            )
-        if head_dim % 2:
-            raise ValueError(
-                f"{self.family_name}.Config: rotary embeddings need an even head dim; head_dim={head_dim} "
-                f"(d_model={self.d_model} / n_head={self.n_head} unless given)"
-            )
-        assert self.n_kv_heads is not None
-        if self.n_head % self.n_kv_heads:
-            raise ValueError(
-                f"{self.family_name}.Config: n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}"
-            )
-        if not positive_number(self.rope_theta):
-            raise ValueError(
-                f"{self.family_name}.Config: rope_theta must be > 0, got {self.rope_theta!r}"
-            )
-        try:
-            self.rope_scaling  # noqa: B018  (checks the rope_* fields together)
-        except ValueError as e:
-            detail = str(e).removeprefix("RopeScaling: ")
-            raise ValueError(f"{self.family_name}.Config: the rope_* fields: {detail}") from None
-        if not positive_number(self.norm_eps):
-            raise ValueError(
-                f"{self.family_name}.Config: norm_eps must be > 0, got {self.norm_eps!r}"
-            )
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(
-                f"{self.family_name}.Config: sliding_window must be None or an int >= 1, got {w!r}"
-            )
-        for flag in ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(
-                    f"{self.family_name}.Config: {flag} must be a bool, got {getattr(self, flag)!r}"
-                )
-
-    def require_variations(self, ok: bool, what: str) -> None:
-        """A family's refusal of the decoder's variations it does not have: a ValueError
-        naming ``what`` it has and the fields given, unless ``ok``."""
-        if not ok:
-            raise ValueError(
-                f"{self.family_name}.Config: {what}; got qkv_bias={self.qkv_bias}, "
-                f"o_bias={self.o_bias}, qk_norm={self.qk_norm} "
-                "(colfunc.models.decoder.Config takes any mix)"
-            )
-
-    @functools.cached_property  # (made once: every forward pass reads it)
-    def rope_scaling(self) -> nn.RopeScaling:
-        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"``,
-        ``"llama3"`` or ``"yarn"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
-        return nn.RopeScaling(
-            type=self.rope_type,
-            factor=self.rope_factor,
-            low_freq_factor=self.rope_low_freq_factor,
-            high_freq_factor=self.rope_high_freq_factor,
-            original_max_position=self.rope_original_max_seq_len or self.max_seq_len,
-            beta_fast=self.rope_beta_fast,
-            beta_slow=self.rope_beta_slow,
-            attention_factor=self.rope_attention_factor,
-            mscale=self.rope_mscale,
-            mscale_all_dim=self.rope_mscale_all_dim,
-            truncate=self.rope_truncate,
-        )
-
-    @classmethod
-    def tiny(cls) -> Config:
-        """Byte-level, 4 layers, width 128, 4 query heads sharing 2 key/value heads, context 128."""
-        return cls(vocab_size=256, n_layer=4, n_head=4, n_kv_heads=2, d_model=128, max_seq_len=128)
-
-    @classmethod
-    def small(cls) -> Config:
-        """Byte-level, 6 layers, width 384, 6 query heads sharing 2 key/value heads, context 256."""
-        return cls(vocab_size=256, n_layer=6, n_head=6, n_kv_heads=2, d_model=384, max_seq_len=256)
-
-
-def plans(*, qkv_bias: bool = False, o_bias: bool = False) -> dict[str, dict[str, P]]:
-    """The tensor-parallel plans (one per mode) of a decoder with these biases.
+def plans(
+    *,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    norm_style: str = "pre",
+    bias_optional: bool = False,
+) -> dict[str, dict[str, P]]:
+    """The tensor-parallel plans (one per mode) of a decoder with these biases (``bias_optional``:
+    or without them, a family whose configs may have both) and norms.
 
     Megatron-LM tensor parallelism: q/k/v and the gate/up projections split their output dim
     (column parallel, whole heads per rank, so n_kv_heads must be divisible by the degree; their
@@ -215,13 +74,21 @@ def plans(*, qkv_bias: bool = False, o_bias: bool = False) -> dict[str, dict[str
         column_bias=("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv") if qkv_bias else (),
         row=("blocks.attn.wo", "blocks.mlp.w_down"),
         hidden=(
-            "blocks.ln1.weight",
-            "blocks.ln2.weight",
+            *(f"blocks.{n}.weight" for n in _block_norms(norm_style)),
             "final_norm.weight",
             *(("blocks.attn.bo",) if o_bias else ()),
         ),
         vocab=("embed.tokens",),
         head=("head.weight",),
+        optional=tuple(sorted(_BIASES)) if bias_optional else (),
+    )
+
+
+def _block_norms(style: str) -> tuple[str, ...]:
+    """The norms of a block by ``norm_style``: before (``ln1``, ``ln2``) and after (``post1``,
+    ``post2``) the attention and the MLP."""
+    return {"pre": ("ln1", "ln2"), "post": ("post1", "post2")}.get(
+        style, ("ln1", "post1", "ln2", "post2")
     )
 
 
@@ -232,9 +99,11 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     assert cfg.head_dim is not None
     HE, KE = cfg.n_head * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     E = cfg.head_dim
+    norms = _block_norms(cfg.norm_style)
+    qn, kn = (E, E) if cfg.qk_norm_width == "head" else (HE, KE)
     shapes = {
         "embed.tokens": (V, D),
-        "blocks.ln1.weight": (L, D),
+        **{f"blocks.{n}.weight": (L, D) for n in norms},
         "blocks.attn.wq": (L, D, HE),
         "blocks.attn.wk": (L, D, KE),
         "blocks.attn.wv": (L, D, KE),
@@ -243,10 +112,9 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             if cfg.qkv_bias
             else {}
         ),
-        **({"blocks.attn.q_norm": (L, E), "blocks.attn.k_norm": (L, E)} if cfg.qk_norm else {}),
+        **({"blocks.attn.q_norm": (L, qn), "blocks.attn.k_norm": (L, kn)} if cfg.qk_norm else {}),
         "blocks.attn.wo": (L, HE, D),
         **({"blocks.attn.bo": (L, D)} if cfg.o_bias else {}),
-        "blocks.ln2.weight": (L, D),
         "blocks.mlp.w_gate": (L, D, F),
         "blocks.mlp.w_up": (L, D, F),
         "blocks.mlp.w_down": (L, F, D),
@@ -258,8 +126,7 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 
 _NORM_WEIGHTS = {
-    "blocks.ln1.weight",
-    "blocks.ln2.weight",
+    *(f"blocks.{n}.weight" for n in ("ln1", "ln2", "post1", "post2")),
     "final_norm.weight",
     "blocks.attn.q_norm",
     "blocks.attn.k_norm",
@@ -275,13 +142,13 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
     step that makes each where it belongs (``step.init``; see ``zero`` and ``offload``).
 
     Weights N(0, 0.02), the residual-stream output projections N(0, 0.02 / sqrt(2 * n_layer))
-    as in GPT-2, norm weights 1, biases 0.
+    as in GPT-2, norm scales 1, biases 0.
     """
     std_out = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def value(path: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if path in _NORM_WEIGHTS:
-            return torch.ones(shape)
+        if path in _NORM_WEIGHTS:  # scales of 1 (Gemma's weights are offsets from it)
+            return torch.full(shape, 1.0 - cfg.norm_offset)
         if path in _BIASES:
             return torch.zeros(shape)
         return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
@@ -303,55 +170,103 @@ def _head_dim(cfg: Config) -> int:
 
 def _embed(params: Params, input_ids_BT: torch.Tensor, cfg: Config) -> torch.Tensor:
     nn.check_input_ids(input_ids_BT, cfg.max_seq_len, cfg.vocab_size)
-    return nn.embedding(input_ids_BT, params["embed"]["tokens"])
+    return _scaled(nn.embedding(input_ids_BT, params["embed"]["tokens"]), cfg)
+
+
+def _scaled(x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Gemma's embeddings times sqrt(d_model), the factor rounded to their dtype first."""
+    if not cfg.embed_scale:
+        return x
+    return x * torch.tensor(math.sqrt(cfg.d_model), dtype=x.dtype, device=x.device)
+
+
+def _ropes(cfg: Config, length: int, device: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The rotary tables of the first ``length`` positions: ``rope`` (every layer's, or the
+    full-attention layers'), and ``rope_local`` for the sliding layers where their base differs."""
+    E = _head_dim(cfg)
+    out = {"rope": nn.rope_tables(length, E, cfg.rope_theta, device, cfg.rope_scaling)}
+    if cfg.rope_local_theta is not None:
+        out["rope_local"] = nn.rope_tables(length, E, cfg.rope_local_theta, device)
+    return out
 
 
 def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
     """What each block reads: the residual stream and the rotary tables, made once per pass."""
-    E = _head_dim(cfg)
-    return {
-        "h": x_BTD,
-        "rope": nn.rope_tables(x_BTD.shape[1], E, cfg.rope_theta, x_BTD.device, cfg.rope_scaling),
-    }
+    return {"h": x_BTD, **_ropes(cfg, x_BTD.shape[1], x_BTD.device)}
 
 
-def _block(layer: Params, carry: Carry, cfg: Config) -> Carry:
-    return _block_kv(layer, carry, cfg, None)[0]
+def _xs(cfg: Config) -> dict[str, torch.Tensor] | None:
+    """The scan's per-layer input where the layers differ: each layer's index."""
+    return {"layer": torch.arange(cfg.n_layer)} if cfg.per_layer else None
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
+    return ops.rms_norm(x, w + cfg.norm_offset if cfg.norm_offset else w, cfg.norm_eps)
+
+
+def _block(layer: Params, carry: Carry, cfg: Config, i: int | None = None) -> Carry:
+    return _block_kv(layer, carry, cfg, None, i)[0]
 
 
 def _block_kv(
-    layer: Params, carry: Carry, cfg: Config, paged: nn.Paged | None
+    layer: Params, carry: Carry, cfg: Config, paged: nn.Paged | None, i: int | None = None
 ) -> tuple[Carry, dict[str, torch.Tensor] | None]:
-    """One block; with ``paged`` its attention reads the KV cache, and it also returns this
-    layer's new keys and values."""
-    x_BTD, rope = carry["h"], carry["rope"]
-    E = _head_dim(cfg)
-    h_BTD = ops.rms_norm(x_BTD, layer["ln1"]["weight"], cfg.norm_eps)
-    a_BTD, kv = nn.attend(
-        h_BTD,
-        layer["attn"],
-        head_dim=E,
-        rope=rope,
-        paged=paged,
+    """Block ``i`` (its index matters where the layers differ, :attr:`Config.per_layer`); with
+    ``paged`` its attention reads the KV cache, and it also returns this layer's new keys and
+    values."""
+    x_BTD = carry["h"]
+    local = i is not None and cfg.window_at(i) is not None
+    rope = carry.get("rope_local") if local and "rope_local" in carry else carry["rope"]
+    if i is not None and i in cfg.nope_layers:
+        rope = None
+    options = nn.AttentionOptions(
         norm_eps=cfg.norm_eps,
-        window=cfg.sliding_window,
+        qk_norm=cfg.qk_norm_width,
+        norm_offset=cfg.norm_offset,
+        window=cfg.window_at(i) if i is not None else cfg.sliding_window,
+        scale=None if cfg.attn_scale_dim is None else cfg.attn_scale_dim**-0.5,
+        softcap=cfg.attn_softcap,
     )
-    x_BTD = x_BTD + a_BTD
-    h_BTD = ops.rms_norm(x_BTD, layer["ln2"]["weight"], cfg.norm_eps)
-    return {"h": x_BTD + nn.swiglu(h_BTD, layer["mlp"]), "rope": rope}, kv
+    pre, post = cfg.norm_style != "post", cfg.norm_style != "pre"
+    h_BTD = _norm(x_BTD, layer["ln1"]["weight"], cfg) if pre else x_BTD
+    a_BTD, kv = nn.attend(
+        h_BTD, layer["attn"], head_dim=_head_dim(cfg), rope=rope, paged=paged, options=options
+    )
+    x_BTD = x_BTD + (_norm(a_BTD, layer["post1"]["weight"], cfg) if post else a_BTD)
+    h_BTD = _norm(x_BTD, layer["ln2"]["weight"], cfg) if pre else x_BTD
+    m_BTD = (nn.swiglu if cfg.mlp_act == "silu" else nn.geglu)(h_BTD, layer["mlp"])
+    x_BTD = x_BTD + (_norm(m_BTD, layer["post2"]["weight"], cfg) if post else m_BTD)
+    return {**carry, "h": x_BTD}, kv
 
 
 def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
-    h_BTD = ops.rms_norm(x_BTD, params["final_norm"]["weight"], cfg.norm_eps)
+    h_BTD = _norm(x_BTD, params["final_norm"]["weight"], cfg)
     if cfg.tie_embeddings:
-        return nn.unembed(h_BTD, params["embed"]["tokens"])
-    return nn.linear(h_BTD, params["head"]["weight"])
+        logits = nn.unembed(h_BTD, params["embed"]["tokens"])
+    else:
+        logits = nn.linear(h_BTD, params["head"]["weight"])
+    cap = cfg.final_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _scan_block(cfg: Config) -> Any:
+    """The block ``scan_layers`` runs: ``block(layer, carry)``, or where the layers differ
+    ``block(layer, carry, x) -> (carry, None)`` with the layer's index in ``x``."""
+    if not cfg.per_layer:
+        return lambda layer, c: _block(layer, c, cfg)
+    return lambda layer, c, x: (_block(layer, c, cfg, int(x["layer"])), None)
+
+
+def _run(params: Params, carry: Carry, cfg: Config) -> Carry:
+    xs = _xs(cfg)
+    if xs is None:
+        return scan_layers(_scan_block(cfg), carry, params["blocks"])
+    return scan_layers(_scan_block(cfg), carry, params["blocks"], xs=xs)[0]
 
 
 def apply(params: Params, input_ids: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[B, T, V]`` for ``input_ids[B, T]`` (fp32 for fp32 params)."""
-    carry = _carry(_embed(params, input_ids, cfg), cfg)
-    carry = scan_layers(lambda layer, c: _block(layer, c, cfg), carry, params["blocks"])
+    carry = _run(params, _carry(_embed(params, input_ids, cfg), cfg), cfg)
     return _logits(params, carry["h"], cfg)
 
 
@@ -366,14 +281,17 @@ def paged_forward(
     """Logits ``[R, V]`` at the packed rows ``select`` over a paged KV cache, and the new keys
     and values; see :func:`colfunc.models.gpt.paged_forward`. The rotary tables are taken at the
     new tokens' positions."""
-    E = _head_dim(cfg)
-    x_1ND = nn.embedding(tokens_N, params["embed"]["tokens"])[None]
-    cos_TR, sin_TR = nn.rope_tables(
-        cfg.max_seq_len, E, cfg.rope_theta, x_1ND.device, cfg.rope_scaling
-    )
+    x_1ND = _scaled(nn.embedding(tokens_N, params["embed"]["tokens"])[None], cfg)
     positions_N = batch.token_positions()
-    carry: Carry = {"h": x_1ND, "rope": (cos_TR[positions_N], sin_TR[positions_N])}
-    block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
+    ropes = _ropes(cfg, cfg.max_seq_len, x_1ND.device)
+    carry: Carry = {
+        "h": x_1ND,
+        **{k: (c[positions_N], s[positions_N]) for k, (c, s) in ropes.items()},
+    }
+    if cfg.per_layer:
+        block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged, paged.layer)  # noqa: E731
+    else:
+        block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
     carry, ys = nn.paged_scan(block, carry, params["blocks"], cache, batch)
     return _logits(params, carry["h"][:, select_R], cfg)[0], ys
 
@@ -388,16 +306,20 @@ def loss(cfg: Config) -> Layered:
     def pre(params: Params, batch: Any) -> Carry:
         return _carry(_embed(params, nn.batch_field(batch, "input_ids"), cfg), cfg)
 
-    def block(layer: Params, carry: Carry) -> Carry:
-        return _block(layer, carry, cfg)
-
-    def post(params: Params, carry: Carry, batch: Any) -> torch.Tensor:
+    def post(params: Params, carry: Carry, batch: Any, ys: Any = None) -> torch.Tensor:
         head = lambda h: _logits(params, h, cfg)  # noqa: E731
         return nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
 
     # whole heads per rank: the attention splits by head (any vocabulary splits, unevenly)
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads}
     # only the residual stream has a sequence dim to split; the rotary tables stay whole
+    xs = None if not cfg.per_layer else lambda params, batch: _xs(cfg)
     return layered(
-        pre, block, post, name=cfg.family_name, divisors=divisors, sequence_dims={"h": 1}
+        pre,
+        _scan_block(cfg),
+        post,
+        name=cfg.family_name,
+        divisors=divisors,
+        sequence_dims={"h": 1},
+        xs=xs,
     )

@@ -16,8 +16,10 @@ __all__ = [
     "family",
     "family_weights",
     "read_hf_config",
+    "read_layer_types",
     "read_window",
     "write_hf_config",
+    "write_layer_types",
     "write_window",
 ]
 
@@ -42,8 +44,10 @@ def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
         else []
     )
     o_bias = [HFWeight(a + "o_proj.bias", ("blocks.attn.bo",))] if cfg.o_bias else []
+    hf_norm = _NORM_NAMES[cfg.norm_style]
+    norm = {n: [HFWeight(h + f"{hf_norm[n]}.weight", (f"blocks.{n}.weight",))] for n in hf_norm}
     layer = [
-        HFWeight(h + "input_layernorm.weight", ("blocks.ln1.weight",)),
+        *norm.get("ln1", []),
         linear(a + "q_proj.weight", "blocks.attn.wq"),
         linear(a + "k_proj.weight", "blocks.attn.wk"),
         linear(a + "v_proj.weight", "blocks.attn.wv"),
@@ -51,10 +55,12 @@ def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
         *norms,
         linear(a + "o_proj.weight", "blocks.attn.wo"),
         *o_bias,
-        HFWeight(h + "post_attention_layernorm.weight", ("blocks.ln2.weight",)),
+        *norm.get("post1", []),
+        *norm.get("ln2", []),
         linear(h + "mlp.gate_proj.weight", "blocks.mlp.w_gate"),
         linear(h + "mlp.up_proj.weight", "blocks.mlp.w_up"),
         linear(h + "mlp.down_proj.weight", "blocks.mlp.w_down"),
+        *norm.get("post2", []),
     ]
     top = [
         HFWeight("model.embed_tokens.weight", ("embed.tokens",)),
@@ -66,27 +72,55 @@ def family_weights(cfg: Config) -> tuple[list[HFWeight], list[HFWeight]]:
     return top, layer
 
 
+# the Hugging Face names of a block's norms, by norm_style
+_NORM_NAMES = {
+    "pre": {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"},
+    "post": {"post1": "post_attention_layernorm", "post2": "post_feedforward_layernorm"},
+    "sandwich": {
+        "ln1": "input_layernorm",
+        "post1": "post_attention_layernorm",
+        "ln2": "pre_feedforward_layernorm",
+        "post2": "post_feedforward_layernorm",
+    },
+}
+# Hugging Face activations -> Config.mlp_act (the gated MLP's gate)
+_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def read_hf_config(
-    c: Any, config: type[Config], label: str, *, sliding_window: int | None = None, **fields: Any
+    c: Any,
+    config: type[Config],
+    label: str,
+    *,
+    sliding_window: int | None = None,
+    rope: dict[str, Any] | None = None,
+    act: str = "hidden_act",
+    **fields: Any,
 ) -> Config:
     """``config`` from a Hugging Face LLaMA-shaped config ``c``: sizes, rotary settings, norm
     and embeddings; ``fields`` are the family's own (its biases, its q/k norms), read by the
     family, which also refuses what it does not compute (:func:`require`). ``label`` names the
     family in errors. ``sliding_window``: the window every layer slides by, as the family reads
-    it; one no shorter than the context computes the same model as none, and is read as None."""
+    it; one no shorter than the context computes the same model as none, and is read as None.
+    ``rope``: the rotary settings where the family keeps them elsewhere (Gemma 3's per layer
+    type); ``act``: the config field naming the MLP's activation."""
     if sliding_window is not None and sliding_window >= c.max_position_embeddings:
         sliding_window = None
-    require(label, c, "hidden_act", ("silu",))
+        fields.pop("layer_types", None)
+    require(label, c, act, tuple(_ACTS))
     require(label, c, "mlp_bias", (False,))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta and rope_scaling
-    rope = getattr(c, "rope_parameters", None) or {
-        **(getattr(c, "rope_scaling", None) or {}),
-        "rope_theta": getattr(c, "rope_theta", 10000.0),
-    }
+    rope = (
+        rope
+        or getattr(c, "rope_parameters", None)
+        or {
+            **(getattr(c, "rope_scaling", None) or {}),
+            "rope_theta": getattr(c, "rope_theta", 10000.0),
+        }
+    )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in nn.ROPE_TYPES:
         raise ValueError(
@@ -142,6 +176,7 @@ def read_hf_config(
         norm_eps=c.rms_norm_eps,
         tie_embeddings=bool(c.tie_word_embeddings),
         sliding_window=sliding_window,
+        mlp_act=_ACTS[getattr(c, act, "silu")],
         **fields,
     )
 
@@ -160,6 +195,7 @@ def write_hf_config(cfg: Config) -> dict[str, Any]:
         rms_norm_eps=cfg.norm_eps,
         rope_parameters=_write_rope(cfg),
         tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act={v: k for k, v in _ACTS.items()}[cfg.mlp_act],
     )
 
 
@@ -252,3 +288,25 @@ def write_window(cfg: Any) -> dict[str, Any]:
         "sliding_window": cfg.sliding_window,
         "max_window_layers": 0,
     }
+
+
+def read_layer_types(c: Any) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of a config that names each layer's attention
+    (``layer_types``, Gemma 2/3, SmolLM 3): the window and no per-layer types where every layer
+    slides, none of either where none does, both where they are mixed."""
+    types = tuple(getattr(c, "layer_types", None) or ())
+    window = getattr(c, "sliding_window", None)
+    if window is None or "sliding_attention" not in types:
+        return None, None
+    if set(types) == {"sliding_attention"}:
+        return int(window), None
+    return int(window), types
+
+
+def write_layer_types(cfg: Any) -> dict[str, Any]:
+    """The config fields of ``cfg``'s windows: ``layer_types`` and ``sliding_window``."""
+    types = [
+        "sliding_attention" if cfg.window_at(i) is not None else "full_attention"
+        for i in range(cfg.n_layer)
+    ]
+    return {"layer_types": types, "sliding_window": cfg.sliding_window}

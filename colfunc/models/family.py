@@ -145,7 +145,7 @@ class KVCacheSpec:
     def of_decoder(cls, cfg: Any, params: Params) -> KVCacheSpec:
         """The cache of a decoder whose config has ``n_layer``, ``n_head`` and ``d_model`` (and
         optionally ``n_kv_heads`` and ``head_dim``, else ``n_head`` and ``d_model / n_head``,
-        and ``sliding_window``),
+        and ``cache_window`` or ``sliding_window``: the window of every layer),
         stored as its token embedding ``params["embed"]["tokens"]`` is: one key and one value of
         every key/value head per layer and token."""
         kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_head
@@ -155,7 +155,7 @@ class KVCacheSpec:
             layers=cfg.n_layer,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            window=getattr(cfg, "sliding_window", None),
+            window=getattr(cfg, "cache_window", getattr(cfg, "sliding_window", None)),
         )
 
     def slot_bytes(self) -> int:

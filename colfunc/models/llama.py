@@ -34,6 +34,7 @@ class Config(decoder.Config):
     """LLaMA sizes (see :class:`colfunc.models.decoder.Config`)."""
 
     family_name = "llama"
+    variations = ("mlp_act",)
 
 
 tp_plans: dict[str, dict[str, P]] = decoder.plans()

@@ -35,6 +35,7 @@ class Config(decoder.Config):
     (v0.2 on), RMS norm epsilon 1e-5."""
 
     family_name = "mistral"
+    variations = ("mlp_act",)
     rope_theta: float = 1_000_000.0
 
     def __post_init__(self) -> None:

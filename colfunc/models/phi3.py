@@ -37,6 +37,7 @@ class Config(decoder.Config):
     """Phi-3 sizes (see :class:`colfunc.models.decoder.Config`): no biases, no q/k norms."""
 
     family_name = "phi3"
+    variations = ("mlp_act",)
 
     def __post_init__(self) -> None:
         super().__post_init__()

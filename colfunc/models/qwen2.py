@@ -37,6 +37,7 @@ class Config(decoder.Config):
     10^6, RMS norm epsilon 1e-6."""
 
     family_name = "qwen2"
+    variations = ("mlp_act",)
     qkv_bias: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6

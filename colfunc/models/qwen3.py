@@ -39,6 +39,7 @@ class Config(decoder.Config):
     ``attention_bias``."""
 
     family_name = "qwen3"
+    variations = ("mlp_act",)
     qk_norm: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
@@ -52,7 +53,7 @@ class Config(decoder.Config):
         )
 
 
-tp_plans: dict[str, dict[str, P]] = decoder.plans()
+tp_plans: dict[str, dict[str, P]] = decoder.plans(qkv_bias=True, o_bias=True, bias_optional=True)
 tp_plan: dict[str, P] = tp_plans["1d"]
 
 

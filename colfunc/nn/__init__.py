@@ -8,6 +8,7 @@ compute the same thing, because head counts are inferred from the weights' sizes
 
 from colfunc.nn.attention import (
     ROPE_TYPES,
+    AttentionOptions,
     Paged,
     PagedBatch,
     RopeScaling,
@@ -20,7 +21,7 @@ from colfunc.nn.attention import (
     split_heads,
 )
 from colfunc.nn.dense import embedding, linear, unembed
-from colfunc.nn.feedforward import gelu_tanh, mlp, swiglu
+from colfunc.nn.feedforward import geglu, gelu_tanh, mlp, swiglu
 from colfunc.nn.lm import (
     batch_field,
     causal_lm_loss,
@@ -33,6 +34,7 @@ from colfunc.nn.plans import tensor_plans
 
 __all__ = [
     "ROPE_TYPES",
+    "AttentionOptions",
     "Paged",
     "PagedBatch",
     "RopeScaling",
@@ -41,6 +43,7 @@ __all__ = [
     "causal_lm_loss",
     "check_input_ids",
     "embedding",
+    "geglu",
     "gelu_tanh",
     "linear",
     "merge_heads",

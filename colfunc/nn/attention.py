@@ -21,6 +21,7 @@ from colfunc.ops import PagedBatch  # the op layer's value, which the models pas
 
 __all__ = [
     "ROPE_TYPES",
+    "AttentionOptions",
     "Paged",
     "PagedBatch",
     "RopeScaling",
@@ -35,11 +36,13 @@ __all__ = [
 
 
 class Paged(NamedTuple):
-    """One layer's paged KV cache (``[C, B slots, K, E]`` each) and the batch that reads it."""
+    """One layer's paged KV cache (``[C, B slots, K, E]`` each), the batch that reads it, and
+    the layer's index (for models whose layers differ)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     batch: PagedBatch
+    layer: int = 0
 
 
 def split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -205,13 +208,45 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _qk_norm(
-    q: torch.Tensor, k: torch.Tensor, p: dict[str, torch.Tensor], eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query and key head RMS-normalized over its head dim, where ``p`` has the weights."""
-    if "q_norm" not in p:
-        return q, k
-    return ops.rms_norm(q, p["q_norm"], eps), ops.rms_norm(k, p["k_norm"], eps)
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """What a block's attention varies by, beyond its weights.
+
+    ``norm_eps``: the q/k norms' epsilon, where the weights have them (``q_norm``, ``k_norm``);
+    ``qk_norm``: ``"head"`` normalizes each query and key head over its head dim (weights
+    ``[E]``, Qwen 3, Gemma 3), ``"all"`` the whole projection over all its heads (weights
+    ``[H*E]`` and ``[K*E]``, OLMo 2); ``norm_offset``: the norms scale by ``offset + weight``
+    (Gemma's ``1 + w``); ``window``: a sliding window; ``scale``: the softmax scale (None:
+    ``1/sqrt(E)``); ``softcap``: the scores soft-capped (Gemma 2)."""
+
+    norm_eps: float = 1e-6
+    qk_norm: str = "head"
+    norm_offset: float = 0.0
+    window: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+
+
+_PLAIN = AttentionOptions()
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, o: AttentionOptions) -> torch.Tensor:
+    return ops.rms_norm(x, w + o.norm_offset if o.norm_offset else w, o.norm_eps)
+
+
+def _qkv(
+    x: torch.Tensor, p: dict[str, torch.Tensor], head_dim: int, o: AttentionOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values ``[..., T, H|K, E]`` (heads before the head dim), normalized as
+    ``o`` says where ``p`` has q/k norm weights."""
+    q, k, v = (linear(x, p[f"w{n}"], p.get(f"b{n}")) for n in "qkv")
+    normed = "q_norm" in p
+    if normed and o.qk_norm == "all":
+        q, k = _norm(q, p["q_norm"], o), _norm(k, p["k_norm"], o)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    if normed and o.qk_norm == "head":
+        q, k = _norm(q, p["q_norm"], o), _norm(k, p["k_norm"], o)
+    return q, k, v
 
 
 def self_attention(
@@ -222,25 +257,28 @@ def self_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
+    options: AttentionOptions | None = None,
 ) -> torch.Tensor:
     """Causal multi-head (or grouped-query) self-attention.
 
     ``p`` holds ``wq[D, H*E]``, ``wk, wv[D, K*E]``, ``wo[H*E, D]`` and optionally the biases
-    ``bq, bk, bv, bo`` and the per-head RMS norm weights ``q_norm, k_norm[E]`` (Qwen 3: each
-    query and key head normalized, with ``norm_eps``, before the rotation). Query heads share
-    key/value heads in contiguous groups of ``H / K``. ``rope`` is ``(cos[T, R], sin[T, R])``
-    from :func:`rope_tables`, applied to q and k. ``window``: sliding-window attention (each
-    token sees its last ``window`` tokens, itself included).
+    ``bq, bk, bv, bo`` and the RMS norm weights ``q_norm, k_norm`` (see
+    :class:`AttentionOptions`: each query and key head normalized, with ``norm_eps``, before the
+    rotation). Query heads share key/value heads in contiguous groups of ``H / K``. ``rope`` is
+    ``(cos[T, R], sin[T, R])`` from :func:`rope_tables`, applied to q and k. ``window``:
+    sliding-window attention (each token sees its last ``window`` tokens, itself included);
+    ``options`` (which then holds the window and the epsilon) the other variations.
     """
-    q_BHTE = split_heads(linear(x_BTD, p["wq"], p.get("bq")), head_dim)
-    k_BKTE = split_heads(linear(x_BTD, p["wk"], p.get("bk")), head_dim)
-    v_BKTE = split_heads(linear(x_BTD, p["wv"], p.get("bv")), head_dim)
-    q_BHTE, k_BKTE = _qk_norm(q_BHTE, k_BKTE, p, norm_eps)
+    o = options or dataclasses.replace(_PLAIN, norm_eps=norm_eps, window=window)
+    q_BTHE, k_BTKE, v_BTKE = _qkv(x_BTD, p, head_dim, o)
+    q_BHTE, k_BKTE, v_BKTE = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))
     if rope is not None:
         cos_TR, sin_TR = rope
         q_BHTE = ops.rope(q_BHTE, cos_TR, sin_TR)
         k_BKTE = ops.rope(k_BKTE, cos_TR, sin_TR)
-    y_BHTE = ops.attention(q_BHTE, k_BKTE, v_BKTE, causal=True, window=window)
+    y_BHTE = ops.attention(
+        q_BHTE, k_BKTE, v_BKTE, causal=True, scale=o.scale, window=o.window, softcap=o.softcap
+    )
     return linear(merge_heads(y_BHTE), p["wo"], p.get("bo"))
 
 
@@ -253,24 +291,34 @@ def paged_self_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
+    options: AttentionOptions | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`self_attention` of a packed batch whose earlier tokens are in a paged KV cache.
 
     ``x`` holds the ``N`` new tokens of every sequence (``[1, N, D]``); ``rope`` is ``(cos, sin)``
     at their positions (``[N, R]``). Returns the output and the new tokens' ``(k[N, K, E],
-    v[N, K, E])`` (rotated), which the caller writes into the cache after the layer.
+    v[N, K, E])`` (rotated), which the caller writes into the cache after the layer. A softmax
+    ``scale`` other than ``1/sqrt(E)`` is folded into the queries.
     """
+    o = options or dataclasses.replace(_PLAIN, norm_eps=norm_eps, window=window)
     N = x_1ND.shape[1]
-    q_NHE = linear(x_1ND, p["wq"], p.get("bq")).view(N, -1, head_dim)
-    k_NKE = linear(x_1ND, p["wk"], p.get("bk")).view(N, -1, head_dim)
-    v_NKE = linear(x_1ND, p["wv"], p.get("bv")).view(N, -1, head_dim)
-    q_NHE, k_NKE = _qk_norm(q_NHE, k_NKE, p, norm_eps)
+    q_1NHE, k_1NKE, v_1NKE = _qkv(x_1ND, p, head_dim, o)
+    q_NHE, k_NKE, v_NKE = q_1NHE[0], k_1NKE[0], v_1NKE[0]
     if rope is not None:
         cos_NR, sin_NR = rope
         q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
         k_NKE = ops.rope(k_NKE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
+    if o.scale is not None:  # the paged op scales by 1/sqrt(E)
+        q_NHE = q_NHE * (o.scale * math.sqrt(head_dim))
     y_NHE = ops.paged_attention(
-        q_NHE, k_NKE, v_NKE, paged.k_cache, paged.v_cache, paged.batch, window=window
+        q_NHE,
+        k_NKE,
+        v_NKE,
+        paged.k_cache,
+        paged.v_cache,
+        paged.batch,
+        window=o.window,
+        softcap=o.softcap,
     )
     return linear(y_NHE.reshape(1, N, -1), p["wo"], p.get("bo")), (k_NKE, v_NKE)
 
@@ -284,16 +332,16 @@ def attend(
     paged: Paged | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
+    options: AttentionOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """A block's attention: :func:`self_attention` (and None), or with ``paged``
     :func:`paged_self_attention` and this layer's new ``{"k", "v"}``. ``norm_eps``: the q/k
-    norms' epsilon, where ``p`` has them; ``window``: a sliding window."""
+    norms' epsilon, where ``p`` has them; ``window``: a sliding window; ``options`` (instead
+    of those two) every variation of :class:`AttentionOptions`."""
+    o = options or dataclasses.replace(_PLAIN, norm_eps=norm_eps, window=window)
     if paged is None:
-        y = self_attention(x_BTD, p, head_dim=head_dim, rope=rope, norm_eps=norm_eps, window=window)
-        return y, None
-    y, (k, v) = paged_self_attention(
-        x_BTD, p, head_dim=head_dim, paged=paged, rope=rope, norm_eps=norm_eps, window=window
-    )
+        return self_attention(x_BTD, p, head_dim=head_dim, rope=rope, options=o), None
+    y, (k, v) = paged_self_attention(x_BTD, p, head_dim=head_dim, paged=paged, rope=rope, options=o)
     return y, {"k": k, "v": v}
 
 
@@ -308,8 +356,10 @@ def paged_scan(
     cache (``{"k", "v"}``, ``[L, C, B, K, E]``) as its ``x``; returns the carry and the new keys
     and values, stacked per layer (``[L, N, K, E]``), for the caller to write into the cache."""
 
-    def block(layer: Any, c: Any, kv: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-        return block_kv(layer, c, Paged(kv["k"], kv["v"], batch))
+    def block(layer: Any, c: Any, x: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        return block_kv(layer, c, Paged(x["k"], x["v"], batch, int(x["layer"])))
 
-    out: tuple[Any, dict[str, torch.Tensor]] = scan_layers(block, carry, blocks, xs=cache)
+    first = next(iter(cache.values()))
+    xs = {**cache, "layer": torch.arange(first.shape[0])}
+    out: tuple[Any, dict[str, torch.Tensor]] = scan_layers(block, carry, blocks, xs=xs)
     return out

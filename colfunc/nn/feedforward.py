@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from colfunc.nn.dense import linear
 
-__all__ = ["gelu_tanh", "mlp", "swiglu"]
+__all__ = ["geglu", "gelu_tanh", "mlp", "swiglu"]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -36,4 +36,10 @@ def mlp(
 def swiglu(x_BTD: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     """SwiGLU (Shazeer 2020), as in LLaMA: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``."""
     h_BTF = F.silu(linear(x_BTD, p["w_gate"])) * linear(x_BTD, p["w_up"])
+    return linear(h_BTF, p["w_down"])
+
+
+def geglu(x_BTD: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """GeGLU with tanh GELU, as in Gemma: ``(gelu_tanh(x @ w_gate) * (x @ w_up)) @ w_down``."""
+    h_BTF = gelu_tanh(linear(x_BTD, p["w_gate"])) * linear(x_BTD, p["w_up"])
     return linear(h_BTF, p["w_down"])

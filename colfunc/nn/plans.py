@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from colfunc.core import P
+from colfunc.core import P, Plan
 
 __all__ = ["AXES", "MODES", "check_mode", "fitting_sizes", "grid_axes", "tensor_plans"]
 
@@ -107,6 +107,7 @@ def tensor_plans(
     vocab: Sequence[str] = (),
     head: Sequence[str] = (),
     stacked: str = "blocks.",
+    optional: Sequence[str] = (),
 ) -> dict[str, dict[str, P]]:
     """One plan per mode, from one description of a model's parameters (path patterns):
 
@@ -116,8 +117,10 @@ def tensor_plans(
     - ``column_bias``: the column-parallel weights' biases;
     - ``hidden``: the other vectors along the model's width (row-parallel biases, norm weights);
     - ``vocab``: the token embedding ``[V, D]`` (split by vocabulary);
-    - ``head``: an untied output projection ``[D, V]`` (split by vocabulary);
-    - ``stacked``: the prefix of the parameters stacked on a leading layer dim.
+    - ``head``: an untied output projection ``[D, V]`` (split by vocabulary; optional, for a
+      tied config has none: each plan is a :class:`~colfunc.core.Plan` naming it so);
+    - ``stacked``: the prefix of the parameters stacked on a leading layer dim;
+    - ``optional``: further patterns some configs lack (biases a config may leave out).
 
     ``plans(...)["1d"]`` is Megatron-LM's layout over ``tp``.
     """
@@ -147,5 +150,5 @@ def tensor_plans(
         if mode != "1d":
             for pat in hidden:
                 plan[pat] = P(*_lead(pat, stacked), "tp_z" if mode == "3d" else "tp_col")
-        out[mode] = plan
+        out[mode] = Plan(plan, optional={*head, *optional})
     return out

@@ -104,6 +104,7 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention, ``q[B,H,T,D]`` against ``k, v[B,Hkv,S,D]`` (H a multiple of Hkv).
 
@@ -113,10 +114,11 @@ def attention(
     across the ranks of the sequence axis (:class:`colfunc.core.AttentionInterceptor`).
     A sliding ``window`` (an int >= 1, causal only) keeps each query's last ``window`` keys,
     itself included; it runs the reference (masked) path, and is refused under the
-    long-sequence modes.
+    long-sequence modes. ``softcap`` (a number > 0) caps the scaled scores at ``softcap *
+    tanh(s / softcap)`` before the mask (Gemma 2); the reference path too, refused likewise.
     """
-    if window is not None:
-        return _windowed(q_BHTD, k_BHSD, v_BHSD, causal, scale, window)
+    if window is not None or softcap is not None:
+        return _windowed(q_BHTD, k_BHSD, v_BHSD, causal, scale, window, softcap)
     for frame in core.attention_frames():
         handled = frame.attention(q_BHTD, k_BHSD, v_BHSD, causal, scale)
         if handled is not None:
@@ -132,24 +134,36 @@ def check_window(window: int | None, what: str = "attention") -> None:
         raise ValueError(f"{what}: window must be None or an int >= 1, got {window!r}")
 
 
+def check_softcap(softcap: float | None, what: str = "attention") -> None:
+    """``softcap`` is None or a number > 0 (a ValueError naming it otherwise)."""
+    ok = isinstance(softcap, int | float) and not isinstance(softcap, bool) and softcap > 0
+    if softcap is not None and not ok:
+        raise ValueError(f"{what}: softcap must be None or a number > 0, got {softcap!r}")
+
+
 def _windowed(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
     v_BHSD: torch.Tensor,
     causal: bool,
     scale: float | None,
-    window: int,
+    window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     check_window(window)
-    if not causal:
+    check_softcap(softcap)
+    if window is not None and not causal:
         raise ValueError("attention: a sliding window is for causal attention; pass causal=True")
     if core.attention_frames():
+        what = "sliding-window" if window is not None else "soft-capped"
         raise ValueError(
-            "attention: sliding-window attention under a long-sequence shard (ulysses, ring, "
+            f"attention: {what} attention under a long-sequence shard (ulysses, ring, "
             "zigzag, usp) is not supported; split the sequence with sequence_parallel=True "
             "(Megatron) or not at all"
         )
-    return reference.attention(q_BHTD, k_BHSD, v_BHSD, causal, scale, window=window)
+    return reference.attention(
+        q_BHTD, k_BHSD, v_BHSD, causal, scale, window=window, softcap=softcap
+    )
 
 
 def _attention(
@@ -302,6 +316,7 @@ def _paged_attention_op(
     context_lens: list[int],
     query_lens: list[int],
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     # an operator of its own, so that a ShardedTensor sees one op with one sharding rule (heads
     # split alike in the queries, keys, values and the cache) rather than its insides; inside,
@@ -309,8 +324,8 @@ def _paged_attention_op(
     batch = PagedBatch(block_tables, tuple(context_lens), tuple(query_lens))
     args = (q, k, v, k_cache, v_cache, batch)
     tensors = (q, k, v, k_cache, v_cache, block_tables)
-    if window:  # a sliding window: the reference's masks (the kernels attend to everything)
-        return reference.paged_attention(*args, window=window)
+    if window or softcap:  # the reference's masks and caps (the kernels have neither)
+        return reference.paged_attention(*args, window=window or None, softcap=softcap or None)
     if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
         out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
         return out
@@ -338,6 +353,7 @@ def paged_attention(
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences (``batch.query_lens`` new tokens each) over a paged KV
     cache holding their first ``batch.context_lens`` tokens (at the blocks of
@@ -346,8 +362,10 @@ def paged_attention(
     ShardedTensors, heads split over an axis stay split (``torch.ops.colfunc.paged_attention``
     has its own rule). The Triton kernel (power-of-two block sizes, head dims 16-128) is one
     program per query token and head, streaming its blocks with an online softmax. A sliding
-    ``window`` keeps each token's last ``window`` keys (the reference path)."""
+    ``window`` keeps each token's last ``window`` keys, and ``softcap`` caps the scores as
+    :func:`attention` does (both on the reference path)."""
     check_window(window, "paged_attention")
+    check_softcap(softcap, "paged_attention")
     out: torch.Tensor = torch.ops.colfunc.paged_attention(
         q_NHE,
         k_NKE,
@@ -358,6 +376,7 @@ def paged_attention(
         list(batch.context_lens),
         list(batch.query_lens),
         window or 0,
+        float(softcap or 0.0),
     )
     return out
 

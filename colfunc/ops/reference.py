@@ -67,16 +67,26 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention with grouped-query heads; a causal mask aligned bottom-right when T != S.
 
     Bottom-right alignment means query ``i`` sees keys ``j <= i + S - T``: the last query is the
     newest token, as in decoding against a KV cache. A sliding ``window`` (causal only) keeps
     the last ``window`` keys of each query, itself included (Mistral's ``sliding_window``).
+    ``softcap``: the scaled scores pass through ``softcap * tanh(s / softcap)`` before the mask
+    and the softmax (Gemma 2's ``attn_logit_softcapping``).
     """
     _check_attention(q_BHTD, k_BHSD, v_BHSD)
     T, S = q_BHTD.shape[2], k_BHSD.shape[2]
     gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
+    if softcap is not None:
+        if causal and T > S:
+            raise ValueError(
+                f"causal attention needs T <= S for bottom-right alignment; got T={T}, S={S}"
+            )
+        mask = _causal_mask(T, S, q_BHTD.device, window) if causal else None
+        return capped_attention(q_BHTD, k_BHSD, v_BHSD, mask, scale, softcap)
     if (not causal or T == S) and window is None:
         if q_BHTD.is_meta and not gqa:
             # a meta tensor stands for a CPU one (cf.memory.predict's dry run): the kernel the CPU
@@ -96,6 +106,31 @@ def attention(
     return F.scaled_dot_product_attention(
         q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_TS, scale=scale, enable_gqa=gqa
     )
+
+
+def capped_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention whose scaled scores are soft-capped, ``softcap * tanh(s / softcap)``, then
+    masked (``mask`` broadcast to ``[B, H, T, S]``, True where a key is seen) and normalized in
+    the accumulation dtype (fp32; fp64 for fp64); query head ``h`` reads key/value head
+    ``h // (H / Hkv)``. Written out, since no fused kernel caps the scores."""
+    H, Hkv, D = q_BHTD.shape[1], k_BHSD.shape[1], q_BHTD.shape[-1]
+    if Hkv != H:
+        k_BHSD = k_BHSD.repeat_interleave(H // Hkv, dim=1)
+        v_BHSD = v_BHSD.repeat_interleave(H // Hkv, dim=1)
+    scale = 1.0 / D**0.5 if scale is None else float(scale)
+    s = (q_BHTD @ k_BHSD.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.to(_acc_dtype(q_BHTD)), dim=-1).to(q_BHTD.dtype)
+    return p @ v_BHSD
 
 
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
@@ -339,6 +374,7 @@ def paged_attention(
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of sequences over a paged KV cache.
 
@@ -347,7 +383,8 @@ def paged_attention(
     (``[C blocks, B slots, K, E]``) at the blocks its row of ``block_tables`` lists. Each new token
     sees the cached tokens and the new ones up to itself. A decode step is ``query_lens[s] == 1``;
     a (chunked) prefill has more. Returns ``[N, H, E]``; the scale is ``1/sqrt(E)``. A sliding
-    ``window`` keeps each token's last ``window`` keys, itself included.
+    ``window`` keeps each token's last ``window`` keys, itself included; ``softcap`` caps the
+    scores as :func:`attention` does.
 
     Sequences with one new token are computed together, in groups of similar context length:
     a group's blocks are gathered into one padded batch (a block past a context may be any
@@ -356,8 +393,8 @@ def paged_attention(
     check_paged_lens(q_NHE, batch)
     out_NHE = torch.empty_like(q_NHE)
     args = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE)
-    paged_decode_into(out_NHE, *args, batch, window)
-    paged_prefill_into(out_NHE, *args, batch, window)
+    paged_decode_into(out_NHE, *args, batch, window, softcap)
+    paged_prefill_into(out_NHE, *args, batch, window, softcap)
     return out_NHE
 
 
@@ -396,6 +433,7 @@ def paged_decode_into(
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with one new token."""
     block_tables_SM, context_lens, query_lens = (
@@ -431,13 +469,13 @@ def paged_decode_into(
         mask_SL = slots_L <= ctx[:, None]
         if window is not None:  # the last `window` tokens, the new one included
             mask_SL &= slots_L > ctx[:, None] - window
-        y = F.scaled_dot_product_attention(
-            q_NHE[rows][:, :, None],
-            k_SLKE.transpose(1, 2),
-            v_SLKE.transpose(1, 2),
-            attn_mask=mask_SL[:, None, None, :],
-            enable_gqa=H != K,
-        )
+        qkv = (q_NHE[rows][:, :, None], k_SLKE.transpose(1, 2), v_SLKE.transpose(1, 2))
+        if softcap is not None:
+            y = capped_attention(*qkv, mask_SL[:, None, None, :], None, softcap)
+        else:
+            y = F.scaled_dot_product_attention(
+                *qkv, attn_mask=mask_SL[:, None, None, :], enable_gqa=H != K
+            )
         out_NHE[rows] = y[:, :, 0]
 
 
@@ -450,6 +488,7 @@ def paged_prefill_into(
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The rows of :func:`paged_attention`'s output for the sequences with several new tokens."""
     block_tables_SM, context_lens, query_lens = (
@@ -483,5 +522,6 @@ def paged_prefill_into(
             v_TKE.transpose(0, 1)[None],
             causal=True,
             window=window,
+            softcap=softcap,
         )
         out_NHE[lo:hi] = y[0].transpose(0, 1)

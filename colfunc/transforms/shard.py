@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colfunc import core, tree
-from colfunc.core import P
+from colfunc.core import P, Plan
 from colfunc.nn.plans import fitting_sizes
 from colfunc.random import Abstract
 from colfunc.sharding import Mesh, ShardedTensor, distribute, placements_from_spec
@@ -71,7 +71,7 @@ def _check_plan(plan: dict[str, P] | None, mesh: Mesh) -> dict[str, P]:
                 f"shard: plan[{pattern!r}] = {spec!r} uses axis {missing[0]!r}, which the mesh "
                 f"{mesh.shape} lacks; add the axis to the mesh or drop it from the plan"
             )
-    return dict(plan)
+    return Plan(dict(plan), getattr(plan, "optional", frozenset()))
 
 
 def place(
@@ -83,14 +83,21 @@ def place(
     layout: grid.GridLayout | None = None,
 ) -> PyTree:
     """``params`` as ShardedTensors laid out by ``plan`` (path patterns to specs; replicated
-    where no pattern matches), each rank keeping its shards; no communication. Without a plan
+    where no pattern matches), each rank keeping its shards; no communication. A pattern that
+    matches no parameter is an error, unless ``plan`` is a :class:`~colfunc.core.Plan` naming it
+    optional (an untied head, which a tied config lacks). Without a plan
     they stay plain tensors (data parallel only) unless ``sharded`` (sequence parallelism, whose
     activations are ShardedTensors: the parameters' gradients are then Partial sums over the
     sequence axis, which their placements reduce)."""
     if not plan and not sharded:
         return params  # data parallel only: plain tensors, replicated
     flat = tree.flatten_with_paths(params)[0]
-    unused = [pat for pat in plan if not any(tree.match(pat, p) for p, _ in flat)]
+    optional: frozenset[str] = getattr(
+        plan, "optional", frozenset()
+    )  # (a Plan's: parameters some configs lack)
+    unused = [
+        pat for pat in plan if pat not in optional and not any(tree.match(pat, p) for p, _ in flat)
+    ]
     if unused:
         raise ValueError(
             f"shard: plan pattern {unused[0]!r} matches no parameter; parameter paths look like "

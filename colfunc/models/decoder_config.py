@@ -1,0 +1,272 @@
+"""The shared decoder's configuration (:class:`Config`): its sizes and the variations the
+families pick from, checked; :mod:`colfunc.models.decoder` computes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar
+
+from colfunc import nn
+from colfunc.models.family import positive_number
+
+__all__ = ["LAYER_TYPES", "VARIATIONS", "Config"]
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# the Config fields beyond LLaMA's that some families vary (see Config.variations)
+VARIATIONS = (
+    "qk_norm_width",
+    "norm_style",
+    "norm_offset",
+    "mlp_act",
+    "embed_scale",
+    "attn_scale_dim",
+    "attn_softcap",
+    "final_softcap",
+    "layer_types",
+    "rope_local_theta",
+    "nope_layers",
+)
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "qk_norm_width": ("head", "all"),
+    "norm_style": ("pre", "post", "sandwich"),
+    "mlp_act": ("silu", "gelu_tanh"),
+}
+
+
+def _swiglu_width(d_model: int) -> int:
+    # LLaMA keeps the MLP's parameter count at that of a 4x GELU MLP: 2/3 * 4 * d, rounded up to a
+    # multiple of 32 so the width splits evenly over common tensor-parallel degrees.
+    return 32 * math.ceil(8 * d_model / 3 / 32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A decoder's sizes and variations. ``n_kv_heads=None`` means ``n_head`` (no grouping);
+    ``d_ff=None`` means the SwiGLU width ``8/3 * d_model`` rounded up to a multiple of 32;
+    ``head_dim=None`` means ``d_model / n_head`` (Qwen 3 and Gemma give another: q/k/v are
+    ``n_head * head_dim`` wide). ``qkv_bias``: q/k/v projections with biases; ``o_bias``: the
+    attention output projection with one; ``qk_norm``: an RMS norm over each query and key head
+    (weights ``[E]`` shared by the heads) before the rotation; ``sliding_window``: every layer
+    attends to each token's last ``sliding_window`` tokens, itself included (None: all of
+    them). Subclasses name their family
+    (``family_name``), which is the prefix of their errors and of their loss's name."""
+
+    family_name: ClassVar[str] = "decoder"
+    # which of VARIATIONS the family has (None: all of them); the others must keep their defaults
+    variations: ClassVar[tuple[str, ...] | None] = None
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    max_seq_len: int = 128
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_truncate: bool = True
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    qk_norm_width: str = "head"
+    norm_style: str = "pre"
+    norm_offset: float = 0.0
+    mlp_act: str = "silu"
+    embed_scale: bool = False
+    attn_scale_dim: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    nope_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_head)
+        if self.d_ff is None and isinstance(self.d_model, int):
+            object.__setattr__(self, "d_ff", _swiglu_width(self.d_model))
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "d_model",
+            "max_seq_len",
+            "n_kv_heads",
+            "d_ff",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{self.family_name}.Config: {name} must be a positive int, got {value!r}"
+                )
+        if self.head_dim is None:  # the width split over the heads
+            if self.d_model % self.n_head:
+                raise ValueError(
+                    f"{self.family_name}.Config: n_head={self.n_head} must divide "
+                    f"d_model={self.d_model} "
+                    "(or give head_dim)"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        head_dim = self.head_dim
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ValueError(
+                f"{self.family_name}.Config: head_dim must be a positive int, got {head_dim!r}"
+            )
+        if head_dim % 2:
+            raise ValueError(
+                f"{self.family_name}.Config: rotary embeddings need an even head dim; head_dim={head_dim} "
+                f"(d_model={self.d_model} / n_head={self.n_head} unless given)"
+            )
+        assert self.n_kv_heads is not None
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(
+                f"{self.family_name}.Config: n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}"
+            )
+        if not positive_number(self.rope_theta):
+            raise ValueError(
+                f"{self.family_name}.Config: rope_theta must be > 0, got {self.rope_theta!r}"
+            )
+        try:
+            self.rope_scaling  # noqa: B018  (checks the rope_* fields together)
+        except ValueError as e:
+            detail = str(e).removeprefix("RopeScaling: ")
+            raise ValueError(f"{self.family_name}.Config: the rope_* fields: {detail}") from None
+        if not positive_number(self.norm_eps):
+            raise ValueError(
+                f"{self.family_name}.Config: norm_eps must be > 0, got {self.norm_eps!r}"
+            )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(
+                f"{self.family_name}.Config: sliding_window must be None or an int >= 1, got {w!r}"
+            )
+        for flag in ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "embed_scale"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"{self.family_name}.Config: {flag} must be a bool, got {getattr(self, flag)!r}"
+                )
+        self._check_variations()
+
+    def _check_variations(self) -> None:
+        name = f"{self.family_name}.Config"
+        if self.variations is not None:  # the family's refusal of those it does not have
+            base = {f.name: f.default for f in dataclasses.fields(Config)}
+            off = [
+                f"{n}={getattr(self, n)!r}"
+                for n in VARIATIONS
+                if n not in self.variations and getattr(self, n) != base[n]
+            ]
+            if off:
+                raise ValueError(
+                    f"{name}: {', '.join(off)}: not a variation this family has (it has "
+                    f"{', '.join(self.variations) or 'none'} of them; colfunc.models.decoder."
+                    "Config takes any mix)"
+                )
+        for field, allowed in _CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(
+                    f"{name}: {field} must be one of {allowed}, got {getattr(self, field)!r}"
+                )
+        for field in ("attn_scale_dim", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, field)
+            if value is not None and not positive_number(value):
+                raise ValueError(f"{name}: {field} must be None or a number > 0, got {value!r}")
+        if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, int | float):
+            raise ValueError(f"{name}: norm_offset must be a number, got {self.norm_offset!r}")
+        types = self.layer_types
+        if types is not None:
+            if not isinstance(types, tuple) or len(types) != self.n_layer:
+                raise ValueError(
+                    f"{name}: layer_types must be a tuple of n_layer={self.n_layer} entries, "
+                    f"got {types!r}"
+                )
+            bad = sorted({t for t in types if t not in LAYER_TYPES})
+            if bad:
+                raise ValueError(f"{name}: layer_types has {bad}; each is one of {LAYER_TYPES}")
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError(
+                    f"{name}: layer_types has sliding layers but sliding_window is None; give it"
+                )
+        nope = self.nope_layers
+        if not isinstance(nope, tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layer for i in nope
+        ):
+            raise ValueError(
+                f"{name}: nope_layers must be a tuple of layer indices in [0, {self.n_layer}), "
+                f"got {nope!r}"
+            )
+
+    def window_at(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None: it attends to everything before it)."""
+        if self.layer_types is not None and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window every layer slides by (so the engine may give back the KV blocks before
+        it); None where some layer attends to everything."""
+        if self.layer_types is None or set(self.layer_types) == {"sliding_attention"}:
+            return self.sliding_window
+        return None
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the layers differ (windows, rotary bases, no rotary positions), so that each
+        needs its index."""
+        mixed = self.layer_types is not None and len(set(self.layer_types)) > 1
+        return mixed or bool(self.nope_layers) or self.rope_local_theta is not None
+
+    def require_variations(self, ok: bool, what: str) -> None:
+        """A family's refusal of the decoder's variations it does not have: a ValueError
+        naming ``what`` it has and the fields given, unless ``ok``."""
+        if not ok:
+            raise ValueError(
+                f"{self.family_name}.Config: {what}; got qkv_bias={self.qkv_bias}, "
+                f"o_bias={self.o_bias}, qk_norm={self.qk_norm} "
+                "(colfunc.models.decoder.Config takes any mix)"
+            )
+
+    @functools.cached_property  # (made once: every forward pass reads it)
+    def rope_scaling(self) -> nn.RopeScaling:
+        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"``,
+        ``"llama3"`` or ``"yarn"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
+        return nn.RopeScaling(
+            type=self.rope_type,
+            factor=self.rope_factor,
+            low_freq_factor=self.rope_low_freq_factor,
+            high_freq_factor=self.rope_high_freq_factor,
+            original_max_position=self.rope_original_max_seq_len or self.max_seq_len,
+            beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow,
+            attention_factor=self.rope_attention_factor,
+            mscale=self.rope_mscale,
+            mscale_all_dim=self.rope_mscale_all_dim,
+            truncate=self.rope_truncate,
+        )
+
+    @classmethod
+    def tiny(cls) -> Config:
+        """Byte-level, 4 layers, width 128, 4 query heads sharing 2 key/value heads, context 128."""
+        return cls(vocab_size=256, n_layer=4, n_head=4, n_kv_heads=2, d_model=128, max_seq_len=128)
+
+    @classmethod
+    def small(cls) -> Config:
+        """Byte-level, 6 layers, width 384, 6 query heads sharing 2 key/value heads, context 256."""
+        return cls(vocab_size=256, n_layer=6, n_head=6, n_kv_heads=2, d_model=384, max_seq_len=256)
