@@ -35,6 +35,16 @@ EXAMPLES = {
     "qwen2_finetune_offload.py": ("Qwen2Config", {}),
     "qwen3_finetune_pipeline.py": ("Qwen3Config", {"head_dim": 8}),
     "phi3_finetune_tp.py": ("Phi3Config", {"sliding_window": 16}),
+    "gemma2_finetune_zero.py": (
+        "Gemma2Config",
+        {"head_dim": 8, "sliding_window": 16, "attn_logit_softcapping": 5.0},
+    ),
+    "gemma3_finetune_offload.py": (
+        "Gemma3TextConfig",
+        {"head_dim": 8, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "olmo2_finetune_tp.py": ("Olmo2Config", {}),
+    "smollm3_finetune_pipeline.py": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
 }
 # what shrinks each example to this machine and a few steps (its parallel layout kept)
 SHRINK = {
@@ -43,6 +53,12 @@ SHRINK = {
     ],
     "qwen3_finetune_pipeline.py": [
         "data.batch_size=8",
+        "parallel.pipeline={'stages': 2, 'microbatches': 2, 'schedule': '1f1b'}",
+    ],
+    "gemma3_finetune_offload.py": [
+        "parallel.offload={'policy': 'auto', 'device_budget': '1MiB', 'margin': 0.5}"
+    ],
+    "smollm3_finetune_pipeline.py": [
         "parallel.pipeline={'stages': 2, 'microbatches': 2, 'schedule': '1f1b'}",
     ],
 }
