@@ -1,8 +1,10 @@
 """The decoder families against ``transformers``: a training step and the engine's generation.
 
-For each family (LLaMA, Mistral, Qwen 2, Qwen 3, Phi-3) a random ``transformers`` model of about
-20M parameters (8 layers, width 256, 4 query heads sharing 2 key/value heads, vocabulary 32000,
-Mistral and Phi-3 with a sliding window of 64, shorter than the 128-token batches) is loaded into
+For each family (LLaMA, Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3) a
+random ``transformers`` model of about 20M parameters (8 layers, width 256, 4 query heads sharing
+2 key/value heads, vocabulary 32000, Mistral, Phi-3 and the Gemmas' sliding layers with a window
+of 64, shorter than the 128-token batches; Gemma 2 soft-capped, SmolLM 3 with every fourth
+layer without rotary positions) is loaded into
 colfunc with ``hf.from_hf``; both sides run in the same process, interleaved, in fp32 on this
 machine's CPU threads:
 
@@ -43,6 +45,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 64}),
     "phi3": ("Phi3Config", {"sliding_window": 64}),
+    "olmo2": ("Olmo2Config", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 64}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 64},
+    ),
+    "smollm3": ("SmolLM3Config", {}),
 }
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
