@@ -113,7 +113,7 @@ def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
                 f"from_hf: {key} has shape {tuple(state[key].shape)}; expected a last dim of "
                 f"{sum(sizes)} for {entry.paths}"
             )
-        return x.split(sizes, dim=-1)
+        return entry.split(x, sizes)
 
     flat: dict[str, torch.Tensor] = {}
     for e in top:
@@ -151,14 +151,14 @@ def to_hf(cfg: Config, params: Params) -> dict[str, torch.Tensor]:
         if tuple(flat[p].shape) != shape:
             raise ValueError(f"to_hf: {p} has shape {tuple(flat[p].shape)}, expected {shape}")
 
-    def value(xs: list[torch.Tensor], transpose: bool) -> torch.Tensor:
-        x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=-1)
-        return _copy(x.detach().t() if transpose else x.detach())
+    def value(xs: list[torch.Tensor], e: HFWeight) -> torch.Tensor:
+        x = e.join(xs)
+        return _copy(x.detach().t() if e.transpose else x.detach())
 
-    out = {e.key: value([flat[p] for p in e.paths], e.transpose) for e in top}
+    out = {e.key: value([flat[p] for p in e.paths], e) for e in top}
     for i in range(cfg.n_layer):
         for e in layer:
-            out[e.key.format(i=i)] = value([flat[p][i] for p in e.paths], e.transpose)
+            out[e.key.format(i=i)] = value([flat[p][i] for p in e.paths], e)
     return out
 
 
@@ -253,7 +253,7 @@ def load_abstract(source: str) -> tuple[Config, Params]:
         x = read(key)
         x = x.t() if entry.transpose else x
         sizes = [shapes[p][-1] for p in entry.paths]
-        return x.split(sizes, dim=-1)[j]
+        return entry.split(x, sizes)[j]
 
     made: dict[str, Any] = {}
     for e in top:

@@ -1,5 +1,5 @@
-"""Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3 and SmolLM 3 as configurations of
-the one shared decoder.
+"""Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3 and GPT-NeoX as
+configurations of the one shared decoder.
 
 For each family, on tiny random ``transformers`` models built here (vocabularies that are not a
 power of two, no download): logits and loss equal ``transformers``' within 1e-5 (fp32); one AdamW
@@ -9,7 +9,8 @@ ZeRO-3, under a 2-stage pipeline and under tp2 with offload equals one device (f
 under ``tp=2``, gives ``generate``'s greedy tokens; export then ``from_pretrained`` gives the same
 logits, and a bf16 folder loads; sliding windows shorter than the prompts (Mistral's, Qwen 2's with every layer
 sliding; Gemma's sliding layers between global ones) hold through all of it; so do Gemma 2's
-soft-capping, OLMo 2's post-norms and SmolLM 3's layers without rotary positions; what the
+soft-capping, OLMo 2's post-norms, SmolLM 3's layers without rotary positions and GPT-NeoX's
+parallel residual, partial rotary embedding and per-head fused q/k/v; what the
 decoder does not compute (sliding and full layers mixed,
 an unknown rope type) is refused by name.
 """
@@ -42,6 +43,7 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen2": (models.qwen2, "Qwen2Config", {}),
     "qwen3": (models.qwen3, "Qwen3Config", {"head_dim": 10}),
     "qwen3_bias": (models.qwen3, "Qwen3Config", {"head_dim": 8, "attention_bias": True}),
+    "qwen3_gelu": (models.qwen3, "Qwen3Config", {"head_dim": 8, "hidden_act": "gelu"}),
     "phi3": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": None}),
     # sliding windows shorter than the prompts (20 tokens)
     "phi3_window": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": 5}),
@@ -68,6 +70,20 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
          "rope_parameters": {
              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    ),
+    # a quarter of each head rotated (2 of 8 dims), attention and MLP side by side
+    "gpt_neox": (
+        models.gpt_neox,
+        "GPTNeoXConfig",
+        {"hidden_size": 32, "layer_norm_eps": 1e-5,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+    ),
+    "gpt_neox_serial": (
+        models.gpt_neox,
+        "GPTNeoXConfig",
+        {"hidden_size": 32, "use_parallel_residual": False, "hidden_act": "gelu_new",
+         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5}},
     ),
     "smollm3": (
         models.smollm3,
@@ -142,7 +158,17 @@ def test_one_adamw_step_equals_transformers_and_torch_optim(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen2", "qwen3_bias", "mistral_window", "phi3", "olmo2", "gemma2", "gemma3", "smollm3"],
+    [
+        "qwen2",
+        "qwen3_bias",
+        "mistral_window",
+        "phi3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "smollm3",
+        "gpt_neox",
+    ],
 )
 @pytest.mark.parametrize(
     ("mesh", "how"),
@@ -182,6 +208,8 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
         "gemma2",
         "gemma3",
         "smollm3",
+        "gpt_neox",
+        "gpt_neox_serial",
     ],
 )
 def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
@@ -240,7 +268,7 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
             "slides every layer or none",
         ),
         ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
-        ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
         ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
         (
             "gemma3",
@@ -253,6 +281,7 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
             "rope_type='linear' on its sliding layers",
         ),
         ("gemma2", {"hidden_activation": "relu"}, "hidden_activation='relu'"),
+        ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu'"),
         ("olmo2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ],
 )
@@ -287,6 +316,12 @@ def test_family_configs_refuse_the_variations_they_do_not_have() -> None:
         models.smollm3.Config(n_layer=2, nope_layers=(2,))
     with pytest.raises(ValueError, match=r"attn_softcap must be None or a number > 0"):
         models.gemma2.Config(attn_softcap=0.0)
+    with pytest.raises(ValueError, match=r"gpt_neox\.Config: GPT-NeoX has LayerNorms"):
+        models.gpt_neox.Config(norm_type="rms")
+    with pytest.raises(ValueError, match=r"an even number of rotated dims >= 2; head_dim=32 x"):
+        models.gpt_neox.Config(rotary_fraction=0.03)
+    with pytest.raises(ValueError, match=r"mlp_bias with a gated MLP"):
+        models.decoder.Config(mlp_bias=True)
 
 
 def test_a_window_as_long_as_the_context_reads_as_none_and_the_window_round_trips() -> None:

@@ -41,10 +41,15 @@ EXAMPLES = {
     ),
     "gemma3_finetune_offload.py": (
         "Gemma3TextConfig",
-        {"head_dim": 8, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+        {
+            "head_dim": 8,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
     ),
     "olmo2_finetune_tp.py": ("Olmo2Config", {}),
     "smollm3_finetune_pipeline.py": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
+    "gpt_neox_finetune_dp.py": ("GPTNeoXConfig", {}),
 }
 # what shrinks each example to this machine and a few steps (its parallel layout kept)
 SHRINK = {
@@ -99,7 +104,7 @@ def test_the_family_example_fine_tunes_a_local_folder(example, tmp_path, monkeyp
         *SHRINK.get(example, []),
     ]
     cfg = config.load(REPO / "examples" / "configs" / example, sets)
-    assert type(cfg.model).__module__ == f"colfunc.models.{example.split('_')[0]}"
+    assert type(cfg.model).__module__ == f"colfunc.models.{example.split('_finetune')[0]}"
     train.run(cfg, tmp_path / "run", progress=False)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

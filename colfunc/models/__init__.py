@@ -1,6 +1,6 @@
 """Models as pure functions over parameter pytrees: the causal language models GPT-2, OPT and
 the LLaMA-shaped families of one shared decoder (:mod:`colfunc.models.decoder`: LLaMA, Mistral,
-Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
+Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3, GPT-NeoX), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
 video.
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
@@ -17,6 +17,7 @@ from colfunc.models import (
     gemma2,
     gemma3,
     gpt,
+    gpt_neox,
     llama,
     mistral,
     olmo2,
@@ -40,7 +41,21 @@ from colfunc.models.family import (
     unregister,
 )
 
-for _module in (gpt, llama, mistral, qwen2, qwen3, phi3, olmo2, gemma2, gemma3, smollm3, opt, dit):
+for _module in (
+    gpt,
+    llama,
+    mistral,
+    qwen2,
+    qwen3,
+    phi3,
+    olmo2,
+    gemma2,
+    gemma3,
+    smollm3,
+    gpt_neox,
+    opt,
+    dit,
+):
     register(_module.family)
 
 __all__ = [
@@ -56,6 +71,7 @@ __all__ = [
     "gemma3",
     "get",
     "gpt",
+    "gpt_neox",
     "llama",
     "mistral",
     "of_config",

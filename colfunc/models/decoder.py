@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,9 +54,12 @@ def plans(
     o_bias: bool = False,
     norm_style: str = "pre",
     bias_optional: bool = False,
+    plain_mlp: bool = False,
+    layer_norm: bool = False,
 ) -> dict[str, dict[str, P]]:
     """The tensor-parallel plans (one per mode) of a decoder with these biases (``bias_optional``:
-    or without them, a family whose configs may have both) and norms.
+    or without them, a family whose configs may have both) and norms (``layer_norm``: with
+    biases), and a gated MLP or a plain one (``plain_mlp``: ``w_in``, ``w_out`` and their biases).
 
     Megatron-LM tensor parallelism: q/k/v and the gate/up projections split their output dim
     (column parallel, whole heads per rank, so n_kv_heads must be divisible by the degree; their
@@ -63,20 +67,23 @@ def plans(
     a bias of the output projection is replicated along the width); the embedding and the head
     split the vocabulary. Parameters not named here (the q/k norms) are replicated.
     """
+    mlp_in = ("blocks.mlp.w_in",) if plain_mlp else ("blocks.mlp.w_gate", "blocks.mlp.w_up")
+    norms = (*(f"blocks.{n}" for n in _block_norms(norm_style)), "final_norm")
     return nn.tensor_plans(
-        column=(
-            "blocks.attn.wq",
-            "blocks.attn.wk",
-            "blocks.attn.wv",
-            "blocks.mlp.w_gate",
-            "blocks.mlp.w_up",
+        column=("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv", *mlp_in),
+        column_bias=(
+            *(("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv") if qkv_bias else ()),
+            *(("blocks.mlp.b_in",) if plain_mlp else ()),
         ),
-        column_bias=("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv") if qkv_bias else (),
-        row=("blocks.attn.wo", "blocks.mlp.w_down"),
+        row=("blocks.attn.wo", "blocks.mlp.w_out" if plain_mlp else "blocks.mlp.w_down"),
         hidden=(
-            *(f"blocks.{n}.weight" for n in _block_norms(norm_style)),
-            "final_norm.weight",
+            *(
+                f"{n}.{w}"
+                for n in norms
+                for w in (("weight", "bias") if layer_norm else ("weight",))
+            ),
             *(("blocks.attn.bo",) if o_bias else ()),
+            *(("blocks.mlp.b_out",) if plain_mlp else ()),
         ),
         vocab=("embed.tokens",),
         head=("head.weight",),
@@ -101,9 +108,10 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     E = cfg.head_dim
     norms = _block_norms(cfg.norm_style)
     qn, kn = (E, E) if cfg.qk_norm_width == "head" else (HE, KE)
+    biased = cfg.norm_type == "layer"  # LayerNorm: a bias beside each weight
     shapes = {
         "embed.tokens": (V, D),
-        **{f"blocks.{n}.weight": (L, D) for n in norms},
+        **{f"blocks.{n}.{w}": (L, D) for n in norms for w in ("weight", "bias")[: 1 + biased]},
         "blocks.attn.wq": (L, D, HE),
         "blocks.attn.wk": (L, D, KE),
         "blocks.attn.wv": (L, D, KE),
@@ -115,14 +123,26 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         **({"blocks.attn.q_norm": (L, qn), "blocks.attn.k_norm": (L, kn)} if cfg.qk_norm else {}),
         "blocks.attn.wo": (L, HE, D),
         **({"blocks.attn.bo": (L, D)} if cfg.o_bias else {}),
-        "blocks.mlp.w_gate": (L, D, F),
-        "blocks.mlp.w_up": (L, D, F),
-        "blocks.mlp.w_down": (L, F, D),
+        **_mlp_shapes(cfg),
         "final_norm.weight": (D,),
+        **({"final_norm.bias": (D,)} if biased else {}),
     }
     if not cfg.tie_embeddings:
         shapes["head.weight"] = (D, V)  # [in, out] like every other weight
     return shapes
+
+
+def _mlp_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    L, D, F = cfg.n_layer, cfg.d_model, cfg.d_ff
+    assert F is not None
+    if cfg.mlp_gated:
+        return {
+            "blocks.mlp.w_gate": (L, D, F),
+            "blocks.mlp.w_up": (L, D, F),
+            "blocks.mlp.w_down": (L, F, D),
+        }
+    bias = {"blocks.mlp.b_in": (L, F), "blocks.mlp.b_out": (L, D)} if cfg.mlp_bias else {}
+    return {"blocks.mlp.w_in": (L, D, F), "blocks.mlp.w_out": (L, F, D), **bias}
 
 
 _NORM_WEIGHTS = {
@@ -132,7 +152,7 @@ _NORM_WEIGHTS = {
     "blocks.attn.k_norm",
 }
 _BIASES = {"blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv", "blocks.attn.bo"}
-_RESIDUAL_OUT = {"blocks.attn.wo", "blocks.mlp.w_down"}
+_RESIDUAL_OUT = {"blocks.attn.wo", "blocks.mlp.w_down", "blocks.mlp.w_out"}
 
 
 def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
@@ -149,7 +169,7 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
     def value(path: str, shape: tuple[int, ...]) -> torch.Tensor:
         if path in _NORM_WEIGHTS:  # scales of 1 (Gemma's weights are offsets from it)
             return torch.full(shape, 1.0 - cfg.norm_offset)
-        if path in _BIASES:
+        if path in _BIASES or path.endswith(".bias") or path.startswith("blocks.mlp.b_"):
             return torch.zeros(shape)
         return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
 
@@ -183,10 +203,10 @@ def _scaled(x: torch.Tensor, cfg: Config) -> torch.Tensor:
 def _ropes(cfg: Config, length: int, device: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The rotary tables of the first ``length`` positions: ``rope`` (every layer's, or the
     full-attention layers'), and ``rope_local`` for the sliding layers where their base differs."""
-    E = _head_dim(cfg)
-    out = {"rope": nn.rope_tables(length, E, cfg.rope_theta, device, cfg.rope_scaling)}
+    R = cfg.rotary_dim  # (the head dim, or its leading part: GPT-NeoX's rotary_pct)
+    out = {"rope": nn.rope_tables(length, R, cfg.rope_theta, device, cfg.rope_scaling)}
     if cfg.rope_local_theta is not None:
-        out["rope_local"] = nn.rope_tables(length, E, cfg.rope_local_theta, device)
+        out["rope_local"] = nn.rope_tables(length, R, cfg.rope_local_theta, device)
     return out
 
 
@@ -200,8 +220,29 @@ def _xs(cfg: Config) -> dict[str, torch.Tensor] | None:
     return {"layer": torch.arange(cfg.n_layer)} if cfg.per_layer else None
 
 
-def _norm(x: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
+def _norm(x: torch.Tensor, p: Params, cfg: Config) -> torch.Tensor:
+    """The norm whose parameters are ``p``: RMSNorm (scaling by ``norm_offset + weight``) or
+    LayerNorm with its bias."""
+    w = p["weight"]
+    if cfg.norm_type == "layer":
+        return ops.layer_norm(x, w, p["bias"], cfg.norm_eps)
     return ops.rms_norm(x, w + cfg.norm_offset if cfg.norm_offset else w, cfg.norm_eps)
+
+
+_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": nn.gelu_tanh,
+    "gelu": torch.nn.functional.gelu,
+}
+
+
+def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config) -> torch.Tensor:
+    if not cfg.mlp_gated:
+        return nn.mlp(h_BTD, p, _ACT[cfg.mlp_act])
+    if cfg.mlp_act == "silu":
+        return nn.swiglu(h_BTD, p)
+    gate = _ACT[cfg.mlp_act](nn.linear(h_BTD, p["w_gate"]))
+    return nn.linear(gate * nn.linear(h_BTD, p["w_up"]), p["w_down"])
 
 
 def _block(layer: Params, carry: Carry, cfg: Config, i: int | None = None) -> Carry:
@@ -228,19 +269,22 @@ def _block_kv(
         softcap=cfg.attn_softcap,
     )
     pre, post = cfg.norm_style != "post", cfg.norm_style != "pre"
-    h_BTD = _norm(x_BTD, layer["ln1"]["weight"], cfg) if pre else x_BTD
+    h_BTD = _norm(x_BTD, layer["ln1"], cfg) if pre else x_BTD
     a_BTD, kv = nn.attend(
         h_BTD, layer["attn"], head_dim=_head_dim(cfg), rope=rope, paged=paged, options=options
     )
-    x_BTD = x_BTD + (_norm(a_BTD, layer["post1"]["weight"], cfg) if post else a_BTD)
-    h_BTD = _norm(x_BTD, layer["ln2"]["weight"], cfg) if pre else x_BTD
-    m_BTD = (nn.swiglu if cfg.mlp_act == "silu" else nn.geglu)(h_BTD, layer["mlp"])
-    x_BTD = x_BTD + (_norm(m_BTD, layer["post2"]["weight"], cfg) if post else m_BTD)
+    if cfg.parallel_residual:  # GPT-NeoX: both sub-layers read the block's input
+        m_BTD = _mlp(_norm(x_BTD, layer["ln2"], cfg), layer["mlp"], cfg)
+        return {**carry, "h": m_BTD + a_BTD + x_BTD}, kv
+    x_BTD = x_BTD + (_norm(a_BTD, layer["post1"], cfg) if post else a_BTD)
+    h_BTD = _norm(x_BTD, layer["ln2"], cfg) if pre else x_BTD
+    m_BTD = _mlp(h_BTD, layer["mlp"], cfg)
+    x_BTD = x_BTD + (_norm(m_BTD, layer["post2"], cfg) if post else m_BTD)
     return {**carry, "h": x_BTD}, kv
 
 
 def _logits(params: Params, x_BTD: torch.Tensor, cfg: Config) -> torch.Tensor:
-    h_BTD = _norm(x_BTD, params["final_norm"]["weight"], cfg)
+    h_BTD = _norm(x_BTD, params["final_norm"], cfg)
     if cfg.tie_embeddings:
         logits = nn.unembed(h_BTD, params["embed"]["tokens"])
     else:

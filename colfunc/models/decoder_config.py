@@ -28,11 +28,17 @@ VARIATIONS = (
     "layer_types",
     "rope_local_theta",
     "nope_layers",
+    "norm_type",
+    "parallel_residual",
+    "rotary_fraction",
+    "mlp_gated",
+    "mlp_bias",
 )
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "qk_norm_width": ("head", "all"),
     "norm_style": ("pre", "post", "sandwich"),
-    "mlp_act": ("silu", "gelu_tanh"),
+    "mlp_act": ("silu", "gelu_tanh", "gelu"),
+    "norm_type": ("rms", "layer"),
 }
 
 
@@ -95,6 +101,11 @@ class Config:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
     nope_layers: tuple[int, ...] = ()
+    norm_type: str = "rms"
+    parallel_residual: bool = False
+    rotary_fraction: float = 1.0
+    mlp_gated: bool = True
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -128,10 +139,22 @@ class Config:
             raise ValueError(
                 f"{self.family_name}.Config: head_dim must be a positive int, got {head_dim!r}"
             )
-        if head_dim % 2:
+        f = self.rotary_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
             raise ValueError(
-                f"{self.family_name}.Config: rotary embeddings need an even head dim; head_dim={head_dim} "
-                f"(d_model={self.d_model} / n_head={self.n_head} unless given)"
+                f"{self.family_name}.Config: rotary_fraction must be in (0, 1], got {f!r}"
+            )
+        whence = f"d_model={self.d_model} / n_head={self.n_head} unless given"
+        if f == 1 and head_dim % 2:
+            raise ValueError(
+                f"{self.family_name}.Config: rotary embeddings need an even head dim; "
+                f"head_dim={head_dim} ({whence})"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(
+                f"{self.family_name}.Config: rotary embeddings need an even number of rotated "
+                f"dims >= 2; head_dim={head_dim} x rotary_fraction={f} gives {self.rotary_dim} "
+                f"(head_dim is {whence})"
             )
         assert self.n_kv_heads is not None
         if self.n_head % self.n_kv_heads:
@@ -156,7 +179,8 @@ class Config:
             raise ValueError(
                 f"{self.family_name}.Config: sliding_window must be None or an int >= 1, got {w!r}"
             )
-        for flag in ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "embed_scale"):
+        flags = ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "embed_scale")
+        for flag in (*flags, "parallel_residual", "mlp_gated", "mlp_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
                     f"{self.family_name}.Config: {flag} must be a bool, got {getattr(self, flag)!r}"
@@ -189,6 +213,11 @@ class Config:
                 raise ValueError(f"{name}: {field} must be None or a number > 0, got {value!r}")
         if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, int | float):
             raise ValueError(f"{name}: norm_offset must be a number, got {self.norm_offset!r}")
+        if self.mlp_gated and self.mlp_bias:
+            raise ValueError(
+                f"{name}: mlp_bias with a gated MLP (mlp_gated=True) is not built; biases go with "
+                "the plain MLP (mlp_gated=False: w_in, w_out)"
+            )
         types = self.layer_types
         if types is not None:
             if not isinstance(types, tuple) or len(types) != self.n_layer:
@@ -211,6 +240,12 @@ class Config:
                 f"{name}: nope_layers must be a tuple of layer indices in [0, {self.n_layer}), "
                 f"got {nope!r}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each query and key head rotate (GPT-NeoX: a quarter)."""
+        assert self.head_dim is not None  # resolved by __post_init__
+        return int(self.head_dim * self.rotary_fraction)
 
     def window_at(self, i: int) -> int | None:
         """The sliding window of layer ``i`` (None: it attends to everything before it)."""

@@ -84,7 +84,7 @@ _NORM_NAMES = {
     },
 }
 # Hugging Face activations -> Config.mlp_act (the gated MLP's gate)
-_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

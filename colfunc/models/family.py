@@ -56,12 +56,33 @@ class HFWeight(NamedTuple):
     ``key``: the Hugging Face key (``"{i}"`` stands for the layer index in per-layer entries);
     ``paths``: the colfunc paths, concatenated along the last dim to make it (GPT-2's fused
     ``c_attn`` is ``wq``, ``wk``, ``wv``); ``transpose``: stored ``[out, in]`` on the Hugging
-    Face side (``nn.Linear``), where colfunc keeps ``[in, out]``.
+    Face side (``nn.Linear``), where colfunc keeps ``[in, out]``; ``groups``: concatenated in
+    that many interleaved groups instead (see :meth:`split`).
     """
 
     key: str
     paths: tuple[str, ...]
     transpose: bool = False
+    groups: int = 1
+
+    def split(self, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+        """The colfunc pieces (last dims ``sizes``) of the Hugging Face tensor ``x`` (already in
+        colfunc's ``[in, out]`` layout): cut along the last dim, or with ``groups`` > 1 cut in
+        that many interleaved groups (GPT-NeoX's fused qkv: each head's q, k, v in turn)."""
+        if self.groups == 1:
+            return x.split(sizes, dim=-1)
+        g = self.groups
+        parts = x.unflatten(-1, (g, -1)).split([s // g for s in sizes], dim=-1)
+        return tuple(p.flatten(-2) for p in parts)
+
+    def join(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """The Hugging Face tensor (in colfunc's layout) of the pieces ``xs``: the inverse of
+        :meth:`split`."""
+        if len(xs) == 1:
+            return xs[0]
+        if self.groups == 1:
+            return torch.cat(xs, dim=-1)
+        return torch.cat([x.unflatten(-1, (self.groups, -1)) for x in xs], dim=-1).flatten(-2)
 
 
 def linear(key: str, *paths: str) -> HFWeight:

@@ -30,6 +30,7 @@ __all__ = [
     "paged_scan",
     "paged_self_attention",
     "rope_tables",
+    "rotate",
     "self_attention",
     "split_heads",
 ]
@@ -249,6 +250,16 @@ def _qkv(
     return q, k, v
 
 
+def rotate(x_BHTE: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """:func:`colfunc.ops.rope` of the head dims the tables cover (``2 R``): all of them, or the
+    leading ones with the rest passed through (a partial rotary embedding, GPT-NeoX's)."""
+    R2 = 2 * cos_TR.shape[-1]
+    if x_BHTE.shape[-1] == R2:
+        return ops.rope(x_BHTE, cos_TR, sin_TR)
+    rot = ops.rope(x_BHTE[..., :R2], cos_TR, sin_TR)
+    return torch.cat([rot, x_BHTE[..., R2:]], dim=-1)
+
+
 def self_attention(
     x_BTD: torch.Tensor,
     p: dict[str, torch.Tensor],
@@ -273,9 +284,7 @@ def self_attention(
     q_BTHE, k_BTKE, v_BTKE = _qkv(x_BTD, p, head_dim, o)
     q_BHTE, k_BKTE, v_BKTE = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))
     if rope is not None:
-        cos_TR, sin_TR = rope
-        q_BHTE = ops.rope(q_BHTE, cos_TR, sin_TR)
-        k_BKTE = ops.rope(k_BKTE, cos_TR, sin_TR)
+        q_BHTE, k_BKTE = rotate(q_BHTE, *rope), rotate(k_BKTE, *rope)
     y_BHTE = ops.attention(
         q_BHTE, k_BKTE, v_BKTE, causal=True, scale=o.scale, window=o.window, softcap=o.softcap
     )
@@ -305,9 +314,8 @@ def paged_self_attention(
     q_1NHE, k_1NKE, v_1NKE = _qkv(x_1ND, p, head_dim, o)
     q_NHE, k_NKE, v_NKE = q_1NHE[0], k_1NKE[0], v_1NKE[0]
     if rope is not None:
-        cos_NR, sin_NR = rope
-        q_NHE = ops.rope(q_NHE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
-        k_NKE = ops.rope(k_NKE.transpose(0, 1), cos_NR, sin_NR).transpose(0, 1)
+        q_NHE = rotate(q_NHE.transpose(0, 1), *rope).transpose(0, 1)
+        k_NKE = rotate(k_NKE.transpose(0, 1), *rope).transpose(0, 1)
     if o.scale is not None:  # the paged op scales by 1/sqrt(E)
         q_NHE = q_NHE * (o.scale * math.sqrt(head_dim))
     y_NHE = ops.paged_attention(
