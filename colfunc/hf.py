@@ -25,6 +25,7 @@ import torch
 
 from colfunc import models, nn, tree
 from colfunc.models import HFMapping, HFWeight
+from colfunc.random import materialize
 
 __all__ = [
     "byte_tokenizer",
@@ -260,7 +261,7 @@ def load_abstract(source: str) -> tuple[Config, Params]:
         for j, p in enumerate(e.paths):
             if p in made:  # a tied alias of a weight already described
                 continue
-            key = e.key if e.key in where else None
+            key = next((k for k in (e.key, *e.aliases) if k in where), None)
             if key is None:
                 continue  # (an alias the file leaves out, such as a tied head)
             made[p] = (e, key, j, None)
@@ -299,13 +300,35 @@ def load_abstract(source: str) -> tuple[Config, Params]:
 
 
 def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]:
-    """``(cfg, params)`` of a Hugging Face ``save_pretrained`` folder (local files only)."""
+    """``(cfg, params)`` of a Hugging Face ``save_pretrained`` folder (local files only).
+
+    The config is read and checked first (what the family does not compute is refused by
+    name); safetensors weights are then read tensor by tensor (:func:`load_abstract`, made), in
+    ``dtype`` (None: the config's ``dtype``, else as stored), without building the
+    ``transformers`` model. A folder of ``pytorch_model.bin`` weights loads through
+    ``transformers``."""
     import transformers
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder_of(source), local_files_only=True, dtype=dtype
-    )
-    return from_hf(hf_model)
+    folder = folder_of(source)
+    cfg = read_config(source)
+    has_safetensors = (folder / "model.safetensors").is_file() or (
+        folder / "model.safetensors.index.json"
+    ).is_file()
+    if not has_safetensors:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype
+        )
+        return from_hf(hf_model)
+    if dtype is None:
+        import json
+
+        stated = json.loads((folder / "config.json").read_text())
+        name = stated.get("dtype") or stated.get("torch_dtype")
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    _, described = load_abstract(source)
+    made = materialize(described)
+    return cfg, made if dtype is None else tree.map(lambda x: x.to(dtype), made)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

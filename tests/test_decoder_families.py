@@ -44,10 +44,30 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen3": (models.qwen3, "Qwen3Config", {"head_dim": 10}),
     "qwen3_bias": (models.qwen3, "Qwen3Config", {"head_dim": 8, "attention_bias": True}),
     "qwen3_gelu": (models.qwen3, "Qwen3Config", {"head_dim": 8, "hidden_act": "gelu"}),
+    # dynamic NTK changes nothing within the context: the default frequencies, written back
+    "olmo2_dynamic": (
+        models.olmo2,
+        "Olmo2Config",
+        {"pad_token_id": 0, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+    ),
     "phi3": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": None}),
     # sliding windows shorter than the prompts (20 tokens)
     "phi3_window": (models.phi3, "Phi3Config", {"pad_token_id": 0, "sliding_window": 5}),
     "mistral_window": (models.mistral, "MistralConfig", {"sliding_window": 5}),
+    # Phi-3 128k's longrope: short factors up to 16 tokens, long ones past (the prompts are 20
+    # long; the engine's cross over as they generate), and Phi-4-mini's partial rotary embedding
+    "phi3_longrope": (
+        models.phi3,
+        "Phi3Config",
+        {"pad_token_id": 0, "sliding_window": None, "original_max_position_embeddings": 16,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                             "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0]}},
+    ),
+    "phi3_partial": (
+        models.phi3,
+        "Phi3Config",
+        {"pad_token_id": 0, "sliding_window": None, "head_dim": 8, "partial_rotary_factor": 0.5},
+    ),
     "qwen2_window": (
         models.qwen2,
         "Qwen2Config",
@@ -210,6 +230,8 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
         "smollm3",
         "gpt_neox",
         "gpt_neox_serial",
+        "phi3_longrope",
+        "phi3_partial",
     ],
 )
 def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: str) -> None:
@@ -267,9 +289,7 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
             {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
             "slides every layer or none",
         ),
-        ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
-        ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
         (
             "gemma3",
             {
@@ -282,13 +302,23 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
         ),
         ("gemma2", {"hidden_activation": "relu"}, "hidden_activation='relu'"),
         ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu'"),
-        ("olmo2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ],
 )
 def test_what_the_decoder_does_not_compute_is_refused_by_name(name, extra, match) -> None:
     model = _hf(name, **extra)
     with pytest.raises(ValueError, match=match):
         hf.from_hf(model)
+
+
+def test_an_unknown_rope_type_in_a_folder_is_refused_by_name(tmp_path: Path) -> None:
+    import json
+
+    _hf("qwen2").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "mystery", "factor": 2.0, "rope_theta": 1e4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_type='mystery' is not supported"):
+        hf.read_config(str(tmp_path))
 
 
 def test_family_configs_refuse_the_variations_they_do_not_have() -> None:
@@ -437,3 +467,21 @@ def test_a_sliding_window_gives_back_the_blocks_before_it() -> None:
     assert [done[f"m{r}"][0] for r in range(6)] == want_many
     assert done["long"] == [want[0], want[0]]
     assert small.stats()["preemptions"] == 2 and small.stats()["blocks_used"] == 0
+
+
+def test_longrope_recomputes_a_sequence_that_grows_past_the_short_factors() -> None:
+    """Phi-3's longrope in the engine, as ``transformers``' ``generate`` runs it: a sequence
+    computed with the short factors is computed again, whole, with the long ones once it grows
+    past ``original_max_position_embeddings`` (16 here); a prompt already past it runs long
+    through a chunked prefill; no block is shared (prefix caching is off for such a model)."""
+    model = _hf("phi3_longrope", seed=11)
+    cfg, params = hf.from_hf(model)
+    assert models.phi3.family.kv_cache(cfg, params).regime == 16
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [(3 * i + 1) % 50 + 1 for i in range(22)]]
+    want = cf.testing.hf_greedy(model, prompts, 12)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(models.phi3, cfg, params, block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    assert not engine.allocator.prefix_caching
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == want
+    # the first sequence crossed 16 tokens while decoding: computed again once
+    assert engine.stats()["preemptions"] == 1

@@ -237,7 +237,7 @@ _CLASSES = {
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
-        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+        ("llama", {"hidden_act": "relu"}, "hidden_act"),
         ("opt", {"word_embed_proj_dim": 8}, "word_embed_proj_dim"),
         ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before"),
         ("opt", {"activation_function": "gelu"}, "activation_function"),

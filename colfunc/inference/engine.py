@@ -200,9 +200,15 @@ class Engine:
             "k": torch.zeros(shape, dtype=spec.dtype, device=spec.device),
             "v": torch.zeros(shape, dtype=spec.dtype, device=spec.device),
         }
-        self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_caching)
+        # (a model with two regimes shares no block: a prefix's keys depend on the whole length)
+        caching = enable_prefix_caching and spec.regime is None
+        self.allocator = BlockAllocator(num_blocks, self.block_size, caching)
         self.scheduler = Scheduler(
-            self.allocator, max_num_seqs, max_num_batched_tokens, window=spec.window
+            self.allocator,
+            max_num_seqs,
+            max_num_batched_tokens,
+            window=spec.window,
+            regime=spec.regime,
         )
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -350,6 +356,7 @@ class Engine:
             block_tables=tables.to(device),
             context_lens=tuple(seq.computed for seq, _ in work.items),
             query_lens=tuple(n for _, n in work.items),
+            seq_lens=tuple(seq.num_tokens for seq, _ in work.items),
         )
         logits_SV, ys = self.model.paged_forward(
             self.params,

@@ -43,6 +43,9 @@ class Sequence:
     blocks: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)  # of its full blocks, in order
     computed: int = 0  # tokens whose keys and values are in its blocks
+    # with a KVCacheSpec.regime: whether its cache is computed in the long regime (in the short
+    # one it is computed again when the sequence grows past it)
+    long_regime: bool = False
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -74,9 +77,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         window: int | None = None,
+        regime: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.window = window
+        self.regime = regime  # (see KVCacheSpec.regime)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -169,6 +174,16 @@ class Scheduler:
             self.waiting.remove(seq)
         self.release(seq)
 
+    def _crosses(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has grown past the regime its cached tokens were computed in."""
+        if self.regime is None or seq.computed == 0:
+            return False
+        return not seq.long_regime and seq.num_tokens > self.regime
+
+    def _mark(self, seq: Sequence) -> None:
+        if self.regime is not None and seq.computed == 0:
+            seq.long_regime = seq.num_tokens > self.regime
+
     def schedule(self) -> Scheduled:
         budget = self.max_num_batched_tokens
         items: list[tuple[Sequence, int]] = []
@@ -176,6 +191,9 @@ class Scheduler:
         k = 0
         while k < len(self.running) and budget > 0:
             seq = self.running[k]
+            if self._crosses(seq):  # its cache, computed short, computed again
+                self.preempt(seq)
+                continue
             n = min(seq.num_tokens - seq.computed, budget)
             while self._room(seq, n) > self.allocator.free_count():
                 self.preempt(self.running[-1])  # the newest
@@ -183,6 +201,7 @@ class Scheduler:
                     break
             if seq not in self.running:
                 break  # it was the newest: everything after it is gone too
+            self._mark(seq)
             self._grow(seq, n, copies)
             items.append((seq, n))
             budget -= n
@@ -196,6 +215,7 @@ class Scheduler:
                 self.release(seq)  # give back the cached prefix until it fits
                 break
             self.waiting.popleft()
+            self._mark(seq)
             self._grow(seq, n, copies)
             self.running.append(seq)
             items.append((seq, n))

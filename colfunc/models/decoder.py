@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from colfunc import nn, ops, random
+from colfunc import core, nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.models.decoder_config import LAYER_TYPES, VARIATIONS, Config
 
@@ -200,11 +200,20 @@ def _scaled(x: torch.Tensor, cfg: Config) -> torch.Tensor:
     return x * torch.tensor(math.sqrt(cfg.d_model), dtype=x.dtype, device=x.device)
 
 
-def _ropes(cfg: Config, length: int, device: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _ropes(
+    cfg: Config, length: int, device: Any, context: int | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The rotary tables of the first ``length`` positions: ``rope`` (every layer's, or the
     full-attention layers'), and ``rope_local`` for the sliding layers where their base differs."""
     R = cfg.rotary_dim  # (the head dim, or its leading part: GPT-NeoX's rotary_pct)
-    out = {"rope": nn.rope_tables(length, R, cfg.rope_theta, device, cfg.rope_scaling)}
+    scaling = cfg.rope_scaling
+    if scaling.type == "longrope" and context is None and core.sequence_split():
+        raise ValueError(
+            f"{cfg.family_name}: rope_type='longrope' chooses its factors by the whole sequence's "
+            "length, which a long-sequence shard (ulysses, ring, zigzag, usp) splits; train it "
+            "without one"
+        )
+    out = {"rope": nn.rope_tables(length, R, cfg.rope_theta, device, scaling, context)}
     if cfg.rope_local_theta is not None:
         out["rope_local"] = nn.rope_tables(length, R, cfg.rope_local_theta, device)
     return out
@@ -333,12 +342,35 @@ def paged_forward(
         "h": x_1ND,
         **{k: (c[positions_N], s[positions_N]) for k, (c, s) in ropes.items()},
     }
+    if cfg.rope_type == "longrope":  # each sequence's tokens by its own length, as if alone
+        carry["rope"] = _longrope_at(cfg, batch, positions_N)
     if cfg.per_layer:
         block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged, paged.layer)  # noqa: E731
     else:
         block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged)  # noqa: E731
     carry, ys = nn.paged_scan(block, carry, params["blocks"], cache, batch)
     return _logits(params, carry["h"][:, select_R], cfg)[0], ys
+
+
+def _longrope_at(
+    cfg: Config, batch: nn.PagedBatch, positions_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's tables at the new tokens' positions, each token's from the short or the long
+    factors by its sequence's whole length (``transformers`` chooses by the length in each
+    forward pass, and computes a sequence's cache again when it grows past the short factors'
+    reach: the engine does too, see :class:`colfunc.models.KVCacheSpec`'s ``regime``)."""
+    original, device = cfg.rope_scaling.original_max_position, positions_N.device
+    short = _ropes(cfg, cfg.max_seq_len, device, context=original)["rope"]
+    long = _ropes(cfg, cfg.max_seq_len, device, context=original + 1)["rope"]
+    ends = batch.seq_lens or ()
+    lens = torch.tensor(batch.query_lens, device=device)
+    past_N1 = torch.tensor([e > original for e in ends], device=device).repeat_interleave(lens)[
+        :, None
+    ]
+    cos, sin = (
+        torch.where(past_N1, lg[positions_N], sh[positions_N]) for sh, lg in zip(short, long)
+    )
+    return cos, sin
 
 
 def loss(cfg: Config) -> Layered:

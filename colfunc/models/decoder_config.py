@@ -84,6 +84,8 @@ class Config:
     rope_mscale: float | None = None
     rope_mscale_all_dim: float | None = None
     rope_truncate: bool = True
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -262,6 +264,13 @@ class Config:
         return None
 
     @property
+    def cache_regime(self) -> int | None:
+        """The length past which a sequence is computed otherwise (LongRoPE: its long factors,
+        from ``rope_original_max_seq_len`` tokens on), for the engine (see
+        :class:`colfunc.models.KVCacheSpec`); None for the other rope types."""
+        return self.rope_scaling.original_max_position if self.rope_type == "longrope" else None
+
+    @property
     def per_layer(self) -> bool:
         """Whether the layers differ (windows, rotary bases, no rotary positions), so that each
         needs its index."""
@@ -280,8 +289,9 @@ class Config:
 
     @functools.cached_property  # (made once: every forward pass reads it)
     def rope_scaling(self) -> nn.RopeScaling:
-        """The rotary frequencies' scaling (``rope_type``: ``"default"``, ``"linear"``,
-        ``"llama3"`` or ``"yarn"``; ``rope_original_max_seq_len=None`` means ``max_seq_len``)."""
+        """The rotary frequencies' scaling (``rope_type``: one of
+        :data:`colfunc.nn.ROPE_TYPES`; ``rope_original_max_seq_len=None`` means
+        ``max_seq_len``)."""
         return nn.RopeScaling(
             type=self.rope_type,
             factor=self.rope_factor,
@@ -294,6 +304,8 @@ class Config:
             mscale=self.rope_mscale,
             mscale_all_dim=self.rope_mscale_all_dim,
             truncate=self.rope_truncate,
+            short_factor=self.rope_short_factor,
+            long_factor=self.rope_long_factor,
         )
 
     @classmethod

@@ -128,10 +128,22 @@ def read_hf_config(
             f"computes the rope types {', '.join(nn.ROPE_TYPES)}"
         )
     scaling: dict[str, Any] = {}
+    if rope_type in ("longrope", "dynamic"):  # (their factor may be left to the context's ratio)
+        original = rope.get("original_max_position_embeddings") or getattr(
+            c, "original_max_position_embeddings", None
+        )
+        rope = {
+            "original_max_position_embeddings": original or c.max_position_embeddings,
+            **{k: v for k, v in rope.items() if v is not None},
+        }
+        rope.setdefault(
+            "factor", c.max_position_embeddings / rope["original_max_position_embeddings"]
+        )
     needs = {
         "linear": ("factor",),
         "llama3": _LLAMA3_KEYS,
         "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor"),
     }.get(rope_type, ())
     missing = [k for k in needs if k not in rope]
     if missing:
@@ -144,6 +156,14 @@ def read_hf_config(
             rope_high_freq_factor=float(rope["high_freq_factor"]),
             rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
         )
+    if rope_type == "longrope":
+        scaling.update(
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            rope_short_factor=tuple(float(v) for v in rope["short_factor"]),
+            rope_long_factor=tuple(float(v) for v in rope["long_factor"]),
+        )
+        if rope.get("attention_factor") is not None:
+            scaling["rope_attention_factor"] = float(rope["attention_factor"])
     if rope_type == "yarn":
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(
@@ -209,6 +229,14 @@ def _write_rope(cfg: Config) -> dict[str, Any]:
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_scaling.original_max_position,
         )
+    if cfg.rope_type == "longrope":
+        rope.update(
+            original_max_position_embeddings=cfg.rope_scaling.original_max_position,
+            short_factor=list(cfg.rope_short_factor or ()),
+            long_factor=list(cfg.rope_long_factor or ()),
+        )
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
     if cfg.rope_type == "yarn":
         rope.update(
             original_max_position_embeddings=cfg.rope_scaling.original_max_position,

@@ -64,6 +64,7 @@ class HFWeight(NamedTuple):
     paths: tuple[str, ...]
     transpose: bool = False
     groups: int = 1
+    aliases: tuple[str, ...] = ()  # other names a saved file may give it (legacy checkpoints)
 
     def split(self, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
         """The colfunc pieces (last dims ``sizes``) of the Hugging Face tensor ``x`` (already in
@@ -124,7 +125,10 @@ class KVCacheSpec:
     """The KV cache a family's ``paged_forward`` reads: per layer and token slot, ``kv_heads``
     keys and values of ``head_dim``, in ``dtype`` on ``device``. ``window``: every layer attends
     to each token's last ``window`` tokens only (a sliding window), so a sequence's blocks that
-    fall wholly before the window are given back as it advances (None: all are kept)."""
+    fall wholly before the window are given back as it advances (None: all are kept).
+    ``regime``: a sequence longer than this many tokens is computed otherwise (LongRoPE's long
+    factors), all of it: the cache of one that grows past it is computed again, once, and no
+    block is shared between sequences (no prefix caching)."""
 
     layers: int
     kv_heads: int
@@ -132,6 +136,7 @@ class KVCacheSpec:
     dtype: torch.dtype
     device: torch.device
     window: int | None = None
+    regime: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -141,6 +146,9 @@ class KVCacheSpec:
         w = self.window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"KVCacheSpec: window must be None or an int >= 1, got {w!r}")
+        r = self.regime
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(f"KVCacheSpec: regime must be None or an int >= 1, got {r!r}")
 
     @classmethod
     def like(
@@ -151,6 +159,7 @@ class KVCacheSpec:
         kv_heads: int,
         head_dim: int,
         window: int | None = None,
+        regime: int | None = None,
     ) -> KVCacheSpec:
         """A cache in ``table``'s dtype and on its device (a model's embedding, say)."""
         return cls(
@@ -160,6 +169,7 @@ class KVCacheSpec:
             dtype=table.dtype,
             device=table.device,
             window=window,
+            regime=regime,
         )
 
     @classmethod
@@ -177,6 +187,7 @@ class KVCacheSpec:
             kv_heads=kv_heads,
             head_dim=head_dim,
             window=getattr(cfg, "cache_window", getattr(cfg, "sliding_window", None)),
+            regime=getattr(cfg, "cache_regime", None),
         )
 
     def slot_bytes(self) -> int:

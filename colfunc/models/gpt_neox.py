@@ -108,9 +108,10 @@ def _weights(cfg: Any) -> tuple[list[HFWeight], list[HFWeight]]:
     top = [
         HFWeight("gpt_neox.embed_in.weight", ("embed.tokens",)),
         *norm("gpt_neox.final_layer_norm", "final_norm"),
-        HFWeight("lm_head.weight", ("embed.tokens",))
+        # (transformers names the head lm_head, and saves it as embed_out, Pythia's name)
+        HFWeight("lm_head.weight", ("embed.tokens",), aliases=("embed_out.weight",))
         if cfg.tie_embeddings
-        else linear("lm_head.weight", "head.weight"),
+        else HFWeight("lm_head.weight", ("head.weight",), True, aliases=("embed_out.weight",)),
     ]
     return top, layer
 

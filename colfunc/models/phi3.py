@@ -4,8 +4,10 @@ its sliding window, read from and written to Hugging Face's ``Phi3ForCausalLM``.
 The checkpoint fuses q, k and v into one ``qkv_proj`` and the MLP's gate and up projections into
 one ``gate_up_proj``; they are cut into the decoder's separate weights on the way in and fused
 again on the way out, so tensor parallelism splits each as LLaMA's. Partial rotary embeddings
-(``partial_rotary_factor < 1``, Phi-4-mini) and the long-context ``longrope`` scaling are refused
-by name.
+(``partial_rotary_factor < 1``, Phi-4-mini) rotate the leading part of each head
+(``rotary_fraction``); the long-context ``longrope`` scaling (128k variants) divides each
+frequency by its short factor up to ``original_max_position_embeddings`` tokens and by its long
+factor past them, as ``transformers`` does per forward pass.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Config(decoder.Config):
     """Phi-3 sizes (see :class:`colfunc.models.decoder.Config`): no biases, no q/k norms."""
 
     family_name = "phi3"
-    variations = ("mlp_act",)
+    variations = ("mlp_act", "rotary_fraction")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,14 +77,11 @@ def _weights(cfg: decoder.Config) -> tuple[list[HFWeight], list[HFWeight]]:
 def _read(c: Any) -> Config:
     require("Phi3", c, "attention_bias", (False,))
     rope = getattr(c, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise ValueError(
-            f"from_hf: Phi3 with partial_rotary_factor={factor!r} is not supported; colfunc's "
-            "model rotates the whole head dim (partial_rotary_factor=1.0)"
-        )
+    fraction = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     window = getattr(c, "sliding_window", None)
-    return decoder_hf.read_hf_config(c, Config, "Phi3", sliding_window=window)  # type: ignore[return-value]
+    return decoder_hf.read_hf_config(  # type: ignore[return-value]
+        c, Config, "Phi3", sliding_window=window, rotary_fraction=float(fraction)
+    )
 
 
 # Phi3Config's default special tokens (Phi-3's tokenizer), kept where the vocabulary holds them
@@ -95,7 +94,8 @@ def _write(cfg: decoder.Config) -> dict[str, Any]:
         **decoder_hf.write_hf_config(cfg),
         **ids,
         "sliding_window": cfg.sliding_window,
-        "original_max_position_embeddings": cfg.max_seq_len,
+        "original_max_position_embeddings": cfg.rope_scaling.original_max_position,
+        "partial_rotary_factor": cfg.rotary_fraction,
     }
 
 

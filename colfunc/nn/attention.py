@@ -58,7 +58,7 @@ def merge_heads(x_BHTE: torch.Tensor) -> torch.Tensor:
     return x_BHTE.transpose(1, 2).reshape(B, T, -1)
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +76,12 @@ class RopeScaling:
       times divided by ``factor``, a linear ramp between (its bounds rounded out unless
       ``truncate=False``); the tables multiplied by ``attention_factor`` (None: ``0.1 ln(factor)
       + 1``, or the ratio of the ``mscale`` and ``mscale_all_dim`` forms where both are given).
+    - ``"dynamic"``: dynamic NTK, which changes the base only for sequences longer than the
+      model's context; colfunc's models take no longer ones, so its frequencies are the default.
+    - ``"longrope"``: LongRoPE (Phi-3's long context): each frequency divided by its entry of
+      ``short_factor`` while the sequence is at most ``original_max_position`` long, of
+      ``long_factor`` past it (:func:`rope_tables`' ``context``); the tables multiplied by
+      ``attention_factor`` (None: ``sqrt(1 + ln(factor) / ln(original_max_position))``).
     """
 
     type: str = "default"
@@ -89,6 +95,8 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -113,6 +121,21 @@ class RopeScaling:
                 f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
                 f"{self.high_freq_factor!r} and {self.low_freq_factor!r}"
             )
+        if self.type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                value = getattr(self, name)
+                if (
+                    not isinstance(value, tuple)
+                    or not value
+                    or not all(
+                        isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+                        for v in value
+                    )
+                ):
+                    raise ValueError(
+                        f"RopeScaling: longrope needs {name} as a tuple of numbers > 0 (one per "
+                        f"rotary frequency), got {value!r}"
+                    )
         value = self.original_max_position
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(
@@ -121,7 +144,14 @@ class RopeScaling:
 
     @property
     def table_factor(self) -> float:
-        """What the cos and sin tables are multiplied by (YaRN's attention factor; else 1)."""
+        """What the cos and sin tables are multiplied by (YaRN's and LongRoPE's attention
+        factor; else 1)."""
+        if self.type == "longrope":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position))
         if self.type != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -156,7 +186,7 @@ class RopeScaling:
         """The frequencies ``inv_freq_R`` as this scaling changes them (the operations of the
         ``transformers`` reference, so that the tables agree with it). YaRN's need the base and
         the head dim: :meth:`yarn`."""
-        if self.type == "default":
+        if self.type in ("default", "dynamic"):
             return inv_freq_R
         if self.type == "yarn":
             raise ValueError("RopeScaling.scale: yarn's frequencies come from RopeScaling.yarn")
@@ -181,17 +211,31 @@ def rope_tables(
     theta: float,
     device: torch.device | None = None,
     scaling: RopeScaling | None = None,
+    context: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos[T, R], sin[T, R])`` for rotary embeddings (Su et al. 2021), fp32.
 
     Frequency ``r`` is ``theta ** (-2r / E)``, changed by ``scaling`` where given; the
     operations and their order are those of the LLaMA reference so that the tables agree bit
-    for bit.
+    for bit. ``context``: the sequence length a length-dependent scaling reads (LongRoPE's
+    choice of factors; None: ``seq_len``), where the tables cover more positions than the
+    sequences hold (the engine's, for every position of the context).
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
     exponent_R = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    if scaling is not None and scaling.type == "yarn":
+    if scaling is not None and scaling.type == "longrope":
+        assert scaling.short_factor is not None and scaling.long_factor is not None
+        long = (context or seq_len) > scaling.original_max_position
+        factors = scaling.long_factor if long else scaling.short_factor
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"rope_tables: longrope has {len(factors)} factors for {head_dim // 2} rotary "
+                "frequencies (head_dim / 2)"
+            )
+        ext_R = torch.tensor(factors, dtype=torch.float32, device=device)
+        inv_freq_R = 1.0 / (ext_R * theta**exponent_R)
+    elif scaling is not None and scaling.type == "yarn":
         inv_freq_R = scaling.yarn(theta**exponent_R, head_dim, theta)
     else:
         inv_freq_R = 1.0 / (theta**exponent_R)

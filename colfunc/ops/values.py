@@ -61,10 +61,17 @@ class PagedBatch:
     context_lens: tuple[int, ...]
     query_lens: tuple[int, ...]
     positions: torch.Tensor | None = None  # [N] long
+    # each sequence's whole length as known at this step (prompt and tokens so far), for a
+    # model whose computation depends on it (LongRoPE); None: context + query
+    seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_lens", tuple(int(n) for n in self.context_lens))
         object.__setattr__(self, "query_lens", tuple(int(n) for n in self.query_lens))
+        if self.seq_lens is None:
+            ends = (c + q for c, q in zip(self.context_lens, self.query_lens, strict=False))
+            object.__setattr__(self, "seq_lens", tuple(ends))
+        object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens or ()))
         if len(self.context_lens) != len(self.query_lens):
             raise ValueError(
                 f"PagedBatch: context_lens {list(self.context_lens)} and query_lens "
