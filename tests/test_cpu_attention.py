@@ -17,9 +17,9 @@ from colfunc.ops import PagedBatch, cpu_attention, reference
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
 
 
-def _dense(q, k, v, kc, vc, tables, context_lens, query_lens):
+def _dense(q, k, v, kc, vc, tables, context_lens, query_lens, window=None, softcap=None):
     """Each sequence alone: its cached keys and values read slot by slot, its new ones after,
-    causal softmax attention in fp64."""
+    causal softmax attention in fp64 (its last ``window`` tokens; scores soft-capped)."""
     B = kc.shape[1]
     H, K = q.shape[1], k.shape[1]
     out, lo = [], 0
@@ -31,7 +31,12 @@ def _dense(q, k, v, kc, vc, tables, context_lens, query_lens):
         vals = vals.repeat_interleave(H // K, dim=1)
         qs = q[lo : lo + n].double()  # [n, H, E]
         scores = torch.einsum("nhe,the->hnt", qs, keys) / q.shape[-1] ** 0.5
-        visible = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        here = (c + torch.arange(n))[:, None]
+        visible = torch.arange(c + n)[None, :] <= here
+        if window is not None:
+            visible &= torch.arange(c + n)[None, :] > here - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hnt,the->nhe", scores.softmax(-1), vals))
         lo += n
@@ -88,6 +93,36 @@ def test_decode_kernel_equals_dense_attention(block, heads, head_dim, lens, dtyp
     want = _dense(*args)
     tol = TOL[dtype]
     assert got.dtype == dtype
+    assert torch.allclose(got.double(), want, atol=tol, rtol=tol), (got.double() - want).abs().max()
+
+
+@settings(max_examples=25)
+@given(
+    block=st.sampled_from([1, 4, 6]),
+    heads=st.sampled_from([(2, 2), (4, 2)]),
+    lens=st.lists(
+        st.tuples(st.integers(0, 40), st.sampled_from([1, 1, 3])), min_size=1, max_size=4
+    ),
+    window=st.integers(1, 20),
+    softcap=st.sampled_from([None, 2.0]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_kernel_slides_and_caps(block, heads, lens, window, softcap, dtype, seed) -> None:
+    """Under a sliding window the blocks wholly before each sequence's window are given back
+    (-1 in its table) and never read; with soft-capping the scores pass through
+    ``cap * tanh(s / cap)``; decodes by the kernel, prefill chunks by the reference, both equal
+    to the dense attention."""
+    _need_kernel()
+    args = _case(block, heads, 8, lens, dtype, seed)
+    q, k, v, kc, vc, tables, context_lens, query_lens = args
+    given_back = tables.clone()
+    for s, c in enumerate(context_lens):
+        given_back[s, : max(0, c - window + 1) // block] = -1
+    batch = PagedBatch(given_back, context_lens, query_lens)
+    got = ops.paged_attention(q, k, v, kc, vc, batch, window=window, softcap=softcap)
+    want = _dense(*args, window=window, softcap=softcap)
+    tol = TOL[dtype]
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol), (got.double() - want).abs().max()
 
 

@@ -330,7 +330,9 @@ def test_dispatcher_reaches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
     data=st.data(),
 )
 def test_paged_attention_matches_the_reference(block, heads, head_dim, lens, dtype, data) -> None:
-    """Decodes and prefill chunks mixed, over blocks scattered through the cache in any order."""
+    """Decodes and prefill chunks mixed, over blocks scattered through the cache in any order;
+    under a drawn sliding window (the blocks wholly before every new token's window given back,
+    -1 in the table) and soft-capped scores or not."""
     H, K = heads
     context_lens = [c for c, _ in lens]
     query_lens = [q for _, q in lens]
@@ -345,12 +347,34 @@ def test_paged_attention_matches_the_reference(block, heads, head_dim, lens, dty
 
     q, k, v = rand(N, H, head_dim), rand(N, K, head_dim), rand(N, K, head_dim)
     kc, vc = rand(C, block, K, head_dim), rand(C, block, K, head_dim)
+    window = data.draw(st.one_of(st.none(), st.integers(1, 12)), label="window")
+    softcap = data.draw(st.sampled_from([None, 1.5]), label="softcap")
+    if window is not None:
+        for s, c in enumerate(context_lens):
+            perm[s, : max(0, c - window + 1) // block] = -1  # given back, never read
     batch = PagedBatch(perm, context_lens, query_lens)
-    got = paged_attention.paged_attention(q, k, v, kc, vc, batch)
+    got = paged_attention.paged_attention(q, k, v, kc, vc, batch, window=window, softcap=softcap)
     f32 = [t.float() for t in (q, k, v, kc, vc)]
-    want = reference.paged_attention(*f32, batch)
+    want = reference.paged_attention(*f32, batch, window=window, softcap=softcap)
     tol = TOL[dtype]
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(2, None), (3, 1.5), (1, None)])
+def test_paged_attention_windows_inside_a_prefill_chunk(window, softcap) -> None:
+    """A window shorter than the chunk of new tokens: each new token's window ends among the
+    new tokens themselves (and, after a context, starts inside the cache)."""
+    g = torch.Generator().manual_seed(window)
+    H, K, E, B = 4, 2, 16, 4
+    context_lens, query_lens = [0, 5, 9], [6, 4, 1]
+    N = sum(query_lens)
+    q, k, v = (torch.randn(N, n, E, generator=g) for n in (H, K, K))
+    kc, vc = (torch.randn(8, B, K, E, generator=g) for _ in range(2))
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 1]], dtype=torch.int32)
+    batch = PagedBatch(tables, context_lens, query_lens)
+    got = paged_attention.paged_attention(q, k, v, kc, vc, batch, window=window, softcap=softcap)
+    want = reference.paged_attention(q, k, v, kc, vc, batch, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_refuses_what_it_cannot_take() -> None:

@@ -3,7 +3,8 @@
 One program per (packed query token, query head) streams the keys its token sees with an online
 softmax (FlashAttention's running max and sum, in base 2): first the sequence's cached tokens,
 block by block through its row of the block table (vLLM's PagedAttention, Kwon et al. 2023), then
-the new tokens of its own sequence up to itself. A decode step is one query token per sequence; a
+the new tokens of its own sequence up to itself (under a sliding window, from the first block the
+window reaches; scores soft-capped where asked). A decode step is one query token per sequence; a
 prefill chunk of ``n`` tokens is ``n`` programs per head over the same blocks, which makes this
 also a variable-length (``cu_seqlens``) causal attention when the cache is empty.
 
@@ -29,13 +30,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax(m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale):  # fmt: skip
+def _online_softmax(m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale, softcap):  # fmt: skip
     """One tile of keys and values (``[N, D]``, ``valid`` rows) folded into the running max
-    ``m_i``, sum ``l_i`` and output ``acc_D`` of a query row, in base 2."""
-    s_N = tl.where(valid, tl.sum(k_ND * q_D[None, :], axis=1) * qk_scale, float("-inf"))
+    ``m_i``, sum ``l_i`` and output ``acc_D`` of a query row, in base 2. ``softcap`` > 0: the
+    scaled scores capped at ``softcap * tanh(s / softcap)`` first (``qk_scale`` is then the
+    plain scale, and log2(e) is applied after the cap)."""
+    s_N = tl.sum(k_ND * q_D[None, :], axis=1) * qk_scale
+    if softcap > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), stable at both ends
+        s_N = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s_N / softcap) + 1.0)) * 1.4426950408889634
+    s_N = tl.where(valid, s_N, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s_N, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p_N = tl.exp2(s_N - m_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a tile the window masks whole)
+    alpha = tl.exp2(m_i - m_safe)
+    p_N = tl.exp2(s_N - m_safe)
     l_i = l_i * alpha + tl.sum(p_N, axis=0)
     acc_D = acc_D * alpha + tl.sum(p_N[:, None] * v_ND, axis=0)
     return m_new, l_i, acc_D
@@ -48,7 +55,9 @@ def _paged_attention_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cc, stride_cb, stride_ck, stride_vcc, stride_vcb, stride_vck,
     stride_tm, stride_on, stride_oh,
-    qk_scale,  # softmax scale times log2(e)
+    qk_scale,  # softmax scale times log2(e) (without a cap; with one, the scale alone)
+    softcap,  # > 0: the scores soft-capped
+    window,  # > 0: each token sees its last `window` tokens, itself included
     G: tl.constexpr,  # query heads per key/value head
     BLOCK: tl.constexpr,  # cache block size
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # head dim, padded to a power of two
@@ -69,9 +78,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros((), tl.float32)
     acc_D = tl.zeros((BLOCK_D,), tl.float32)
     offs_b = tl.arange(0, BLOCK)
-    for start in range(0, ctx, BLOCK):  # the cached tokens, a block at a time
+    lowest = 0  # the first position this token sees (its window's, or the sequence's start)
+    if window > 0:
+        lowest = tl.maximum(ctx + j - window + 1, 0)
+    # the cached tokens, a block at a time, from the first block the window reaches (the
+    # blocks before it may have been given back)
+    for start in range((lowest // BLOCK) * BLOCK, ctx, BLOCK):
         block = tl.load(tables_ptr + s * stride_tm + start // BLOCK)
-        valid = (start + offs_b) < ctx
+        valid = ((start + offs_b) < ctx) & ((start + offs_b) >= lowest)
         mask = valid[:, None] & dmask[None, :]
         k_BD = tl.load(
             kc_ptr + block * stride_cc + offs_b[:, None] * stride_cb + kh * stride_ck
@@ -81,11 +95,13 @@ def _paged_attention_kernel(
             vc_ptr + block * stride_vcc + offs_b[:, None] * stride_vcb + kh * stride_vck
             + offs_d[None, :], mask=mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
-        m_i, l_i, acc_D = _online_softmax(m_i, l_i, acc_D, q_D, k_BD, v_BD, valid, qk_scale)
+        m_i, l_i, acc_D = _online_softmax(
+            m_i, l_i, acc_D, q_D, k_BD, v_BD, valid, qk_scale, softcap
+        )
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(0, j + 1, BLOCK_N):  # the new tokens of this sequence, up to this one
         t = start + offs_n
-        valid = t <= j
+        valid = (t <= j) & ((ctx + t) >= lowest)
         mask = valid[:, None] & dmask[None, :]
         rows = first + t
         k_ND = tl.load(
@@ -96,7 +112,9 @@ def _paged_attention_kernel(
             v_ptr + rows[:, None] * stride_vn + kh * stride_vh + offs_d[None, :],
             mask=mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
-        m_i, l_i, acc_D = _online_softmax(m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale)
+        m_i, l_i, acc_D = _online_softmax(
+            m_i, l_i, acc_D, q_D, k_ND, v_ND, valid, qk_scale, softcap
+        )
     out_D = acc_D / l_i
     tl.store(
         out_ptr + n * stride_on + h * stride_oh + offs_d,
@@ -112,10 +130,13 @@ def paged_attention(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The contract of :func:`colfunc.ops.reference.paged_attention` (scale ``1/sqrt(E)``), on
-    tensors whose last dim is contiguous. Raises ValueError for inputs the kernel does not take,
-    before launching. Forward only: inference needs no gradient."""
+    """The contract of :func:`colfunc.ops.reference.paged_attention` (scale ``1/sqrt(E)``, a
+    sliding ``window``, soft-capped scores), on tensors whose last dim is contiguous. Raises
+    ValueError for inputs the kernel does not take, before launching. Forward only: inference
+    needs no gradient."""
     block_tables_SM, context_lens, query_lens = (
         batch.block_tables,
         batch.context_lens,
@@ -141,7 +162,7 @@ def paged_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         tables.stride(0), out.stride(0), out.stride(1),
-        LOG2E / math.sqrt(E),
+        (1.0 if softcap else LOG2E) / math.sqrt(E), float(softcap or 0.0), int(window or 0),
         G=H // K, BLOCK=B, HEAD_DIM=E, BLOCK_D=triton.next_power_of_2(E), BLOCK_N=16,
     )  # fmt: skip
     return out

@@ -52,10 +52,12 @@ def paged_decode_into(
     k_cache_CBKE: torch.Tensor,
     v_cache_CBKE: torch.Tensor,
     batch: PagedBatch,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Write the rows of the sequences with one new token (``query_lens[s] == 1``) into the
-    contiguous ``out_NHE``, as :func:`colfunc.ops.reference.paged_decode_into` computes them.
-    Call :func:`supports` first."""
+    contiguous ``out_NHE``, as :func:`colfunc.ops.reference.paged_decode_into` computes them
+    (a sliding ``window``, soft-capped scores). Call :func:`supports` first."""
     block_tables_SM, context_lens, query_lens = (
         batch.block_tables,
         batch.context_lens,
@@ -81,10 +83,19 @@ def paged_decode_into(
             f"{M} blocks of {B} slots"
         )
     tables = block_tables_SM.contiguous()
-    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= C):
+    # (a block given back before a window reads as -1: only the blocks a window reaches count)
+    if tables.numel() and (int(tables.max()) >= C or (window is None and int(tables.min()) < 0)):
         raise ValueError(
             f"paged_attention: block_tables hold ids outside [0, {C}): the cache has {C} blocks"
         )
+    if window is not None:
+        for s, c in zip(seqs, contexts, strict=True):
+            reached = tables[s, max(0, c - window + 1) // B : -(-c // B)]
+            if reached.numel() and int(reached.min()) < 0:
+                raise ValueError(
+                    f"paged_attention: sequence {s}'s window of {window} reaches a block given "
+                    "back (-1 in its table)"
+                )
     q, k, v = q_NHE.contiguous(), k_NKE.contiguous(), v_NKE.contiguous()
     ext.paged_decode(
         out_NHE.data_ptr(),
@@ -104,5 +115,7 @@ def paged_decode_into(
         M,
         q.dtype == torch.float64,
         E**-0.5,
+        int(window or 0),
+        float(softcap or 0.0),
         torch.get_num_threads(),
     )

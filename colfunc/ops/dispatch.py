@@ -324,20 +324,19 @@ def _paged_attention_op(
     batch = PagedBatch(block_tables, tuple(context_lens), tuple(query_lens))
     args = (q, k, v, k_cache, v_cache, batch)
     tensors = (q, k, v, k_cache, v_cache, block_tables)
-    if window or softcap:  # the reference's masks and caps (the kernels have neither)
-        return reference.paged_attention(*args, window=window or None, softcap=softcap or None)
+    w, cap = window or None, softcap or None
     if _use_triton("paged_attention", lambda: checks.paged_attention(*args), tensors):
-        out: torch.Tensor = _kernel("paged_attention").paged_attention(*args)
+        out: torch.Tensor = _kernel("paged_attention").paged_attention(*args, w, cap)
         return out
     if (
         kernels_choice() == "auto" and 1 in query_lens and cpu_attention.supports(*tensors)
     ):  # decoding on the CPU: the C++ kernel reads each block where it lies
         reference.check_paged_lens(q, batch)
         out = torch.empty(q.shape, dtype=q.dtype)
-        cpu_attention.paged_decode_into(out, *args)
-        reference.paged_prefill_into(out, *args)
+        cpu_attention.paged_decode_into(out, *args, w, cap)
+        reference.paged_prefill_into(out, *args, w, cap)
         return out
-    return reference.paged_attention(*args)
+    return reference.paged_attention(*args, w, cap)
 
 
 @_paged_attention_op.register_fake
@@ -363,7 +362,7 @@ def paged_attention(
     has its own rule). The Triton kernel (power-of-two block sizes, head dims 16-128) is one
     program per query token and head, streaming its blocks with an online softmax. A sliding
     ``window`` keeps each token's last ``window`` keys, and ``softcap`` caps the scores as
-    :func:`attention` does (both on the reference path)."""
+    :func:`attention` does (in the Triton kernel, the C++ CPU decode and the reference alike)."""
     check_window(window, "paged_attention")
     check_softcap(softcap, "paged_attention")
     out: torch.Tensor = torch.ops.colfunc.paged_attention(

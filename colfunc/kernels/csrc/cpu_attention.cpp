@@ -7,6 +7,8 @@
 // kernel reads each block where it lies, once: one work item per sequence computes every head's
 // scores (grouped-query attention shares the keys), a softmax in the accumulation type, and the
 // weighted sum of the values, walking each cache slot's row of K * E elements from end to end.
+// A sliding window starts the walk at the first slot the window reaches; soft-capped scores pass
+// through cap * tanh(s / cap) before the softmax.
 // Work items are shared out over OpenMP threads; the inner loops are SIMD reductions, compiled
 // for AVX-512, AVX2 and plain x86-64, the best one chosen when the library loads.
 //
@@ -46,25 +48,31 @@ template <typename T>
 COLFUNC_CLONES void decode_one(T* out, const T* q, const T* k_new, const T* v_new,
                                const T* k_cache, const T* v_cache, const int32_t* table,
                                int64_t context, const Shape& s, double scale,
-                               std::vector<T>& scores, std::vector<T>& acc) {
+                               int64_t window, double softcap, std::vector<T>& scores,
+                               std::vector<T>& acc) {
   const int64_t E = s.dim, K = s.kv_heads, H = s.heads, B = s.block_size;
-  const int64_t G = H / K, L = context + 1, row = K * E;
+  // under a sliding window the new token (at position `context`) sees its last `window`
+  // tokens: the blocks before them may have been given back, and are not read
+  const int64_t first = window > 0 ? std::max<int64_t>(0, context - window + 1) : 0;
+  const int64_t G = H / K, L = context + 1 - first, row = K * E;
   scores.resize(static_cast<size_t>(H * L));
   acc.assign(static_cast<size_t>(H * E), static_cast<T>(0));
-  const T sc = static_cast<T>(scale);
+  const T sc = static_cast<T>(scale), cap = static_cast<T>(softcap);
   auto slot = [&](const T* cache, const T* fresh, int64_t t) {
     return t < context ? cache + (static_cast<int64_t>(table[t / B]) * B + t % B) * row : fresh;
   };
-  // scores[h, t] = q_h . k_t * scale, k_t the t-th key of the context, then the new one
+  // scores[h, t] = q_h . k_t * scale (soft-capped: cap * tanh(s / cap)), k_t the t-th key the
+  // token sees: of the context, then the new one
   for (int64_t t = 0; t < L; ++t) {
-    const T* kt = slot(k_cache, k_new, t);
+    const T* kt = slot(k_cache, k_new, first + t);
     for (int64_t h = 0; h < H; ++h) {
       const T* qh = q + h * E;
       const T* kh = kt + (h / G) * E;
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
       for (int64_t e = 0; e < E; ++e) dot += qh[e] * kh[e];
-      scores[h * L + t] = dot * sc;
+      const T x = dot * sc;
+      scores[h * L + t] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
   }
   // softmax over t, per head
@@ -82,7 +90,7 @@ COLFUNC_CLONES void decode_one(T* out, const T* q, const T* k_new, const T* v_ne
   }
   // out_h = sum_t p[h, t] * v_t
   for (int64_t t = 0; t < L; ++t) {
-    const T* vt = slot(v_cache, v_new, t);
+    const T* vt = slot(v_cache, v_new, first + t);
     for (int64_t h = 0; h < H; ++h) {
       const T p = scores[h * L + t];
       const T* vh = vt + (h / G) * E;
@@ -98,7 +106,7 @@ template <typename T>
 void decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache,
             uintptr_t v_cache, uintptr_t tables, const std::vector<int64_t>& seqs,
             const std::vector<int64_t>& rows, const std::vector<int64_t>& contexts,
-            const Shape& s, double scale, int threads) {
+            const Shape& s, double scale, int64_t window, double softcap, int threads) {
   const int64_t n = static_cast<int64_t>(seqs.size());
   const int64_t q_row = s.heads * s.dim, kv_row = s.kv_heads * s.dim;
   T* o = reinterpret_cast<T*>(out);
@@ -115,7 +123,8 @@ void decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintpt
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = rows[i];
       decode_one<T>(o + r * q_row, qp + r * q_row, kn + r * kv_row, vn + r * kv_row, kc, vc,
-                    tb + seqs[i] * s.table_width, contexts[i], s, scale, scores, acc);
+                    tb + seqs[i] * s.table_width, contexts[i], s, scale, window, softcap,
+                    scores, acc);
     }
   }
 }
@@ -124,14 +133,14 @@ void paged_decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, 
                   uintptr_t v_cache, uintptr_t tables, std::vector<int64_t> seqs,
                   std::vector<int64_t> rows, std::vector<int64_t> contexts, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
-                  bool fp64, double scale, int threads) {
+                  bool fp64, double scale, int64_t window, double softcap, int threads) {
   const Shape s{heads, kv_heads, dim, block_size, table_width};
   if (fp64)
     decode<double>(out, q, k_new, v_new, k_cache, v_cache, tables, seqs, rows, contexts, s, scale,
-                   threads);
+                   window, softcap, threads);
   else
     decode<float>(out, q, k_new, v_new, k_cache, v_cache, tables, seqs, rows, contexts, s, scale,
-                  threads);
+                  window, softcap, threads);
 }
 
 }  // namespace
