@@ -73,6 +73,12 @@ FAMILIES: dict[str, tuple[Any, str, dict[str, Any]]] = {
         "Qwen2Config",
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
     ),
+    # the first layer full, the second sliding (max_window_layers=1)
+    "qwen2_mixed": (
+        models.qwen2,
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    ),
     "olmo2": (models.olmo2, "Olmo2Config", {"pad_token_id": 0}),
     # global layers alternating with windows shorter than the prompts, soft-capping, a softmax
     # scale of its own
@@ -230,6 +236,7 @@ def test_training_under_transforms_equals_one_device(name: str, mesh, how) -> No
         "smollm3",
         "gpt_neox",
         "gpt_neox_serial",
+        "qwen2_mixed",
         "phi3_longrope",
         "phi3_partial",
     ],
@@ -279,16 +286,6 @@ def test_export_loads_back_and_a_bf16_folder_loads(name: str, tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("name", "extra", "match"),
     [
-        (
-            "qwen2",
-            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-            "use_sliding_window=True and layer_types",
-        ),
-        (
-            "qwen3",
-            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-            "slides every layer or none",
-        ),
         ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
         (
             "gemma3",

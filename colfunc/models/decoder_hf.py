@@ -284,9 +284,10 @@ def family(
 # ``max_window_layers``, ``layer_types``), for qwen2 and qwen3 -------------------------------
 
 
-def read_window(c: Any, label: str) -> int | None:
-    """The window every layer of the Hugging Face config ``c`` slides by (None: no layer
-    slides); a ValueError naming the fields where some layers slide and others do not."""
+def read_window(c: Any, label: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of the Qwen config ``c``: the window where
+    ``use_sliding_window`` (None otherwise), and the layers' types where some slide and others
+    do not (``layer_types``, or in transformers 4.x the layers from ``max_window_layers`` on)."""
     n = c.num_hidden_layers
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", False) else None
     types = getattr(c, "layer_types", None)
@@ -296,25 +297,19 @@ def read_window(c: Any, label: str) -> int | None:
                  for i in range(n)]  # fmt: skip
     sliding = [t == "sliding_attention" for t in types]
     if window is None or not any(sliding):
-        return None  # (one no shorter than the context: None too, in read_hf_config)
-    if not all(sliding):
-        raise ValueError(
-            f"from_hf: {label} with use_sliding_window=True and layer_types {list(types)} "
-            f"(max_window_layers={getattr(c, 'max_window_layers', None)}) is not supported: "
-            "colfunc's model slides every layer or none (max_window_layers=0, or "
-            "use_sliding_window=False)"
-        )
-    return int(window)
+        return None, None  # (one no shorter than the context: None too, in read_hf_config)
+    return int(window), None if all(sliding) else tuple(types)
 
 
 def write_window(cfg: Any) -> dict[str, Any]:
-    """The config fields of ``cfg.sliding_window``: every layer slides, or none."""
+    """The Qwen config fields of ``cfg``'s windows: every layer sliding, none, or a mix by
+    ``layer_types``."""
     if cfg.sliding_window is None:
         return {"use_sliding_window": False}
     return {
         "use_sliding_window": True,
-        "sliding_window": cfg.sliding_window,
         "max_window_layers": 0,
+        **write_layer_types(cfg),
     }
 
 

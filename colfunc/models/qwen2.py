@@ -2,8 +2,8 @@
 q, k and v projections.
 
 Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is the decoder's
-``sliding_window`` where every layer slides (``max_window_layers=0``); a mix of sliding and full
-layers is refused by name.
+``sliding_window`` on the layers that slide: every one (``max_window_layers=0``), or some, by
+``layer_types`` (in transformers 4.x the layers from ``max_window_layers`` on).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Config(decoder.Config):
     10^6, RMS norm epsilon 1e-6."""
 
     family_name = "qwen2"
-    variations = ("mlp_act",)
+    variations = ("mlp_act", "layer_types")
     qkv_bias: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
@@ -55,8 +55,10 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
-    window = _window(c, "Qwen2")
-    return decoder_hf.read_hf_config(c, Config, "Qwen2", sliding_window=window)  # type: ignore[return-value]
+    window, types = _window(c, "Qwen2")
+    return decoder_hf.read_hf_config(  # type: ignore[return-value]
+        c, Config, "Qwen2", sliding_window=window, layer_types=types
+    )
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:

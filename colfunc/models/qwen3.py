@@ -3,8 +3,8 @@ query and key head before the rotation, a head dim of its own, and biases on all
 projections when ``attention_bias``.
 
 Sliding-window attention (``use_sliding_window=True`` in a Hugging Face config) is the decoder's
-``sliding_window`` where every layer slides (``max_window_layers=0``); a mix of sliding and full
-layers is refused by name.
+``sliding_window`` on the layers that slide: every one (``max_window_layers=0``), or some, by
+``layer_types`` (in transformers 4.x the layers from ``max_window_layers`` on).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Config(decoder.Config):
     ``attention_bias``."""
 
     family_name = "qwen3"
-    variations = ("mlp_act",)
+    variations = ("mlp_act", "layer_types")
     qk_norm: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
@@ -58,11 +58,11 @@ tp_plan: dict[str, P] = tp_plans["1d"]
 
 
 def _read(c: Any) -> Config:
-    window = _window(c, "Qwen3")
+    window, types = _window(c, "Qwen3")
     bias = bool(getattr(c, "attention_bias", False))
-    return decoder_hf.read_hf_config(
-        c, Config, "Qwen3", qkv_bias=bias, o_bias=bias, sliding_window=window
-    )  # type: ignore[return-value]
+    return decoder_hf.read_hf_config(  # type: ignore[return-value]
+        c, Config, "Qwen3", qkv_bias=bias, o_bias=bias, sliding_window=window, layer_types=types
+    )
 
 
 def _write(cfg: decoder.Config) -> dict[str, Any]:
