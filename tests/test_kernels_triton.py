@@ -110,6 +110,38 @@ def test_attention(
     )
 
 
+@FEW
+@given(
+    G=st.sampled_from([1, 2]),
+    T=st.integers(1, 40),
+    extra=st.integers(0, 9),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    softcap=st.sampled_from([None, 1.5]),
+    dtype=DTYPES,
+)
+@example(G=2, T=40, extra=3, window=3, softcap=None, dtype=torch.float32)  # windows inside tiles
+@example(G=1, T=33, extra=0, window=17, softcap=1.5, dtype=torch.float32)
+def test_attention_windows_and_soft_caps(G, T, extra, window, softcap, dtype) -> None:
+    """Causal attention (``S = T + extra``, aligned bottom-right) under a sliding window and
+    with soft-capped scores, the output and every gradient against the reference. (fp16 with a
+    window of 1, where each query sees only itself, is left out: the true dK is 0 and the fp16
+    output that the softmax backward's row term is taken from leaves ~2e-3 of it.)"""
+    if dtype == torch.float16 and window == 1:
+        window = 2
+    if window is None and softcap is None:
+        window = 5
+    S = T + extra
+    q = randn(1, 2 * G, T, 16, dtype=dtype, seed=7)
+    k = randn(1, 2, S, 16, dtype=dtype, seed=8)
+    v = randn(1, 2, S, 16, dtype=dtype, seed=9)
+    assert_matches_reference(
+        lambda q, k, v: attention.attention(q, k, v, True, window=window, softcap=softcap),
+        lambda q, k, v: reference.attention(q, k, v, True, window=window, softcap=softcap),
+        [q, k, v],
+        dtype,
+    )
+
+
 def test_attention_strided_inputs_odd_head_dim_and_scale() -> None:
     """q, k, v as transposed views of [B, T, H, D] (what a model's projection gives), D = 40."""
     B, T, H, D = 2, 19, 4, 40

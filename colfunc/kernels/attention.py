@@ -45,13 +45,36 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 @triton.jit
+def _cap(s, softcap, CAPPED: tl.constexpr):
+    """Scores in log2 units: ``s`` (already times log2(e)), or with ``CAPPED`` the plain scaled
+    ``s`` capped at ``softcap * tanh(s / softcap)`` then times log2(e); and the cap's
+    derivative ``1 - tanh^2`` (1 without one), which the backward passes multiply by."""
+    if CAPPED:  # tanh(x) = 1 - 2 / (exp(2x) + 1), stable at both ends
+        t = 1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)
+        return softcap * t * 1.4426950408889634, 1.0 - t * t
+    return s, 1.0
+
+
+@triton.jit
+def _seen(rows, cols, S, shift, window, WINDOWED: tl.constexpr):
+    """Which keys ``cols`` the query ``rows`` see: within S, at most ``row + shift`` and, under
+    a sliding window, more than ``row + shift - window``."""
+    visible = (cols < S) & (cols <= rows + shift)
+    if WINDOWED:
+        visible = visible & (cols > rows + shift - window)
+    return visible
+
+
+@triton.jit
 def _fwd_inner(
     acc_MD, l_M, m_M,  # running output, softmax sum and max of this query block
     q_MD, k_base, v_base, stride_ks, stride_vs,
     offs_m, offs_d, S, shift, qk_scale,
     lo, hi,  # key range [lo, hi) to stream, in whole key blocks
+    window, softcap,
     MASKED: tl.constexpr,  # apply the bounds and causal mask (only blocks on the diagonal or edge)
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -61,10 +84,13 @@ def _fwd_inner(
             k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
         )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=PRECISION) * qk_scale
+        qk_MN, _ = _cap(qk_MN, softcap, CAPPED)
         if MASKED:
-            visible = (cols[None, :] < S) & (cols[None, :] <= offs_m[:, None] + shift)
+            visible = _seen(offs_m[:, None], cols[None, :], S, shift, window, WINDOWED)
             qk_MN = tl.where(visible, qk_MN, float("-inf"))
         m_new = tl.maximum(m_M, tl.max(qk_MN, 1))
+        if WINDOWED:  # a row whose window misses this whole tile (and every one before it)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p_MN = tl.math.exp2(qk_MN - m_new[:, None])
         alpha = tl.math.exp2(m_M - m_new)  # rescales what was summed under the old max
         l_M = l_M * alpha + tl.sum(p_MN, 1)
@@ -78,7 +104,7 @@ def _fwd_inner(
 
 
 @_autotune(_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]),
-           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
+           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION", "WINDOWED", "CAPPED"])  # fmt: skip
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # q[B,H,T,D], k,v[B,Hkv,S,D]; the last dim contiguous
@@ -88,9 +114,11 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     H, G, T, S,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (with CAPPED, the scale alone: see _cap)
+    window, softcap,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -118,13 +146,22 @@ def _attn_fwd_kernel(
     # end of S) are masked. Key 0 is always visible (shift >= 0), so the max is finite after the
     # first block.
     hi = tl.minimum(S, start_m + BLOCK_M + shift)
-    full_hi = tl.minimum(S, start_m + shift + 1) // BLOCK_N * BLOCK_N
-    acc_MD, l_M, m_M = _fwd_inner(acc_MD, l_M, m_M, q_MD, k_base, v_base, stride_ks, stride_vs,
-                                  offs_m, offs_d, S, shift, qk_scale, 0, full_hi,
-                                  False, HEAD_DIM, BLOCK_N, PRECISION)  # fmt: skip
-    acc_MD, l_M, m_M = _fwd_inner(acc_MD, l_M, m_M, q_MD, k_base, v_base, stride_ks, stride_vs,
-                                  offs_m, offs_d, S, shift, qk_scale, full_hi, hi,
-                                  True, HEAD_DIM, BLOCK_N, PRECISION)  # fmt: skip
+    if WINDOWED:  # from the first key block the block's first row's window reaches, all masked
+        lo = tl.maximum(start_m + shift - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc_MD, l_M, m_M = _fwd_inner(acc_MD, l_M, m_M, q_MD, k_base, v_base, stride_ks,
+                                      stride_vs, offs_m, offs_d, S, shift, qk_scale, lo, hi,
+                                      window, softcap, True, HEAD_DIM, BLOCK_N, PRECISION,
+                                      WINDOWED, CAPPED)  # fmt: skip
+    else:
+        full_hi = tl.minimum(S, start_m + shift + 1) // BLOCK_N * BLOCK_N
+        acc_MD, l_M, m_M = _fwd_inner(acc_MD, l_M, m_M, q_MD, k_base, v_base, stride_ks,
+                                      stride_vs, offs_m, offs_d, S, shift, qk_scale, 0, full_hi,
+                                      window, softcap, False, HEAD_DIM, BLOCK_N, PRECISION,
+                                      WINDOWED, CAPPED)  # fmt: skip
+        acc_MD, l_M, m_M = _fwd_inner(acc_MD, l_M, m_M, q_MD, k_base, v_base, stride_ks,
+                                      stride_vs, offs_m, offs_d, S, shift, qk_scale, full_hi, hi,
+                                      window, softcap, True, HEAD_DIM, BLOCK_N, PRECISION,
+                                      WINDOWED, CAPPED)  # fmt: skip
 
     o_MD = acc_MD / l_M[:, None]
     row = bh.to(tl.int64) * T
@@ -157,7 +194,9 @@ def _dkdv_inner(
     q_base, do_base, lse_base, delta_base, stride_qt,
     offs_n, offs_d, T, S, shift, qk_scale,
     lo, hi,  # query range [lo, hi) to stream
+    window, softcap,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -172,19 +211,20 @@ def _dkdv_inner(
         lse_M = tl.load(lse_base + offs_m, mask=offs_m < T, other=float("inf"))
         delta_M = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
         qkT_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=PRECISION) * qk_scale
+        qkT_NM, slope_NM = _cap(qkT_NM, softcap, CAPPED)
         pT_NM = tl.math.exp2(qkT_NM - lse_M[None, :])
         if MASKED:
-            visible = (offs_n[:, None] < S) & (offs_n[:, None] <= offs_m[None, :] + shift)
+            visible = _seen(offs_m[None, :], offs_n[:, None], S, shift, window, WINDOWED)
             pT_NM = tl.where(visible, pT_NM, 0.0)
         dv_ND += tl.dot(pT_NM.to(do_MD.dtype), do_MD, input_precision=PRECISION)
         dpT_NM = tl.dot(v_ND, tl.trans(do_MD), input_precision=PRECISION)
-        dsT_NM = pT_NM * (dpT_NM - delta_M[None, :])
+        dsT_NM = pT_NM * (dpT_NM - delta_M[None, :]) * slope_NM
         dk_ND += tl.dot(dsT_NM.to(q_MD.dtype), q_MD, input_precision=PRECISION)
     return dk_ND, dv_ND
 
 
 @_autotune(_configs([(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 32, 4, 2)]),
-           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
+           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION", "WINDOWED", "CAPPED"])  # fmt: skip
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr,  # as in the forward
@@ -195,8 +235,10 @@ def _attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vs,
     H, G, T, S,
     qk_scale, sm_scale,  # sm_scale: the softmax scale itself, which dK carries
+    window, softcap,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)  # over B * Hkv
@@ -225,20 +267,32 @@ def _attn_bwd_dkdv_kernel(
     full_lo = tl.minimum(tl.maximum(full_lo, lo), whole_m)
     full_lo = tl.where(start_n + BLOCK_N <= S, full_lo, whole_m)
     tail_lo = tl.maximum(whole_m, lo)
+    # under a sliding window, the rows that see this block end where the last key's window
+    # does: all of them masked
+    win_hi = tl.minimum(T, start_n + BLOCK_N - 1 - shift + window)
     for g in range(0, G):
         h = hkv * G + g
         q_base = q_ptr + b * stride_qb + h * stride_qh
         row = (b * H + h) * T
         do_base = do_ptr + row * HEAD_DIM
-        dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
-                                   delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
-                                   qk_scale, lo, full_lo, True, HEAD_DIM, BLOCK_M, PRECISION)  # fmt: skip
-        dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
-                                   delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
-                                   qk_scale, full_lo, whole_m, False, HEAD_DIM, BLOCK_M, PRECISION)  # fmt: skip
-        dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
-                                   delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
-                                   qk_scale, tail_lo, T, True, HEAD_DIM, BLOCK_M, PRECISION)  # fmt: skip
+        if WINDOWED:
+            dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
+                                       delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
+                                       qk_scale, lo, win_hi, window, softcap, True, HEAD_DIM,
+                                       BLOCK_M, PRECISION, WINDOWED, CAPPED)  # fmt: skip
+        else:
+            dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
+                                       delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
+                                       qk_scale, lo, full_lo, window, softcap, True, HEAD_DIM,
+                                       BLOCK_M, PRECISION, WINDOWED, CAPPED)  # fmt: skip
+            dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
+                                       delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
+                                       qk_scale, full_lo, whole_m, window, softcap, False,
+                                       HEAD_DIM, BLOCK_M, PRECISION, WINDOWED, CAPPED)  # fmt: skip
+            dk_ND, dv_ND = _dkdv_inner(dk_ND, dv_ND, k_ND, v_ND, q_base, do_base, lse_ptr + row,
+                                       delta_ptr + row, stride_qt, offs_n, offs_d, T, S, shift,
+                                       qk_scale, tail_lo, T, window, softcap, True, HEAD_DIM,
+                                       BLOCK_M, PRECISION, WINDOWED, CAPPED)  # fmt: skip
 
     out = bh.to(tl.int64) * S * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dk_ptr + out, (dk_ND * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -251,7 +305,9 @@ def _dq_inner(
     k_base, v_base, stride_ks, stride_vs,
     offs_m, offs_d, S, shift, qk_scale,
     lo, hi,
+    window, softcap,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -264,18 +320,19 @@ def _dq_inner(
             v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
         )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=PRECISION) * qk_scale
+        qk_MN, slope_MN = _cap(qk_MN, softcap, CAPPED)
         p_MN = tl.math.exp2(qk_MN - lse_M[:, None])
         if MASKED:
-            visible = (cols[None, :] < S) & (cols[None, :] <= offs_m[:, None] + shift)
+            visible = _seen(offs_m[:, None], cols[None, :], S, shift, window, WINDOWED)
             p_MN = tl.where(visible, p_MN, 0.0)
         dp_MN = tl.dot(do_MD, tl.trans(v_ND), input_precision=PRECISION)
-        ds_MN = p_MN * (dp_MN - delta_M[:, None])
+        ds_MN = p_MN * (dp_MN - delta_M[:, None]) * slope_MN
         dq_MD += tl.dot(ds_MN.to(k_ND.dtype), k_ND, input_precision=PRECISION)
     return dq_MD
 
 
 @_autotune(_configs([(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (32, 32, 4, 2)]),
-           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION"])  # fmt: skip
+           key=["T", "S", "HEAD_DIM", "CAUSAL", "PRECISION", "WINDOWED", "CAPPED"])  # fmt: skip
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr,  # as in the forward
@@ -286,8 +343,10 @@ def _attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vs,
     H, G, T, S,
     qk_scale, sm_scale,
+    window, softcap,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -313,13 +372,19 @@ def _attn_bwd_dq_kernel(
 
     dq_MD = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(S, start_m + BLOCK_M + shift)
-    full_hi = tl.minimum(S, start_m + shift + 1) // BLOCK_N * BLOCK_N
-    dq_MD = _dq_inner(dq_MD, q_MD, do_MD, lse_M, delta_M, k_base, v_base, stride_ks, stride_vs,
-                      offs_m, offs_d, S, shift, qk_scale, 0, full_hi,
-                      False, HEAD_DIM, BLOCK_N, PRECISION)  # fmt: skip
-    dq_MD = _dq_inner(dq_MD, q_MD, do_MD, lse_M, delta_M, k_base, v_base, stride_ks, stride_vs,
-                      offs_m, offs_d, S, shift, qk_scale, full_hi, hi,
-                      True, HEAD_DIM, BLOCK_N, PRECISION)  # fmt: skip
+    if WINDOWED:
+        lo = tl.maximum(start_m + shift - window + 1, 0) // BLOCK_N * BLOCK_N
+        dq_MD = _dq_inner(dq_MD, q_MD, do_MD, lse_M, delta_M, k_base, v_base, stride_ks,
+                          stride_vs, offs_m, offs_d, S, shift, qk_scale, lo, hi, window, softcap,
+                          True, HEAD_DIM, BLOCK_N, PRECISION, WINDOWED, CAPPED)  # fmt: skip
+    else:
+        full_hi = tl.minimum(S, start_m + shift + 1) // BLOCK_N * BLOCK_N
+        dq_MD = _dq_inner(dq_MD, q_MD, do_MD, lse_M, delta_M, k_base, v_base, stride_ks,
+                          stride_vs, offs_m, offs_d, S, shift, qk_scale, 0, full_hi, window,
+                          softcap, False, HEAD_DIM, BLOCK_N, PRECISION, WINDOWED, CAPPED)  # fmt: skip
+        dq_MD = _dq_inner(dq_MD, q_MD, do_MD, lse_M, delta_M, k_base, v_base, stride_ks,
+                          stride_vs, offs_m, offs_d, S, shift, qk_scale, full_hi, hi, window,
+                          softcap, True, HEAD_DIM, BLOCK_N, PRECISION, WINDOWED, CAPPED)  # fmt: skip
     tl.store(dq_ptr + offs_o, (dq_MD * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -327,11 +392,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _meta(q: torch.Tensor, causal: bool) -> dict[str, Any]:
+def _meta(q: torch.Tensor, causal: bool, window: int = 0, softcap: float = 0.0) -> dict[str, Any]:
     """The constexprs every attention kernel takes. fp32 inputs get exact fp32 products: TF32
     would miss the fp32 tolerance by two orders of magnitude."""
     D = q.shape[-1]
     return {
+        "WINDOWED": window > 0,
+        "CAPPED": softcap > 0,
         "CAUSAL": causal,
         "HEAD_DIM": D,
         "BLOCK_D": max(16, triton.next_power_of_2(D)),
@@ -344,7 +411,8 @@ def _strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ..
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             scale: float, window: int = 0,
+             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(o, lse2)``: the output and each row's log2-sum-exp2 of its scores times LOG2E."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -352,7 +420,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](q, k, v, o, lse, *_strides(q, k, v), H, H // Hkv, T, S,
-                           scale * LOG2E, **_meta(q, causal))  # fmt: skip
+                           scale if softcap else scale * LOG2E, window, softcap,
+                           **_meta(q, causal, window, softcap))  # fmt: skip
     return o, lse
 
 
@@ -368,16 +437,18 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-              lse: torch.Tensor, delta: torch.Tensor, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+              lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
+              window: int = 0,
+              softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` from the row statistics ``lse`` (log2 units) and ``delta``."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    meta = _meta(q, causal)
+    meta = _meta(q, causal, window, softcap)
     dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)  # laid out as o, contiguous
     dk = torch.empty((B, Hkv, S, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=v.device)
-    args = (*_strides(q, k, v), H, H // Hkv, T, S, scale * LOG2E, scale)
+    qk_scale = scale if softcap else scale * LOG2E
+    args = (*_strides(q, k, v), H, H // Hkv, T, S, qk_scale, scale, window, softcap)
     grid_kv = lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv)  # noqa: E731
     _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, *args, **meta)
     grid_q = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)  # noqa: E731
@@ -388,18 +459,19 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> torch.Tensor:  # fmt: skip
-        o, lse = _forward(q, k, v, causal, scale)
+                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:  # fmt: skip
+        o, lse = _forward(q, k, v, causal, scale, window, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
         return o
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
         do = do.contiguous()
-        dq, dk, dv = _backward(q, k, v, do, lse, _delta(o, do), ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(q, k, v, do, lse, _delta(o, do), ctx.causal, ctx.scale,
+                               ctx.window, ctx.softcap)  # fmt: skip
+        return dq, dk, dv, None, None, None, None
 
 
 class _AttentionLSE(torch.autograd.Function):
@@ -432,14 +504,22 @@ def attention(
     v_BHSD: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Flash attention with the contract of :func:`colfunc.ops.reference.attention`.
+    """Flash attention with the contract of :func:`colfunc.ops.reference.attention`, a
+    sliding ``window`` (causal: each query's key blocks from the first its window reaches) and
+    soft-capped scores included.
 
     Head dims 16 to 128; fp16, bf16 or fp32; any strides with a contiguous last dim (others are
     copied). Raises ValueError for inputs the kernel does not take, before launching.
     """
     q, k, v, scale = _prepare(q_BHTD, k_BHSD, v_BHSD, causal, scale)
-    out: torch.Tensor = _Attention.apply(q, k, v, bool(causal), scale)
+    if window and not causal:
+        raise ValueError("attention: a sliding window is for causal attention; pass causal=True")
+    out: torch.Tensor = _Attention.apply(
+        q, k, v, bool(causal), scale, int(window or 0), float(softcap or 0.0)
+    )
     return out
 
 

@@ -113,9 +113,10 @@ def attention(
     Under a sequence-parallel ``shard`` (Ulysses, ring), a frame on the context stack runs it
     across the ranks of the sequence axis (:class:`colfunc.core.AttentionInterceptor`).
     A sliding ``window`` (an int >= 1, causal only) keeps each query's last ``window`` keys,
-    itself included; it runs the reference (masked) path, and is refused under the
-    long-sequence modes. ``softcap`` (a number > 0) caps the scaled scores at ``softcap *
-    tanh(s / softcap)`` before the mask (Gemma 2); the reference path too, refused likewise.
+    itself included; ``softcap`` (a number > 0) caps the scaled scores at ``softcap *
+    tanh(s / softcap)`` before the mask (Gemma 2). Both are refused under the long-sequence
+    modes. The Triton kernel takes both (a window's query blocks skip the key blocks before
+    it); elsewhere the reference computes them, written out.
     """
     if window is not None or softcap is not None:
         return _windowed(q_BHTD, k_BHSD, v_BHSD, causal, scale, window, softcap)
@@ -161,9 +162,11 @@ def _windowed(
             "zigzag, usp) is not supported; split the sequence with sequence_parallel=True "
             "(Megatron) or not at all"
         )
-    return reference.attention(
-        q_BHTD, k_BHSD, v_BHSD, causal, scale, window=window, softcap=softcap
-    )
+    qkv = (q_BHTD, k_BHSD, v_BHSD)
+    if _use_triton("attention", lambda: checks.attention(*qkv, causal), qkv):
+        out: torch.Tensor = _kernel("attention").attention(*qkv, causal, scale, window, softcap)
+        return out
+    return reference.attention(*qkv, causal, scale, window=window, softcap=softcap)
 
 
 def _attention(
