@@ -21,7 +21,6 @@ F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from colfunc import core, nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.models.decoder_config import LAYER_TYPES, VARIATIONS, Config
+from colfunc.models.family import make_params
 
 __all__ = [
     "LAYER_TYPES",
@@ -173,14 +173,7 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
             return torch.zeros(shape)
         return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
 
-    if abstract:
-        return nn.nest(
-            {
-                p: random.abstract(s, functools.partial(value, p, s))
-                for p, s in param_shapes(cfg).items()
-            }
-        )
-    return nn.nest({p: value(p, s) for p, s in param_shapes(cfg).items()})
+    return make_params(param_shapes(cfg), value, abstract)
 
 
 def _head_dim(cfg: Config) -> int:

@@ -25,11 +25,14 @@ and ``hf.read_config`` reads attributes of one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+
+from colfunc import nn, random
 
 __all__ = [
     "FAMILIES",
@@ -38,6 +41,7 @@ __all__ = [
     "HFWeight",
     "KVCacheSpec",
     "get",
+    "make_params",
     "of_config",
     "of_hf",
     "positive_number",
@@ -339,3 +343,17 @@ def require(model: str, hf_cfg: Any, option: str, allowed: tuple[Any, ...]) -> N
             f"from_hf: {model} with {option}={value!r} is not supported; colfunc's model "
             f"computes {option} in {allowed!r}"
         )
+
+
+def make_params(
+    shapes: dict[str, tuple[int, ...]],
+    value: Callable[[str, tuple[int, ...]], torch.Tensor],
+    abstract: bool,
+) -> Params:
+    """The parameter tree of ``shapes`` (dotted paths), each leaf ``value(path, shape)``; with
+    ``abstract`` a :class:`colfunc.random.Abstract` that makes it when asked."""
+    if abstract:
+        return nn.nest(
+            {p: random.abstract(s, functools.partial(value, p, s)) for p, s in shapes.items()}
+        )
+    return nn.nest({p: value(p, s) for p, s in shapes.items()})
