@@ -138,12 +138,24 @@ def test_the_engine_decodes_with_the_scaled_tables() -> None:
             },
             "rope_type='longrope'",
         ),
-        ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_type='dynamic'"),
     ],
 )
 def test_rope_types_not_built_are_refused_by_name(rope: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         hf.from_hf(_llama(rope))
+
+
+def test_dynamic_scaling_is_the_default_within_the_context() -> None:
+    """Dynamic NTK changes the base only past ``max_position_embeddings``, which colfunc's
+    models never reach: the logits equal ``transformers``' and the type is kept for export."""
+    model = _llama({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    cfg, params = hf.from_hf(model)
+    assert cfg.rope_type == "dynamic"
+    ids = torch.randint(0, 61, (2, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = models.llama.apply(params, ids, cfg) - model(input_ids=ids).logits
+    assert diff.abs().max().item() <= 1e-5
+    assert hf.hf_config(cfg).rope_parameters["rope_type"] == "dynamic"
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,7 @@ def read_hf_config(
     sliding_window: int | None = None,
     rope: dict[str, Any] | None = None,
     act: str = "hidden_act",
+    longrope: bool = False,
     **fields: Any,
 ) -> Config:
     """``config`` from a Hugging Face LLaMA-shaped config ``c``: sizes, rotary settings, norm
@@ -105,7 +106,9 @@ def read_hf_config(
     family in errors. ``sliding_window``: the window every layer slides by, as the family reads
     it; one no shorter than the context computes the same model as none, and is read as None.
     ``rope``: the rotary settings where the family keeps them elsewhere (Gemma 3's per layer
-    type); ``act``: the config field naming the MLP's activation."""
+    type); ``act``: the config field naming the MLP's activation; ``longrope``: whether the
+    family takes LongRoPE (Phi-3, whose ``transformers`` generation computes a sequence's cache
+    again when it grows past the short factors, as the engine does; others do not)."""
     if sliding_window is not None and sliding_window >= c.max_position_embeddings:
         sliding_window = None
         fields.pop("layer_types", None)
@@ -122,6 +125,12 @@ def read_hf_config(
         }
     )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "longrope" and not longrope:
+        raise ValueError(
+            f"from_hf: {label} with rope_type='longrope' is not supported; colfunc computes "
+            "LongRoPE for Phi-3, whose generation in transformers recomputes the cache when a "
+            "sequence outgrows the short factors"
+        )
     if rope_type not in nn.ROPE_TYPES:
         raise ValueError(
             f"from_hf: {label} with rope_type={rope_type!r} is not supported; colfunc's model "

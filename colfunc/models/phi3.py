@@ -80,7 +80,7 @@ def _read(c: Any) -> Config:
     fraction = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     window = getattr(c, "sliding_window", None)
     return decoder_hf.read_hf_config(  # type: ignore[return-value]
-        c, Config, "Phi3", sliding_window=window, rotary_fraction=float(fraction)
+        c, Config, "Phi3", sliding_window=window, rotary_fraction=float(fraction), longrope=True
     )
 
 

@@ -336,8 +336,8 @@ def _paged_attention_op(
     ):  # decoding on the CPU: the C++ kernel reads each block where it lies
         reference.check_paged_lens(q, batch)
         out = torch.empty(q.shape, dtype=q.dtype)
-        cpu_attention.paged_decode_into(out, *args, w, cap)
-        reference.paged_prefill_into(out, *args, w, cap)
+        cpu_attention.paged_decode_into(out, *args, window=w, softcap=cap)
+        reference.paged_prefill_into(out, *args, window=w, softcap=cap)
         return out
     return reference.paged_attention(*args, w, cap)
 
