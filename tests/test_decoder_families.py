@@ -496,3 +496,20 @@ def test_longrope_recomputes_a_sequence_that_grows_past_the_short_factors() -> N
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == want
     # the first sequence crossed 16 tokens while decoding: computed again once
     assert engine.stats()["preemptions"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_engines_from_hf_serves_each_family_from_its_folder(name: str, tmp_path: Path) -> None:
+    """``engines.from_hf(FOLDER)`` (what ``colfunc serve --hf`` runs) reads each family's
+    ``save_pretrained`` folder, picks the native family, and gives ``generate``'s greedy
+    tokens."""
+    from colfunc import engines
+
+    model = _hf(name, seed=12)
+    model.save_pretrained(tmp_path)
+    engine = engines.from_hf(tmp_path, dtype=torch.float64, block_size=4, num_blocks=16)
+    assert engine.model is FAMILIES[name][0]
+    prompts = [[1, 2, 3, 4], [50, 9, 30, 31, 32, 7, 7, 8, 40, 41, 2, 3]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+    assert got == cf.testing.hf_greedy(model, prompts, 8)
