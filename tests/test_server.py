@@ -162,6 +162,41 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
         _client(served).completions.create(model="nope", prompt="x")
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
+        ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+        ("chat/completions", {"messages": []}, "messages"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}],
+             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tools",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_server_would_ignore_is_refused_by_name(served, path, body, param) -> None:
+    """Fields the server does not compute come back as a 400 naming them, never as an answer
+    that silently left them out (lm-eval's echo, for one, would score every choice alike);
+    their neutral values pass."""
+    r = httpx.post(f"{served.url}/v1/{path}", json={"model": NAME, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    ok = {"model": NAME, "prompt": "x", "max_tokens": 2, "echo": False, "best_of": 1}
+    ok |= {"logit_bias": {}, "response_format": {"type": "text"}}
+    assert httpx.post(f"{served.url}/v1/completions", json=ok, timeout=30).status_code == 200
+
+
 def test_health_and_metrics(served) -> None:
     _client(served).completions.create(model=NAME, prompt="import os", max_tokens=3)
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}

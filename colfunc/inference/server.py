@@ -241,11 +241,47 @@ class _Sampling(pydantic.BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    # fields of the OpenAI API this server does not compute yet: refused by name when they
+    # would change the answer (see _refuse_unbuilt), never silently ignored
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+
+def _refuse_unbuilt(req: _Sampling) -> None:
+    """A 400 naming the first field whose value this server would otherwise ignore: what a
+    client asks for and does not get must not come back as a plausible answer."""
+    unbuilt: list[tuple[str, bool]] = [
+        ("echo", bool(getattr(req, "echo", False))),
+        ("suffix", getattr(req, "suffix", None) is not None),
+        ("prompt_logprobs", getattr(req, "prompt_logprobs", None) is not None),
+        ("best_of", req.best_of is not None and req.best_of != req.n),
+        ("logit_bias", bool(req.logit_bias)),
+        ("response_format", (req.response_format or {}).get("type", "text") != "text"),
+        ("tools", bool(req.tools)),
+        ("functions", bool(req.functions)),
+        ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+        ("function_call", req.function_call not in (None, "none", "auto")),
+    ]
+    for field, asked in unbuilt:
+        if asked:
+            raise _BadRequest(
+                f"{field}={getattr(req, field)!r} is not supported by this server: it would be "
+                f"ignored, so the request is refused; leave {field} out",
+                field,
+            )
 
 
 class _Message(pydantic.BaseModel):
@@ -342,6 +378,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                 "model",
                 "model_not_found",
             )
+        _refuse_unbuilt(req)
         if loop.failure is not None:
             raise RuntimeError(f"the engine stopped: {loop.failure!r}")
         params = _params(req, logprobs)
@@ -461,6 +498,8 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     async def chat(request: fastapi.Request, req: ChatRequest) -> Any:
         if engine.tokenizer is None:
             raise _BadRequest("this model has no tokenizer, so it cannot take chat messages")
+        if not req.messages:
+            raise _BadRequest("messages is empty; give at least one message", "messages")
         text = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await respond(request, req, text, top, chat=True)
