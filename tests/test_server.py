@@ -197,6 +197,31 @@ def test_what_the_server_would_ignore_is_refused_by_name(served, path, body, par
     assert httpx.post(f"{served.url}/v1/completions", json=ok, timeout=30).status_code == 200
 
 
+def test_a_prompt_array_gets_a_choice_per_prompt_and_sample(served) -> None:
+    """``prompt`` as a list of strings or of token lists: one choice per prompt and sample,
+    numbered prompt-major as OpenAI does, each the same as its prompt sent alone; usage summed;
+    a bad prompt is named by its index before any runs; streaming several is refused."""
+    client = _client(served)
+    prompts = ["import os", "def f(x):", "class A:"]
+    alone = [
+        client.completions.create(model=NAME, prompt=p, **GREEDY).choices[0].text for p in prompts
+    ]
+    many = client.completions.create(model=NAME, prompt=prompts, **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == alone
+    ids = [[5, 6, 7], [8, 9]]
+    two = client.completions.create(model=NAME, prompt=ids, n=2, temperature=0, max_tokens=3)
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (3 + 2, 2 * 2 * 3)
+    bad = {"model": NAME, "prompt": ["fine", "x " * 400], "max_tokens": 2}
+    r = httpx.post(served.url + "/v1/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]:")
+    streamed = {**bad, "prompt": ["a", "b"], "stream": True}
+    r = httpx.post(served.url + "/v1/completions", json=streamed, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    assert served.idle()["blocks_used"] == 0
+
+
 def test_health_and_metrics(served) -> None:
     _client(served).completions.create(model=NAME, prompt="import os", max_tokens=3)
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}

@@ -253,11 +253,18 @@ class _Sampling(pydantic.BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """The prompts of a completions request: one string or token list, or a list of either."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
 
 
 def _refuse_unbuilt(req: _Sampling) -> None:
@@ -492,7 +499,35 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request, req: CompletionRequest) -> Any:
-        return await respond(request, req, req.prompt, req.logprobs, chat=False)
+        prompts = _prompt_list(req.prompt)
+        if len(prompts) == 1:
+            return await respond(request, req, prompts[0], req.logprobs, chat=False)
+        if req.stream:
+            raise _BadRequest(
+                "stream=true with several prompts is not supported; send one request per "
+                "prompt, or stream=false",
+                "stream",
+            )
+        for i, p in enumerate(prompts):  # every prompt checked before any runs
+            try:
+                engine.encode_prompt(p)
+            except ValueError as e:
+                raise _BadRequest(
+                    f"prompt[{i}]: {str(e).removeprefix('Engine: ')}", "prompt"
+                ) from e
+        bodies = await asyncio.gather(
+            *(respond(request, req, p, req.logprobs, chat=False) for p in prompts)
+        )
+        if any(isinstance(b, Response) for b in bodies):
+            return Response(status_code=499)  # the client went away
+        # one choice per prompt and sample, prompt-major, as OpenAI numbers them
+        choices = [
+            {**c, "index": k * req.n + c["index"]}
+            for k, b in enumerate(bodies)
+            for c in b["choices"]
+        ]
+        total = {key: sum(b["usage"][key] for b in bodies) for key in bodies[0]["usage"]}
+        return {**bodies[0], "choices": choices, "usage": total}
 
     @app.post("/v1/chat/completions")
     async def chat(request: fastapi.Request, req: ChatRequest) -> Any:
