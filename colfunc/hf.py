@@ -176,13 +176,14 @@ def hf_config(cfg: Config, **overrides: Any) -> Any:
 
     _, mapping = _mapping(cfg)
     kw = mapping.write_config(cfg)
-    out = transformers.AutoConfig.for_model(mapping.model_type, **(kw | overrides))
+    given = kw | overrides
+    out = transformers.AutoConfig.for_model(mapping.model_type, **given)
     vocab = getattr(out, "vocab_size", None)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         # a class default past this vocabulary (a small model of a family whose tokenizer is
         # large) names no token: none, unless given
         value = getattr(out, name, None)
-        if name not in kw | overrides and isinstance(value, int) and vocab and value >= vocab:
+        if name not in given and isinstance(value, int) and vocab and value >= vocab:
             setattr(out, name, None)
     return out
 
@@ -234,12 +235,16 @@ def load_abstract(source: str) -> tuple[Config, Params]:
     is a :class:`colfunc.random.Abstract` that reads its tensors from the safetensors files when
     it is made (one parameter at a time, as :meth:`colfunc.Step.init` makes them, so that a rank
     keeping only its shards never holds the whole model). Made, each equals :func:`load`'s."""
+    return _described(source, read_config(source))
+
+
+def _described(source: str, cfg: Config) -> tuple[Config, Params]:
+    """:func:`load_abstract` of the folder whose config ``cfg`` has already been read."""
     import safetensors
 
     from colfunc.random import abstract
 
     folder = folder_of(source)
-    cfg = read_config(source)
     module, top, layer = _table(cfg)
     shapes: dict[str, tuple[int, ...]] = module.param_shapes(cfg)
     where = _safetensors_keys(folder)
@@ -326,7 +331,7 @@ def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]
         name = stated.get("dtype") or stated.get("torch_dtype")
         dtype = getattr(torch, name, None) if isinstance(name, str) else None
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
-    _, described = load_abstract(source)
+    _, described = _described(source, cfg)
     made = materialize(described)
     return cfg, made if dtype is None else tree.map(lambda x: x.to(dtype), made)
 

@@ -508,15 +508,16 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                 "prompt, or stream=false",
                 "stream",
             )
-        for i, p in enumerate(prompts):  # every prompt checked before any runs
+        encoded = []  # every prompt checked (and tokenized, once) before any runs
+        for i, p in enumerate(prompts):
             try:
-                engine.encode_prompt(p)
+                encoded.append(engine.encode_prompt(p))
             except ValueError as e:
                 raise _BadRequest(
                     f"prompt[{i}]: {str(e).removeprefix('Engine: ')}", "prompt"
                 ) from e
         bodies = await asyncio.gather(
-            *(respond(request, req, p, req.logprobs, chat=False) for p in prompts)
+            *(respond(request, req, ids, req.logprobs, chat=False) for ids in encoded)
         )
         if any(isinstance(b, Response) for b in bodies):
             return Response(status_code=499)  # the client went away

@@ -239,12 +239,7 @@ _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config) -> torch.Tensor:
-    if not cfg.mlp_gated:
-        return nn.mlp(h_BTD, p, _ACT[cfg.mlp_act])
-    if cfg.mlp_act == "silu":
-        return nn.swiglu(h_BTD, p)
-    gate = _ACT[cfg.mlp_act](nn.linear(h_BTD, p["w_gate"]))
-    return nn.linear(gate * nn.linear(h_BTD, p["w_up"]), p["w_down"])
+    return (nn.gated if cfg.mlp_gated else nn.mlp)(h_BTD, p, _ACT[cfg.mlp_act])
 
 
 def _block(layer: Params, carry: Carry, cfg: Config, i: int | None = None) -> Carry:
@@ -259,7 +254,7 @@ def _block_kv(
     values."""
     x_BTD = carry["h"]
     local = i is not None and cfg.window_at(i) is not None
-    rope = carry.get("rope_local") if local and "rope_local" in carry else carry["rope"]
+    rope = carry["rope_local"] if local and "rope_local" in carry else carry["rope"]
     if i is not None and i in cfg.nope_layers:
         rope = None
     options = nn.AttentionOptions(
@@ -330,13 +325,14 @@ def paged_forward(
     new tokens' positions."""
     x_1ND = _scaled(nn.embedding(tokens_N, params["embed"]["tokens"])[None], cfg)
     positions_N = batch.token_positions()
-    ropes = _ropes(cfg, cfg.max_seq_len, x_1ND.device)
+    # (LongRoPE: the short factors' tables here, the long ones' where a sequence is past them)
+    ropes = _ropes(cfg, cfg.max_seq_len, x_1ND.device, context=cfg.cache_regime)
     carry: Carry = {
         "h": x_1ND,
         **{k: (c[positions_N], s[positions_N]) for k, (c, s) in ropes.items()},
     }
-    if cfg.rope_type == "longrope":  # each sequence's tokens by its own length, as if alone
-        carry["rope"] = _longrope_at(cfg, batch, positions_N)
+    if cfg.cache_regime is not None:  # each sequence's tokens by its own length, as if alone
+        carry["rope"] = _longrope_at(cfg, batch, positions_N, carry["rope"])
     if cfg.per_layer:
         block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged, paged.layer)  # noqa: E731
     else:
@@ -346,23 +342,22 @@ def paged_forward(
 
 
 def _longrope_at(
-    cfg: Config, batch: nn.PagedBatch, positions_N: torch.Tensor
+    cfg: Config,
+    batch: nn.PagedBatch,
+    positions_N: torch.Tensor,
+    short_N: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LongRoPE's tables at the new tokens' positions, each token's from the short or the long
-    factors by its sequence's whole length (``transformers`` chooses by the length in each
-    forward pass, and computes a sequence's cache again when it grows past the short factors'
-    reach: the engine does too, see :class:`colfunc.models.KVCacheSpec`'s ``regime``)."""
+    """LongRoPE's tables at the new tokens' positions (``short_N``: the short factors'), each
+    token's from the long factors instead where its sequence's whole length is past them
+    (``transformers`` chooses by the length in each forward pass, and computes a sequence's
+    cache again when it grows past the short factors' reach: the engine does too, see
+    :class:`colfunc.models.KVCacheSpec`'s ``regime``)."""
     original, device = cfg.rope_scaling.original_max_position, positions_N.device
-    short = _ropes(cfg, cfg.max_seq_len, device, context=original)["rope"]
     long = _ropes(cfg, cfg.max_seq_len, device, context=original + 1)["rope"]
-    ends = batch.seq_lens or ()
     lens = torch.tensor(batch.query_lens, device=device)
-    past_N1 = torch.tensor([e > original for e in ends], device=device).repeat_interleave(lens)[
-        :, None
-    ]
-    cos, sin = (
-        torch.where(past_N1, lg[positions_N], sh[positions_N]) for sh, lg in zip(short, long)
-    )
+    past = torch.tensor([e > original for e in batch.seq_lens or ()], device=device)
+    past_N1 = past.repeat_interleave(lens)[:, None]
+    cos, sin = (torch.where(past_N1, lg[positions_N], sh) for sh, lg in zip(short_N, long))
     return cos, sin
 
 

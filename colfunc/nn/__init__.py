@@ -21,7 +21,7 @@ from colfunc.nn.attention import (
     split_heads,
 )
 from colfunc.nn.dense import embedding, linear, unembed
-from colfunc.nn.feedforward import geglu, gelu_tanh, mlp, swiglu
+from colfunc.nn.feedforward import gated, gelu_tanh, mlp, swiglu
 from colfunc.nn.lm import (
     batch_field,
     causal_lm_loss,
@@ -43,7 +43,7 @@ __all__ = [
     "causal_lm_loss",
     "check_input_ids",
     "embedding",
-    "geglu",
+    "gated",
     "gelu_tanh",
     "linear",
     "merge_heads",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from colfunc.nn.dense import linear
 
-__all__ = ["geglu", "gelu_tanh", "mlp", "swiglu"]
+__all__ = ["gated", "gelu_tanh", "mlp", "swiglu"]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -33,13 +33,17 @@ def mlp(
     return linear(h_BTF, p["w_out"], p.get("b_out"))
 
 
+def gated(
+    x_BTD: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A gated MLP (Shazeer 2020): ``(activation(x @ w_gate) * (x @ w_up)) @ w_down`` (GeGLU
+    with tanh GELU in Gemma, with exact GELU elsewhere)."""
+    h_BTF = activation(linear(x_BTD, p["w_gate"])) * linear(x_BTD, p["w_up"])
+    return linear(h_BTF, p["w_down"])
+
+
 def swiglu(x_BTD: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     """SwiGLU (Shazeer 2020), as in LLaMA: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``."""
-    h_BTF = F.silu(linear(x_BTD, p["w_gate"])) * linear(x_BTD, p["w_up"])
-    return linear(h_BTF, p["w_down"])
-
-
-def geglu(x_BTD: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """GeGLU with tanh GELU, as in Gemma: ``(gelu_tanh(x @ w_gate) * (x @ w_up)) @ w_down``."""
-    h_BTF = gelu_tanh(linear(x_BTD, p["w_gate"])) * linear(x_BTD, p["w_up"])
-    return linear(h_BTF, p["w_down"])
+    return gated(x_BTD, p, F.silu)
