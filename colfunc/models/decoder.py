@@ -21,6 +21,7 @@ F MLP width (d_ff), V vocabulary, H query heads, K key/value heads, E head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -212,6 +213,17 @@ def _ropes(
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _context_ropes(
+    cfg: Config, device: Any, context: int | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The rotary tables of every position of the context, which the engine indexes at its new
+    tokens' positions: made once per config, device and LongRoPE regime, not at every step (no
+    frame reorders positions in the engine)."""
+    with torch.no_grad():
+        return _ropes(cfg, cfg.max_seq_len, device, context)
+
+
 def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
     """What each block reads: the residual stream and the rotary tables, made once per pass."""
     return {"h": x_BTD, **_ropes(cfg, x_BTD.shape[1], x_BTD.device)}
@@ -326,7 +338,7 @@ def paged_forward(
     x_1ND = _scaled(nn.embedding(tokens_N, params["embed"]["tokens"])[None], cfg)
     positions_N = batch.token_positions()
     # (LongRoPE: the short factors' tables here, the long ones' where a sequence is past them)
-    ropes = _ropes(cfg, cfg.max_seq_len, x_1ND.device, context=cfg.cache_regime)
+    ropes = _context_ropes(cfg, x_1ND.device, cfg.cache_regime)
     carry: Carry = {
         "h": x_1ND,
         **{k: (c[positions_N], s[positions_N]) for k, (c, s) in ropes.items()},
@@ -353,7 +365,7 @@ def _longrope_at(
     cache again when it grows past the short factors' reach: the engine does too, see
     :class:`colfunc.models.KVCacheSpec`'s ``regime``)."""
     original, device = cfg.rope_scaling.original_max_position, positions_N.device
-    long = _ropes(cfg, cfg.max_seq_len, device, context=original + 1)["rope"]
+    long = _context_ropes(cfg, device, original + 1)["rope"]
     lens = torch.tensor(batch.query_lens, device=device)
     past = torch.tensor([e > original for e in batch.seq_lens or ()], device=device)
     past_N1 = past.repeat_interleave(lens)[:, None]
