@@ -1,6 +1,7 @@
 """colfunc: large-model training as composable transforms of a pure training step, on PyTorch."""
 
 from colfunc import (
+    adapters,
     checkpoint,
     config,
     data,
@@ -17,6 +18,7 @@ from colfunc import (
     transforms,
     tree,
 )
+from colfunc.adapters import lora
 from colfunc.core import Layered, P, layered, scan_layers
 from colfunc.sharding import Mesh, launch, shard_map
 from colfunc.step import Step, TrainState, full_state, train_step
@@ -30,6 +32,7 @@ __all__ = [
     "P",
     "Step",
     "TrainState",
+    "adapters",
     "amp",
     "checkpoint",
     "config",
@@ -39,6 +42,7 @@ __all__ = [
     "hf",
     "launch",
     "layered",
+    "lora",
     "memory",
     "models",
     "nn",

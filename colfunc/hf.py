@@ -34,6 +34,7 @@ __all__ = [
     "hf_config",
     "load",
     "load_abstract",
+    "load_adapter",
     "read_config",
     "save",
     "to_hf",
@@ -390,6 +391,14 @@ def save(
         if path.is_file():
             path.chmod(mode)
     return folder
+
+
+def load_adapter(source: str | Path, cfg: Config) -> tuple[Any, Params]:
+    """``(lora_config, adapters)`` of a peft LoRA adapter folder for a model of config ``cfg``;
+    see :func:`colfunc.adapters.load_adapter`."""
+    from colfunc.adapters.peft import load_adapter as load_peft
+
+    return load_peft(source, cfg)
 
 
 def _umask() -> int:

@@ -30,11 +30,13 @@ from colfunc.nn.lm import (
     next_token_loss,
     next_token_targets,
 )
+from colfunc.nn.lowrank import LowRank
 from colfunc.nn.plans import tensor_plans
 
 __all__ = [
     "ROPE_TYPES",
     "AttentionOptions",
+    "LowRank",
     "Paged",
     "PagedBatch",
     "RopeScaling",

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from colfunc.core import linear_frames, sequence_split
+from colfunc.nn.lowrank import LowRank
 
 __all__ = ["embedding", "linear", "unembed"]
 
@@ -28,8 +29,13 @@ def linear(
 
     Under 2D, 2.5D and 3D tensor parallelism a :class:`~colfunc.core.LinearInterceptor` frame
     runs the mode's matmul (SUMMA's broadcasts, 3D's gathers) on the weights laid out for it.
+
+    A :class:`~colfunc.nn.LowRank` weight (a LoRA adapter beside a frozen weight) adds its
+    low-rank term: ``x @ w + (x @ a) @ b * scale``.
     """
     if type(w_IO) is not torch.Tensor:
+        if type(w_IO) is LowRank:
+            return w_IO.linear(x_BTI, b_O, linear)
         for frame in linear_frames():
             out = frame.linear(x_BTI, w_IO, b_O)
             if out is not None:

@@ -429,9 +429,14 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     # matmul_order); elsewhere (sharded, chunked, offloaded, pipelined) they stay row-major
     reorder = reduction is not None and reduction.matmul_order
 
+    adapted = getattr(step.loss_fn, "lora", None)
+
     def layout(params: PyTree) -> PyTree:
         split_acts = long_seq is not None or grid_layout is not None
-        placed = place(inner_layout(params), plan_, mesh, sharded=split_acts, layout=grid_layout)
+        inner = inner_layout(params)
+        # adapters (cf.lora) placed to match their weights
+        plan = plan_ if adapted is None else adapted.plan(plan_, inner, cfg.tensor_mode)
+        placed = place(inner, plan, mesh, sharded=split_acts, layout=grid_layout)
         return matmul_order(placed) if reorder else placed
 
     megatron = cfg.sequence_parallel == "megatron"

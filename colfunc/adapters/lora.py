@@ -1,0 +1,503 @@
+"""``lora``: low-rank adapters (LoRA, Hu et al. 2021) as a transform of the training step.
+
+``cf.lora(step, rank, alpha, targets)`` adds, beside every weight ``w[in, out]`` a target pattern
+matches, an adapter ``a[in, r]`` and ``b[r, out]`` (``b`` zero at init, as peft), trains the
+adapters only and computes ``x @ w + (x @ a) @ b * alpha / r`` wherever the model multiplies by
+``w`` (:class:`colfunc.nn.LowRank`), inside the scanned block, one layer at a time: the base is
+never merged, so ZeRO-3 and offload still gather or fetch it per layer, and it gets no gradient.
+
+The adapters live in the parameter tree next to their weight, in a ``lora`` dict:
+``blocks.attn.wq`` gets ``blocks.attn.lora.wq.a [L, in, r]`` and ``blocks.attn.lora.wq.b
+[L, r, out]``. So every transform handles them as the parameters they are: sharded by a plan
+derived from the base's (``shard``: a column-parallel weight's ``b`` split on its output dim, a
+row-parallel weight's ``a`` on its input dim, no collective beyond the base's), cut by ZeRO,
+staged by the pipeline, kept on the device by offload while the frozen base streams from host
+memory, saved by checkpoints. A group in ``shared`` (weights with the same input, which a
+Hugging Face model fuses into one module: GPT-2's ``c_attn``) shares one ``a``, kept at the
+group's first weight; each member keeps its own ``b``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from colfunc import core, random, tree
+from colfunc.core import P, Plan
+from colfunc.nn.lowrank import LowRank
+from colfunc.step import Step, Trainable, train_step
+
+__all__ = [
+    "INITS",
+    "LoraConfig",
+    "Target",
+    "adapter_paths",
+    "call",
+    "combine",
+    "config_of",
+    "is_adapter",
+    "lora",
+    "merge",
+]
+
+PyTree = Any
+INITS = ("kaiming", "gaussian")
+KEY = "lora"  # the dict beside the adapted weights
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """The arguments of :func:`lora`, checked; ``scale`` is ``alpha / rank`` (``alpha /
+    sqrt(rank)`` with ``rslora``, Kalajdzievski 2023)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("blocks.attn.w*", "blocks.mlp.w*")
+    dropout: float = 0.0
+    init: str = "kaiming"
+    rslora: bool = False
+    shared: tuple[tuple[str, ...], ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora: rank must be an int >= 1, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            raise TypeError(f"lora: alpha must be a number, got {self.alpha!r}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"lora: alpha must be finite and > 0, got {self.alpha!r}")
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        if not isinstance(targets, (tuple, list)) or not targets:
+            raise TypeError(
+                f"lora: targets must be a path pattern or a non-empty list of them, got "
+                f"{self.targets!r}"
+            )
+        for t in targets:
+            if not isinstance(t, str) or not t:
+                raise TypeError(f"lora: each target must be a path pattern (str), got {t!r}")
+        object.__setattr__(self, "targets", tuple(targets))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise TypeError(f"lora: dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in INITS:
+            raise ValueError(f"lora: init must be one of {INITS}, got {self.init!r}")
+        if not isinstance(self.rslora, bool):
+            raise TypeError(f"lora: rslora must be a bool, got {self.rslora!r}")
+        groups = []
+        for g in self.shared:
+            if isinstance(g, str) or not isinstance(g, (tuple, list)) or len(g) < 2:
+                raise TypeError(
+                    f"lora: shared must be groups (tuples) of two or more weight paths, got {g!r}"
+                )
+            parents = {p.rpartition(".")[0] for p in g}
+            if len(parents) != 1:
+                raise ValueError(
+                    f"lora: a shared group's weights must sit side by side (one parent), got {g!r}"
+                )
+            groups.append(tuple(g))
+        seen = [p for g in groups for p in g]
+        if len(seen) != len(set(seen)):
+            raise ValueError(f"lora: a weight is in two shared groups: {groups!r}")
+        object.__setattr__(self, "shared", tuple(groups))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"lora: seed must be an int, got {self.seed!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`lora` that make this config."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def leader(self, path: str) -> str:
+        """The weight whose ``a`` ``path`` uses: the first of its shared group, else itself."""
+        for g in self.shared:
+            if path in g:
+                return g[0]
+        return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A weight with an adapter: its path, and where its ``a`` and ``b`` are kept."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    leader: str  # the weight whose ``a`` it uses (itself unless shared)
+
+    @property
+    def stacked(self) -> bool:
+        return self.path.startswith("blocks.")
+
+    @property
+    def a(self) -> str:
+        return adapter_paths(self.leader)[0]
+
+    @property
+    def b(self) -> str:
+        return adapter_paths(self.path)[1]
+
+
+def adapter_paths(path: str) -> tuple[str, str]:
+    """The paths of the adapter of the weight at ``path``: ``(a, b)``."""
+    parent, _, name = path.rpartition(".")
+    stem = f"{parent}.{KEY}.{name}" if parent else f"{KEY}.{name}"
+    return f"{stem}.a", f"{stem}.b"
+
+
+def is_adapter(path: str) -> bool:
+    """Whether ``path`` is an adapter's ``a`` or ``b``."""
+    parts = path.split(".")
+    return len(parts) >= 3 and parts[-3] == KEY and parts[-1] in ("a", "b")
+
+
+def base_of(path: str) -> str:
+    """The weight an adapter path belongs to (``blocks.attn.lora.wq.b -> blocks.attn.wq``)."""
+    parts = path.split(".")
+    return ".".join([*parts[:-3], parts[-2]])
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def resolve(config: LoraConfig, params: PyTree) -> list[Target]:
+    """The weights ``config.targets`` select in ``params`` (adapters already there excluded);
+    a pattern that matches nothing, or a match that is not a matrix, is an error naming it."""
+    flat = [(p, x) for p, x in tree.flatten_with_paths(params)[0] if not is_adapter(p)]
+    out: dict[str, Target] = {}
+    for pattern in config.targets:
+        hits = [(p, x) for p, x in flat if tree.match(pattern, p)]
+        if not hits:
+            raise ValueError(
+                f"lora: target {pattern!r} matches no parameter; parameter paths look like "
+                f"{[p for p, _ in flat[:6]]}"
+            )
+        for p, x in hits:
+            want = 3 if p.startswith("blocks.") else 2
+            if len(_shape(x)) != want or not getattr(x, "dtype", torch.int8).is_floating_point:
+                kind = "stacked [layers, in, out]" if want == 3 else "[in, out]"
+                raise ValueError(
+                    f"lora: target {pattern!r} matches {p} of shape {list(_shape(x))}, which is "
+                    f"not a floating {kind} weight of a linear map; narrow the pattern"
+                )
+            out[p] = Target(p, _shape(x), x.dtype, config.leader(p))
+    for g in config.shared:
+        missing = [p for p in g if p not in out]
+        if missing:
+            raise ValueError(
+                f"lora: shared group {g!r} names {missing[0]}, which no target selects"
+            )
+        ins = {out[p].shape[-2] for p in g}
+        if len(ins) != 1:
+            raise ValueError(f"lora: a shared group's weights need one input size, got {g!r}")
+    return [out[p] for p in sorted(out)]
+
+
+def _get(params: PyTree, path: str) -> Any:
+    node = params
+    for k in path.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return None
+        node = node[k]
+    return node
+
+
+def _set(params: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """``params`` with ``path`` set, copying only the dicts along the way."""
+    head, _, rest = path.partition(".")
+    out = dict(params)
+    out[head] = _set(out.get(head, {}), rest, value) if rest else value
+    return out
+
+
+def _init_a(config: LoraConfig, t: Target, path: str) -> torch.Tensor:
+    shape = (*t.shape[:-1], config.rank)
+    if config.init == "gaussian":  # peft's "gaussian": N(0, 1/r)
+        return random.normal(config.seed, path, shape, 1.0 / config.rank, t.dtype)
+    bound = 1.0 / math.sqrt(t.shape[-2])  # kaiming_uniform(a=sqrt(5)) on [r, in], as peft
+    return random.uniform(config.seed, path, shape, -bound, bound, t.dtype)
+
+
+def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
+    """``params`` with an adapter for every target: the ones already there (a checkpoint, a
+    peft folder read by :func:`colfunc.hf.load_adapter`) kept after checking their shapes, the
+    others made (``a`` by ``config.init``, ``b`` zero)."""
+    if not isinstance(params, dict):
+        raise TypeError(f"lora: params must be a dict tree, got {type(params).__name__}")
+    for p in tree.paths(params):
+        parts = p.split(".")
+        if KEY in parts[:-1] and not is_adapter(p):
+            raise ValueError(
+                f"lora: the parameter {p} sits under a {KEY!r} dict, the name adapters use; "
+                "rename it"
+            )
+    out = params
+    for t in resolve(config, params):
+        lead = t.shape[:-2]
+        shapes = {t.a: (*lead, t.shape[-2], config.rank), t.b: (*lead, config.rank, t.shape[-1])}
+        for path, shape in shapes.items():
+            have = _get(out, path)
+            if have is not None:
+                if _shape(have) != shape:
+                    raise ValueError(
+                        f"lora: the adapter {path} has shape {list(_shape(have))}, expected "
+                        f"{list(shape)} (rank {config.rank} for {t.path} {list(t.shape)})"
+                    )
+                continue
+            if path == t.b:
+                value: Any = torch.zeros(shape, dtype=t.dtype)
+            else:
+                value = _init_a(config, t, path)
+            device = getattr(_get(params, t.path), "device", None)
+            if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
+                value = value.to(device)
+            out = _set(out, path, value)
+    return out
+
+
+def _attach(node: dict[str, Any], prefix: str, config: LoraConfig) -> dict[str, Any]:
+    """``node`` (a dict of parameters at ``prefix``) with every adapted weight a LowRank and
+    the ``lora`` dicts taken out, recursively."""
+    out = {}
+    adapters = node.get(KEY)
+    for k, v in node.items():
+        if k == KEY:
+            continue
+        out[k] = _attach(v, f"{prefix}{k}.", config) if type(v) is dict else v
+    if adapters is None:
+        return out
+    for name, ad in adapters.items():
+        path = f"{prefix}{name}"
+        leader = config.leader(path).rpartition(".")[2]
+        out[name] = LowRank(
+            out[name], adapters[leader]["a"], ad["b"], config.scale, config.dropout, path
+        )
+    return out
+
+
+class Adapted:
+    """What :func:`lora` puts on its loss function (``loss_fn.lora``): the config, and how the
+    adapters are laid out under ``shard``."""
+
+    def __init__(self, config: LoraConfig) -> None:
+        self.config = config
+
+    def attach_top(self, params: PyTree) -> PyTree:
+        """The parameters outside ``blocks`` with their adapters attached (``blocks`` as is:
+        the scanned block attaches each layer's)."""
+        if not isinstance(params, dict):
+            return params
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        out = _attach(rest, "", self.config)
+        if "blocks" in params:
+            out["blocks"] = params["blocks"]
+        return out
+
+    def attach_layer(self, layer: PyTree) -> PyTree:
+        return _attach(layer, "blocks.", self.config) if isinstance(layer, dict) else layer
+
+    def plan(self, plan: dict[str, P], params: PyTree, mode: str) -> dict[str, P]:
+        """``plan`` with an entry for every adapter in ``params``, placed to match its weight:
+        ``a`` split as the weight's input dim, ``b`` as its output dim (each replicated on
+        the other). Only 1D tensor parallelism lays adapters out."""
+        paths = [p for p in tree.paths(params) if is_adapter(p)]
+        if not paths:
+            return plan
+        axes = {a for spec in plan.values() for a in spec.axes()}
+        if mode != "1d" and axes:
+            raise ValueError(
+                f"lora: adapters are laid out for 1D tensor parallelism; shard(tensor_mode="
+                f"{mode!r}) is not supported with lora (use the 1D plan)"
+            )
+        entries: dict[str, P] = {}
+        for path in paths:
+            weight = base_of(path)
+            spec = next((s for pat, s in plan.items() if tree.match(pat, weight)), P())
+            nd = 3 if weight.startswith("blocks.") else 2
+            full = list(spec) + [None] * (nd - len(spec))
+            lead, s_in, s_out = full[:-2], full[-2], full[-1]
+            entries[path] = P(*lead, s_in, None) if path.endswith(".a") else P(*lead, None, s_out)
+        optional: frozenset[str] = getattr(plan, "optional", frozenset())
+        return Plan({**entries, **plan}, optional)
+
+
+class _AttachLayers:
+    """Context frame: every :func:`colfunc.scan_layers` inside it runs its layers with their
+    adapters attached (a model's own forward, not only its loss)."""
+
+    def __init__(self, adapted: Adapted) -> None:
+        self.adapted = adapted
+
+    def scan_layers(
+        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Callable[..., Any]
+    ) -> tuple[PyTree, PyTree]:
+        attach = self.adapted.attach_layer
+        return inner(lambda layer, c, x: block(attach(layer), c, x), carry, blocks, xs)
+
+
+def call(
+    config: LoraConfig, fn: Callable[..., Any], params: PyTree, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(params, *args, **kwargs)`` (a model's ``apply``, say) reading ``params`` with their
+    adapters: the weights outside ``blocks`` attached here, each layer's as it is scanned.
+
+    Example:
+        >>> logits = adapters.call(config, llama.apply, state.params, ids, cfg)
+    """
+    adapted = Adapted(config)
+    with core.context(_AttachLayers(adapted)):
+        return fn(adapted.attach_top(params), *args, **kwargs)
+
+
+def _wrap(loss_fn: Callable[..., Any], adapted: Adapted) -> Any:
+    """``loss_fn`` reading adapted weights: each layer's attached inside the scanned block."""
+    if isinstance(loss_fn, core.Layered):
+        inner = loss_fn
+        block_fn: Callable[..., Any] = inner.block
+        post_fn: Callable[..., Any] = inner.post
+
+        def block(layer: PyTree, *rest: Any) -> Any:  # (carry) or (carry, x)
+            return block_fn(adapted.attach_layer(layer), *rest)
+
+        def post(params: PyTree, *rest: Any) -> Any:  # (carry, batch) or (carry, batch, ys)
+            return post_fn(adapted.attach_top(params), *rest)
+
+        xs = inner.xs
+        wrapped = core.Layered(
+            lambda params, batch: inner.pre(adapted.attach_top(params), batch),
+            block,
+            post,
+            name=inner.name,
+            divisors=inner.divisors,
+            sequence_dims=inner.sequence_dims,
+            batch_sequence_dims=inner.batch_sequence_dims,
+            xs=None if xs is None else (lambda p, b: xs(adapted.attach_top(p), b)),
+        )
+        wrapped.lora = adapted  # type: ignore[attr-defined]
+        return wrapped
+    return _Plain(loss_fn, adapted)
+
+
+class _Plain:
+    """A loss that is not layered, reading adapted weights (top-level targets only)."""
+
+    def __init__(self, fn: Callable[..., Any], adapted: Adapted) -> None:
+        self.fn, self.lora = fn, adapted
+
+    def __call__(self, params: PyTree, batch: PyTree) -> Any:
+        if isinstance(params, dict) and any(
+            is_adapter(p) for p in tree.paths(params.get("blocks", {}))
+        ):
+            raise ValueError(
+                "lora: targets under 'blocks' need a layered loss (cf.layered), which runs each "
+                "layer through the adapters; the models' loss(cfg) is one"
+            )
+        return self.fn(self.lora.attach_top(params), batch)
+
+
+def config_of(step_or_loss: Any) -> LoraConfig | None:
+    """The :class:`LoraConfig` a step (or its loss function) was built with, or None."""
+    loss = step_or_loss
+    if isinstance(step_or_loss, Step):
+        loss = (step_or_loss.base or step_or_loss).loss_fn
+    adapted = getattr(loss, "lora", None)
+    return adapted.config if isinstance(adapted, Adapted) else None
+
+
+def lora(
+    step: Step,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: str | Sequence[str] = ("blocks.attn.w*", "blocks.mlp.w*"),
+    dropout: float = 0.0,
+    *,
+    init: str = "kaiming",
+    rslora: bool = False,
+    shared: Sequence[Sequence[str]] = (),
+    seed: int = 0,
+) -> Step:
+    """``step`` training low-rank adapters of the weights ``targets`` selects, all else frozen.
+
+    ``step.init(params)`` adds the adapters (``a`` by ``init``: ``"kaiming"``, peft's default,
+    or ``"gaussian"``; ``b`` zero; drawn from ``(seed, path)``) unless ``params`` already has
+    them; the state then trains them only (plus what the step's own ``trainable`` names): the
+    base gets no gradient, no optimizer state, no reduction and no update, and comes out of
+    every step bit-identical. ``rslora`` scales by ``alpha / sqrt(rank)``; ``dropout`` drops the
+    adapters' input in training; ``shared`` groups weights with one input (a fused Hugging Face
+    module) under one ``a``.
+
+    It composes with every transform, applied before or after them.
+
+    Example:
+        >>> step = cf.lora(cf.train_step(llama.loss(cfg), optim.adamw(1e-3)), rank=8, alpha=16)
+        >>> step = cf.zero(cf.shard(step, mesh, plan=llama.tp_plan(cfg)), stage=3)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"lora: expected a Step (from cf.train_step), got {type(step).__name__}")
+    config = LoraConfig(
+        rank=rank,
+        alpha=alpha,
+        targets=tuple(targets) if not isinstance(targets, str) else (targets,),
+        dropout=dropout,
+        init=init,
+        rslora=rslora,
+        shared=tuple(tuple(g) for g in shared),
+        seed=seed,
+    )
+    base = step.base if step.base is not None else step
+    if config_of(base) is not None:
+        raise ValueError("lora: the step already has lora applied; apply it once")
+    adapted = Adapted(config)
+    own = base.trainable
+
+    def trains(path: str) -> bool:
+        return is_adapter(path) or (own is not None and own(path))
+
+    new = train_step(
+        _wrap(base.loss_fn, adapted), base.optimizer, donate=base.donate, trainable=trains
+    )
+    assert isinstance(new.trainable, Trainable)
+    new = new.replace(layout=lambda params: add_adapters(config, params))
+    return step.composition.build(new) if step.composition is not None else new
+
+
+def merge(params: PyTree, config: LoraConfig) -> PyTree:
+    """``params`` without adapters, each adapted weight replaced by ``w + a @ b * scale`` (its
+    dtype kept): the model the adapters make, for export or serving without them."""
+    flat = dict(tree.flatten_with_paths(params)[0])
+    plain = {p: x for p, x in flat.items() if not is_adapter(p)}
+    weights = sorted({base_of(p) for p in flat if is_adapter(p)})
+    for w in weights:
+        a_path, b_path = adapter_paths(config.leader(w))[0], adapter_paths(w)[1]
+        a, b = flat[a_path], flat[b_path]
+        delta = torch.matmul(a.to(torch.float64), b.to(torch.float64)) * config.scale
+        plain[w] = (plain[w].to(torch.float64) + delta).to(plain[w].dtype)
+    return tree.unflatten(
+        tree.structure(tree.subset(params, lambda p: not is_adapter(p))),
+        [plain[p] for p in tree.paths(tree.subset(params, lambda p: not is_adapter(p)))],
+    )
+
+
+def combine(params: PyTree, adapters: PyTree) -> PyTree:
+    """``params`` with the adapter leaves of ``adapters`` (from :func:`colfunc.hf.load_adapter`
+    or a saved run) put in place; a path both hold, or a leaf of ``adapters`` that is not an
+    adapter, is an error."""
+    flat = dict(tree.flatten_with_paths(params)[0])
+    out = params
+    for path, x in tree.flatten_with_paths(adapters)[0]:
+        if not is_adapter(path):
+            raise ValueError(f"combine: {path} is not an adapter path (…lora.<weight>.a or .b)")
+        if path in flat:
+            raise ValueError(f"combine: params already hold {path}")
+        if base_of(path) not in flat:
+            raise ValueError(f"combine: {path} adapts {base_of(path)}, which params lack")
+        out = _set(out, path, x)
+    return out

@@ -1,0 +1,66 @@
+"""A linear weight with a low-rank adapter beside it (LoRA, Hu et al. 2021).
+
+:class:`LowRank` stands where a model's layer reads a weight ``w[in, out]``; :func:`colfunc.nn.linear`
+then computes ``x @ w + (dropout(x) @ a) @ b * scale`` without ever forming ``w + a @ b``, so the
+frozen base needs no gradient of its own and no merged copy (``colfunc.lora`` puts it there).
+
+Legend: I input features, O output features, R the adapter's rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LowRank"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowRank:
+    """The weight ``w_IO`` with the adapter ``a_IR @ b_RO * scale``.
+
+    ``dropout``: the probability with which the adapter's input is dropped (training only, from
+    torch's global generator, as ``torch.nn.Dropout``); ``path``: the weight's parameter path,
+    for errors. Only :func:`colfunc.nn.linear` reads it: any other use (an embedding lookup, a
+    reshape) is refused by name, since the adapter would be lost.
+    """
+
+    w: Any
+    a: Any
+    b: Any
+    scale: float
+    dropout: float = 0.0
+    path: str = "?"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, linear: Any) -> torch.Tensor:
+        """``x @ w + bias`` plus the adapter's term, each product through ``linear`` (the plain
+        :func:`colfunc.nn.linear`, so tensor and sequence parallelism apply to every one)."""
+        y = linear(x, self.w, bias)
+        h = F.dropout(x, self.dropout, training=torch.is_grad_enabled()) if self.dropout else x
+        return torch.add(y, linear(linear(h, self.a), self.b), alpha=self.scale)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        owner = next((x for x in (*args, *(kwargs or {}).values()) if isinstance(x, LowRank)), None)
+        path = owner.path if owner is not None else "?"
+        name = getattr(func, "__name__", repr(func))
+        raise ValueError(
+            f"lora: the model uses the adapted weight {path} in {name}(), not through "
+            "colfunc.nn.linear; a LoRA target must be the weight of a linear map (drop it from "
+            "targets)"
+        )
