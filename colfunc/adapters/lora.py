@@ -309,7 +309,7 @@ class Adapted:
         ``a`` split as the weight's input dim, ``b`` as its output dim (each replicated on
         the other). Only 1D tensor parallelism lays adapters out."""
         paths = [p for p in tree.paths(params) if is_adapter(p)]
-        if not paths:
+        if not paths or not plan:  # (no plan: data parallel only, nothing is laid out)
             return plan
         axes = {a for spec in plan.values() for a in spec.axes()}
         if mode != "1d" and axes:

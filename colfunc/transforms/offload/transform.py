@@ -294,20 +294,29 @@ def _check_floor(state: OffloadState, gathered: int = 1) -> None:
     """Refuse, before running, a budget that cannot hold group 0 and the largest layer with
     their gradients (the least any step needs, activations aside). Under ZeRO-3 over
     ``gathered`` ranks the chunks are this rank's pieces, and the layer's backward pass also
-    holds group 0's and the layer's gathered weights and the layer's whole gradients."""
+    holds group 0's and the layer's gathered weights and the layer's whole gradients. Frozen
+    leaves (``train_step(trainable=...)``, ``cf.lora``'s base) have no gradients to hold."""
     layout, pool = state.layout, state.pool
 
     def copies(g: int) -> int:  # a group's copy on the device (in the compute dtype under amp)
         return sum(pool.copy_bytes(c) for c in layout.groups[g])
 
-    largest = max((copies(g) for g in range(1, len(layout.groups))), default=0)
-    outer = copies(0)
+    def grads(g: int) -> int:  # the gradients of its trainable pieces, in the same dtype
+        return sum(
+            sum(p.numel for p in layout.chunks[c].pieces if state.trains[p.leaf])
+            * pool.copy_dtype(c).itemsize
+            for c in layout.groups[g]
+        )
+
+    layers = range(1, len(layout.groups))
     if gathered > 1:
-        floor = (1 + gathered) * outer + (1 + 2 * gathered) * largest
+        largest = max(((1 + gathered) * copies(g) + gathered * grads(g) for g in layers), default=0)
+        floor = (1 + gathered) * copies(0) + largest
         what = "this rank's pieces and the gathered weights of the leaves outside the layers"
         what += " and of the largest layer, with that layer's gradients"
     else:
-        floor = 2 * (outer + largest)
+        largest = max((copies(g) + grads(g) for g in layers), default=0)
+        floor = copies(0) + grads(0) + largest
         what = "the parameters and gradients of the leaves outside the layers and of the largest"
         what += " layer"
     if state.budget < floor:
