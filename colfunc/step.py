@@ -310,6 +310,9 @@ class Step:
     composition: Composition | None = None  # the transforms applied to ``base``
     # the parameters it trains (None: every floating leaf); see :func:`train_step`
     trainable: Trainable | None = None
+    # what the parameters given to ``init`` become before any layout sees them (``cf.lora``
+    # adds its adapters here, so that no transform's cut changes how they are made)
+    prepare: Callable[[PyTree], PyTree] = _identity
 
     def trainable_part(self, t: PyTree) -> PyTree:
         """The leaves of ``t`` (shaped like the parameters, or like their pieces) that this
@@ -331,6 +334,7 @@ class Step:
         A donating step's state owns its buffers: placed parameters that share memory with
         ``params`` (on one device they are ``params`` themselves) are copied.
         """
+        params = self.prepare(params)
         abstract = random.is_abstract(params)
         if not tree.tensors(params) and not abstract:
             raise ValueError("Step.init: params has no tensor leaves")

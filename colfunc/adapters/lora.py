@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from colfunc import core, random, tree
+from colfunc.adapters import quant
 from colfunc.core import P, Plan
 from colfunc.nn.lowrank import LowRank
 from colfunc.step import Step, Trainable, train_step
@@ -62,6 +63,7 @@ class LoraConfig:
     rslora: bool = False
     shared: tuple[tuple[str, ...], ...] = ()
     seed: int = 0
+    base_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -106,6 +108,10 @@ class LoraConfig:
         object.__setattr__(self, "shared", tuple(groups))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"lora: seed must be an int, got {self.seed!r}")
+        if self.base_dtype is not None and self.base_dtype not in quant.FORMATS:
+            raise ValueError(
+                f"lora: base_dtype must be None or one of {quant.FORMATS}, got {self.base_dtype!r}"
+            )
 
     @property
     def scale(self) -> float:
@@ -168,10 +174,38 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
+class _Packed:
+    """A quantized weight seen as the weight it stands for (its shape; the scales' dtype)."""
+
+    def __init__(self, q: dict[str, Any]) -> None:
+        fmt = "nf4" if "nf4" in q else "int8"
+        codes = q[fmt]
+        self.shape = (*codes.shape[:-1], codes.shape[-1] * (2 if fmt == "nf4" else 1))
+        self.dtype = q["absmax"].dtype
+        self.device = getattr(codes, "device", None)
+
+
+def _weights(params: PyTree) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of every parameter but the adapters, a quantized weight as one."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if quant.is_quantized(node):
+            out.append((path, _Packed(node)))
+        elif type(node) is dict:
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif not is_adapter(path):
+            out.append((path, node))
+
+    walk(params, "")
+    return out
+
+
 def resolve(config: LoraConfig, params: PyTree) -> list[Target]:
     """The weights ``config.targets`` select in ``params`` (adapters already there excluded);
     a pattern that matches nothing, or a match that is not a matrix, is an error naming it."""
-    flat = [(p, x) for p, x in tree.flatten_with_paths(params)[0] if not is_adapter(p)]
+    flat = _weights(params)
     out: dict[str, Target] = {}
     for pattern in config.targets:
         hits = [(p, x) for p, x in flat if tree.match(pattern, p)]
@@ -226,6 +260,18 @@ def _init_a(config: LoraConfig, t: Target, path: str) -> torch.Tensor:
     return random.uniform(config.seed, path, shape, -bound, bound, t.dtype)
 
 
+def _meta_quantized(w: torch.Tensor, fmt: str, path: str) -> dict[str, torch.Tensor]:
+    """A dry run's quantized weight: its codes and scales on the meta device."""
+    quant.quantize(torch.empty((1, w.shape[-1])), fmt, path)  # (the same checks)
+    *lead, n_in, n_out = w.shape
+    codes = (*lead, n_in, n_out // 2 if fmt == "nf4" else n_out)
+    dtype = torch.uint8 if fmt == "nf4" else torch.int8
+    return {
+        fmt: torch.empty(codes, dtype=dtype, device="meta"),
+        "absmax": torch.empty((*lead, n_in, n_out // quant.BLOCK), device="meta"),
+    }
+
+
 def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
     """``params`` with an adapter for every target: the ones already there (a checkpoint, a
     peft folder read by :func:`colfunc.hf.load_adapter`) kept after checking their shapes, the
@@ -241,6 +287,15 @@ def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
             )
     out = params
     for t in resolve(config, params):
+        w = _get(out, t.path)
+        if config.base_dtype is not None and not quant.is_quantized(w):
+            if isinstance(w, random.Abstract):  # quantized once made, where a layout makes it
+                w = w.materialize()
+            if getattr(w, "device", None) is not None and w.device.type == "meta":
+                w = _meta_quantized(w, config.base_dtype, t.path)
+            else:
+                w = quant.quantize(w, config.base_dtype, t.path)
+            out = _set(out, t.path, w)
         lead = t.shape[:-2]
         shapes = {t.a: (*lead, t.shape[-2], config.rank), t.b: (*lead, config.rank, t.shape[-1])}
         for path, shape in shapes.items():
@@ -252,11 +307,13 @@ def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
                         f"{list(shape)} (rank {config.rank} for {t.path} {list(t.shape)})"
                     )
                 continue
-            if path == t.b:
-                value: Any = torch.zeros(shape, dtype=t.dtype)
+            device = getattr(_get(params, t.path), "device", None)
+            if isinstance(device, torch.device) and device.type == "meta":  # a dry run's
+                value: Any = torch.empty(shape, dtype=t.dtype, device="meta")
+            elif path == t.b:
+                value = torch.zeros(shape, dtype=t.dtype)
             else:
                 value = _init_a(config, t, path)
-            device = getattr(_get(params, t.path), "device", None)
             if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
                 value = value.to(device)
             out = _set(out, path, value)
@@ -271,15 +328,17 @@ def _attach(node: dict[str, Any], prefix: str, config: LoraConfig) -> dict[str, 
     for k, v in node.items():
         if k == KEY:
             continue
-        out[k] = _attach(v, f"{prefix}{k}.", config) if type(v) is dict else v
+        nested = type(v) is dict and not quant.is_quantized(v)
+        out[k] = _attach(v, f"{prefix}{k}.", config) if nested else v
     if adapters is None:
         return out
     for name, ad in adapters.items():
         path = f"{prefix}{name}"
         leader = config.leader(path).rpartition(".")[2]
-        out[name] = LowRank(
-            out[name], adapters[leader]["a"], ad["b"], config.scale, config.dropout, path
-        )
+        a, w = adapters[leader]["a"], out[name]
+        if quant.is_quantized(w):  # the frozen base in 4 or 8 bits: this layer's, made whole
+            w = quant.dequantize(w, a.dtype)
+        out[name] = LowRank(w, a, ad["b"], config.scale, config.dropout, path)
     return out
 
 
@@ -304,7 +363,9 @@ class Adapted:
     def attach_layer(self, layer: PyTree) -> PyTree:
         return _attach(layer, "blocks.", self.config) if isinstance(layer, dict) else layer
 
-    def plan(self, plan: dict[str, P], params: PyTree, mode: str) -> dict[str, P]:
+    def plan(
+        self, plan: dict[str, P], params: PyTree, mode: str, mesh_sizes: dict[str, int]
+    ) -> dict[str, P]:
         """``plan`` with an entry for every adapter in ``params``, placed to match its weight:
         ``a`` split as the weight's input dim, ``b`` as its output dim (each replicated on
         the other). Only 1D tensor parallelism lays adapters out."""
@@ -325,8 +386,32 @@ class Adapted:
             full = list(spec) + [None] * (nd - len(spec))
             lead, s_in, s_out = full[:-2], full[-2], full[-1]
             entries[path] = P(*lead, s_in, None) if path.endswith(".a") else P(*lead, None, s_out)
-        optional: frozenset[str] = getattr(plan, "optional", frozenset())
+        packed = set()
+        for weight, x in _weights(params):  # a quantized weight's codes and scales: as it
+            if isinstance(x, _Packed):
+                spec = next((s for pat, s in plan.items() if tree.match(pat, weight)), P())
+                _check_blocks(weight, x.shape, spec, mesh_sizes)
+                for leaf in tree.paths(_get(params, weight)):
+                    entries[f"{weight}.{leaf}"] = spec
+                packed |= {pat for pat in plan if tree.match(pat, weight)}
+        # (a pattern that named a quantized weight now names its codes and scales, through
+        # the entries above: it may match no tensor itself)
+        optional: frozenset[str] = getattr(plan, "optional", frozenset()) | packed
         return Plan({**entries, **plan}, optional)
+
+
+def _check_blocks(weight: str, shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> None:
+    """Refuse a tensor-parallel split of a quantized weight's outputs that cuts its blocks."""
+    full = list(spec) + [None] * (len(shape) - len(spec))
+    out = full[-1]
+    names = out if isinstance(out, tuple) else (out,) if out is not None else ()
+    n = math.prod(sizes[a] for a in names)
+    if n > 1 and (shape[-1] // n) % quant.BLOCK:
+        raise ValueError(
+            f"lora: the quantized {weight} has {shape[-1]} outputs, split over {n} ranks into "
+            f"{shape[-1] // n}, not a multiple of the quantization block ({quant.BLOCK}); use "
+            f"fewer tensor-parallel ranks or base_dtype=None"
+        )
 
 
 class _AttachLayers:
@@ -423,6 +508,7 @@ def lora(
     rslora: bool = False,
     shared: Sequence[Sequence[str]] = (),
     seed: int = 0,
+    base_dtype: str | None = None,
 ) -> Step:
     """``step`` training low-rank adapters of the weights ``targets`` selects, all else frozen.
 
@@ -432,7 +518,9 @@ def lora(
     base gets no gradient, no optimizer state, no reduction and no update, and comes out of
     every step bit-identical. ``rslora`` scales by ``alpha / sqrt(rank)``; ``dropout`` drops the
     adapters' input in training; ``shared`` groups weights with one input (a fused Hugging Face
-    module) under one ``a``.
+    module) under one ``a``. ``base_dtype="nf4"`` (QLoRA) or ``"int8"`` stores each targeted
+    base weight quantized (:mod:`colfunc.adapters.quant`), dequantized one layer at a time just
+    before its matmul.
 
     It composes with every transform, applied before or after them.
 
@@ -451,6 +539,7 @@ def lora(
         rslora=rslora,
         shared=tuple(tuple(g) for g in shared),
         seed=seed,
+        base_dtype=base_dtype,
     )
     base = step.base if step.base is not None else step
     if config_of(base) is not None:
@@ -465,25 +554,24 @@ def lora(
         _wrap(base.loss_fn, adapted), base.optimizer, donate=base.donate, trainable=trains
     )
     assert isinstance(new.trainable, Trainable)
-    new = new.replace(layout=lambda params: add_adapters(config, params))
+    new = new.replace(prepare=lambda params: add_adapters(config, params))
     return step.composition.build(new) if step.composition is not None else new
 
 
 def merge(params: PyTree, config: LoraConfig) -> PyTree:
     """``params`` without adapters, each adapted weight replaced by ``w + a @ b * scale`` (its
-    dtype kept): the model the adapters make, for export or serving without them."""
+    dtype kept; a quantized base dequantized, in the adapters' dtype): the model the adapters
+    make, for export or serving without them."""
     flat = dict(tree.flatten_with_paths(params)[0])
-    plain = {p: x for p, x in flat.items() if not is_adapter(p)}
-    weights = sorted({base_of(p) for p in flat if is_adapter(p)})
-    for w in weights:
-        a_path, b_path = adapter_paths(config.leader(w))[0], adapter_paths(w)[1]
-        a, b = flat[a_path], flat[b_path]
+    out = tree.subset(params, lambda p: not is_adapter(p))
+    for w in sorted({base_of(p) for p in flat if is_adapter(p)}):
+        a, b = flat[adapter_paths(config.leader(w))[0]], flat[adapter_paths(w)[1]]
+        base = _get(params, w)
+        if quant.is_quantized(base):
+            base = quant.dequantize(base, a.dtype)
         delta = torch.matmul(a.to(torch.float64), b.to(torch.float64)) * config.scale
-        plain[w] = (plain[w].to(torch.float64) + delta).to(plain[w].dtype)
-    return tree.unflatten(
-        tree.structure(tree.subset(params, lambda p: not is_adapter(p))),
-        [plain[p] for p in tree.paths(tree.subset(params, lambda p: not is_adapter(p)))],
-    )
+        out = _set(out, w, (base.to(torch.float64) + delta).to(base.dtype))
+    return out
 
 
 def combine(params: PyTree, adapters: PyTree) -> PyTree:

@@ -435,7 +435,8 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         split_acts = long_seq is not None or grid_layout is not None
         inner = inner_layout(params)
         # adapters (cf.lora) placed to match their weights
-        plan = plan_ if adapted is None else adapted.plan(plan_, inner, cfg.tensor_mode)
+        sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+        plan = plan_ if adapted is None else adapted.plan(plan_, inner, cfg.tensor_mode, sizes)
         placed = place(inner, plan, mesh, sharded=split_acts, layout=grid_layout)
         return matmul_order(placed) if reorder else placed
 

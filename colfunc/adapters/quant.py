@@ -1,0 +1,110 @@
+"""Frozen base weights stored in 4 or 8 bits (QLoRA, Dettmers et al. 2023), dequantized one layer
+at a time just before their matmul.
+
+``"nf4"``: 4-bit NormalFloat, the 16 values of :data:`NF4` (quantiles of a standard normal,
+rescaled to [-1, 1], with an exact zero), two codes a byte, and one fp32 absmax per block of 64
+consecutive values along the output dim. ``"int8"``: symmetric 8-bit integers, one fp32 absmax
+per block of 64 likewise. A quantized weight ``w[..., in, out]`` is a dict in the parameter tree:
+
+- ``{"nf4": uint8[..., in, out / 2], "absmax": float32[..., in, out / 64]}``
+- ``{"int8": int8[..., in, out], "absmax": float32[..., in, out / 64]}``
+
+so every transform lays it out as it lays out ``w`` (a tensor-parallel split of ``out`` splits
+the codes and the scales alike, ZeRO cuts and offload streams the packed bytes: a quarter of a
+bf16 base, an eighth of an fp32 one, plus the scales).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+__all__ = ["BLOCK", "FORMATS", "NF4", "dequantize", "is_quantized", "packed_bytes", "quantize"]
+
+BLOCK = 64  # values per absmax
+FORMATS = ("nf4", "int8")
+
+# The NF4 data type: Dettmers et al. 2023, appendix E (bitsandbytes' ``create_normal_map``).
+NF4 = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+_NF4_MIDS = tuple((a + b) / 2 for a, b in itertools.pairwise(NF4))  # decision boundaries
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether ``x`` is a quantized weight's dict."""
+    return type(x) is dict and "absmax" in x and len(x) == 2 and any(f in x for f in FORMATS)
+
+
+def _check(w: torch.Tensor, fmt: str, path: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"lora: base_dtype must be None or one of {FORMATS}, got {fmt!r}")
+    if w.shape[-1] % BLOCK:
+        raise ValueError(
+            f"lora: {path} has {w.shape[-1]} outputs, not a multiple of the quantization block "
+            f"({BLOCK}); leave it out of targets or use base_dtype=None"
+        )
+
+
+def quantize(w: torch.Tensor, fmt: str, path: str = "?") -> dict[str, torch.Tensor]:
+    """The quantized dict of ``w[..., in, out]`` in format ``fmt`` (see the module docstring)."""
+    _check(w, fmt, path)
+    blocks = w.detach().float().unflatten(-1, (-1, BLOCK))  # [..., in, out/64, 64]
+    absmax = blocks.abs().amax(-1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    scaled = blocks / safe.unsqueeze(-1)
+    if fmt == "int8":
+        codes = (scaled * 127).round_().clamp_(-127, 127).to(torch.int8)
+        return {"int8": codes.flatten(-2).contiguous(), "absmax": absmax.contiguous()}
+    mids = torch.tensor(_NF4_MIDS, dtype=torch.float32, device=w.device)
+    idx = torch.bucketize(scaled, mids).to(torch.uint8).flatten(-2)  # 0..15, nearest code
+    packed = (idx[..., 0::2] << 4) | idx[..., 1::2]
+    return {"nf4": packed.contiguous(), "absmax": absmax.contiguous()}
+
+
+def dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``q`` stands for, in ``dtype``: codes looked up (or scaled), times their
+    block's absmax. Works on a layer's slice as on the whole stack, and on the pieces of a
+    tensor-parallel split (blocks never straddle one: each rank dequantizes its own)."""
+    codes = q["nf4"] if "nf4" in q else q["int8"]
+    if type(codes) is not torch.Tensor and hasattr(codes, "_local"):
+        sharded: Any = codes
+        local = _dequantize({k: v._local for k, v in q.items()}, dtype)
+        shape = (*codes.shape[:-1], codes.shape[-1] * (2 if "nf4" in q else 1))
+        return type(codes)(local, sharded.mesh, sharded.placements, shape)
+    return _dequantize(q, dtype)
+
+
+def _dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    absmax = q["absmax"]
+    if "int8" in q:
+        codes = q["int8"].unflatten(-1, (-1, BLOCK)).to(torch.float32) / 127.0
+    else:
+        packed = q["nf4"]
+        table = torch.tensor(NF4, dtype=torch.float32, device=packed.device)
+        idx = torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2).long()
+        codes = table[idx].unflatten(-1, (-1, BLOCK))
+    return (codes * absmax.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def packed_bytes(numel: int, fmt: str) -> int:
+    """Bytes of a quantized weight of ``numel`` values: its codes and its scales."""
+    codes = numel // 2 if fmt == "nf4" else numel
+    return codes + 4 * (numel // BLOCK)
