@@ -251,7 +251,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from colfunc import hf, tasks, train
+    from colfunc import adapters, config, hf, tasks, train
 
     state, cfg = train.load_run(args.run)
     tasks.check_language_run(cfg, args.run, "export")
@@ -262,11 +262,27 @@ def _cmd_export(args: argparse.Namespace) -> int:
             "colfunc export writes a transformers folder and needs transformers: "
             "pip install transformers"
         ) from None
+    lora = config.lora_config(cfg.lora)
+    if (args.hf is None) == (args.peft is None):
+        raise ValueError("give one of --hf OUT (the whole model) or --peft OUT (the adapters)")
+    if args.peft is not None:
+        if lora is None:
+            raise ValueError(f"--peft: the run {args.run} trains no adapters (no lora section)")
+        out = adapters.save_adapter(args.peft, cfg.model, state.params, lora, base=cfg.init)
+        print(f"colfunc: wrote the peft adapter {out}/ (step {state.step})", flush=True)
+        return 0
+    if lora is not None and not args.merge:
+        raise ValueError(
+            f"--hf: the run {args.run} trains adapters of a frozen base; add --merge to write "
+            "the base with them merged in, or write the adapters alone with --peft OUT"
+        )
     byte_level = not (cfg.data.tokenizer and cfg.data.tokenizer.startswith("hf:"))
     tok = "bytes" if byte_level else cfg.data.tokenizer
-    out = hf.save(args.hf, cfg.model, state.params, dtype=args.dtype, tokenizer=tok)
+    params = train.model_params(cfg, state.params)
+    out = hf.save(args.hf, cfg.model, params, dtype=args.dtype, tokenizer=tok)
     note = " with its byte-level tokenizer (token id = byte value)" if byte_level else ""
-    print(f"colfunc: wrote {out}/ (step {state.step}){note}", flush=True)
+    merged = " (adapters merged)" if lora is not None else ""
+    print(f"colfunc: wrote {out}/ (step {state.step}){merged}{note}", flush=True)
     return 0
 
 
@@ -469,7 +485,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a trained run as a Hugging Face model folder")
     p.add_argument("--run", required=True, help="a run folder (or its checkpoint folder)")
-    p.add_argument("--hf", required=True, metavar="OUT", help="the folder to write (new or empty)")
+    p.add_argument("--hf", metavar="OUT", help="the model folder to write (new or empty)")
+    p.add_argument(
+        "--peft", metavar="OUT", help="a lora run's adapters: a peft adapter folder to write"
+    )
+    p.add_argument(
+        "--merge", action="store_true", help="with --hf: a lora run's adapters merged in"
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

@@ -7,7 +7,9 @@ A config file is a Python module that defines four frozen dataclass instances:
 ``optim``, ``data``, ``train``
     an :class:`OptimConfig`, a :class:`DataConfig` and a :class:`TrainConfig`;
 
-and may define ``parallel = dict(...)``, the parallel layout, which training commands read.
+and may define ``parallel = dict(...)``, the parallel layout, which training commands read, and
+``lora = dict(rank=..., alpha=..., targets=[...], base_dtype=...)``, the keyword arguments of
+:func:`colfunc.lora`: the run then trains low-rank adapters of a frozen base.
 
 ``--set section.field=value`` replaces any field, the text coerced by the field's annotation
 (``int``, ``float``, ``bool``, ``str``, tuples written ``0.9,0.95``, ``None`` for optional fields).
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from colfunc import models
+from colfunc.coerce import coerce as _coerce
 
 __all__ = [
     "DataConfig",
@@ -44,6 +47,7 @@ __all__ = [
     "default",
     "from_dict",
     "load",
+    "lora_config",
     "model_module",
     "override",
     "to_dict",
@@ -203,6 +207,7 @@ class RunConfig:
     train: TrainConfig
     parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
     init: str | None = None
+    lora: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_sections()
@@ -234,6 +239,7 @@ class RunConfig:
                 )
         if not isinstance(self.parallel, dict):
             raise ValueError(f"parallel must be a dict, got {type(self.parallel).__name__}")
+        lora_config(self.lora)
 
     def _check_together(self) -> None:
         if not hasattr(self.model, "max_seq_len"):
@@ -248,6 +254,28 @@ class RunConfig:
                 f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
                 f"tokenizer, which needs 256"
             )
+
+
+def lora_config(section: Any) -> Any:
+    """The :class:`colfunc.adapters.LoraConfig` of a ``lora`` section (None when empty)."""
+    from colfunc.adapters import LoraConfig
+
+    if not isinstance(section, dict):
+        raise ValueError(f"lora must be a dict of cf.lora's arguments, got {section!r}")
+    if not section:
+        return None
+    fields = [f.name for f in dataclasses.fields(LoraConfig)]
+    unknown = sorted(set(section) - set(fields))
+    if unknown:
+        raise ValueError(f"lora: unknown key {unknown[0]!r}; the keys are {', '.join(fields)}")
+    args = dict(section)
+    for key in ("targets", "shared"):  # lists in a file or JSON, tuples in the config
+        if isinstance(args.get(key), list):
+            args[key] = tuple(tuple(g) if isinstance(g, list) else g for g in args[key])
+    try:
+        return LoraConfig(**args)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def model_module(model_cfg: Any) -> Any:
@@ -313,6 +341,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
             )
         sections = {s: getattr(module, s) for s in SECTIONS}
         parallel = getattr(module, "parallel", None)
+        lora = getattr(module, "lora", None) or {}
         init = None
         try:
             if isinstance(sections["model"], str):  # "hf:FOLDER": its config, its weights
@@ -325,7 +354,9 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
 
                 init = sections["model"]
                 sections["model"] = hf.read_config(init)
-            fields = dict(sections, parallel={} if parallel is None else parallel, init=init)
+            fields = dict(
+                sections, parallel={} if parallel is None else parallel, init=init, lora=lora
+            )
             # with overrides, the sections are checked against each other once they are applied
             cfg = RunConfig._unchecked(**fields) if overrides else RunConfig(**fields)
         except ValueError as e:
@@ -344,97 +375,6 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ValueError
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """``value`` (text from ``--set``, or a JSON value) as the type ``hint`` of field ``where``."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    wrong = ValueError(f"{where} must be {_type_name(hint)}, got {value!r}")
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or value in ("None", "none", "null")):
-            return None
-        for arg in args:
-            if arg is not type(None):
-                try:
-                    return _coerce(value, arg, where)
-                except ValueError:
-                    pass
-        raise wrong
-    if origin is typing.Literal:
-        if value in args:
-            return value
-        raise ValueError(f"{where} must be one of {args}, got {value!r}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return _parse_bool(value)
-            except ValueError:
-                raise wrong from None
-        raise wrong
-    if hint is int or hint is float:
-        if isinstance(value, bool):
-            raise wrong
-        if isinstance(value, str):
-            try:
-                value = hint(value.strip())
-            except ValueError:
-                raise wrong from None
-        if hint is float and isinstance(value, int):
-            value = float(value)
-        if not isinstance(value, hint):
-            raise wrong
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise wrong
-        return value
-    if hint is torch.dtype:
-        dtype = getattr(torch, str(value).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise wrong
-        return dtype
-    if hint is tuple or origin is tuple:
-        if isinstance(value, str):
-            text = value.strip().removeprefix("(").removesuffix(")")
-            text = text.removeprefix("[").removesuffix("]")
-            items: list[Any] = [t for t in (s.strip() for s in text.split(",")) if t]
-        elif isinstance(value, (list, tuple)):
-            items = list(value)
-        else:
-            raise wrong
-        if not args:
-            return tuple(items)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(x, args[0], where) for x in items)
-        if len(items) != len(args):
-            raise wrong
-        return tuple(_coerce(x, a, where) for x, a in zip(items, args))
-    if hint is dict or origin is dict:
-        if isinstance(value, dict):
-            return value
-        raise wrong
-    raise ValueError(f"{where} has type {_type_name(hint)}, which cannot be set from text")
-
-
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, type) and typing.get_origin(hint) is None:
-        return {"int": "an int", "float": "a number", "bool": "true or false", "str": "text"}.get(
-            hint.__name__, hint.__name__
-        )
-    return str(hint).replace("typing.", "")
 
 
 def _derived_fields(obj: Any) -> dict[str, None]:
@@ -483,7 +423,7 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """``cfg`` with each ``"section.field=value"`` applied (all of a section's fields at once, so
     that fields which must change together, like ``n_head`` and ``d_model``, can)."""
     changes: dict[str, dict[str, Any]] = {}
-    layout = dict(cfg.parallel)
+    layout, lora = dict(cfg.parallel), dict(cfg.lora)
     for item in overrides:
         key, sep, text = item.partition("=")
         section, dot, field = key.strip().partition(".")
@@ -494,9 +434,13 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         if section == "parallel":  # a plain dict: any key, a Python literal (checked at launch)
             _set_layout(layout, field, _literal(text.strip()))
             continue
+        if section == "lora":  # cf.lora's arguments, Python literals
+            lora = {**lora, field: _literal(text.strip())}
+            continue
         if section not in SECTIONS:
             raise ValueError(
-                f"--set {item!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
+                f"--set {item!r}: unknown section {section!r}; sections are "
+                f"{', '.join(SECTIONS)}, parallel and lora"
             )
         current = getattr(cfg, section)
         types_ = _field_types(type(current))
@@ -525,6 +469,12 @@ def override(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
             except ValueError as e:
                 raise ValueError(f"--set parallel: {e}") from e
         replaced["parallel"] = layout
+    if lora != cfg.lora:
+        try:
+            lora_config(lora)
+        except ValueError as e:
+            raise ValueError(f"--set {e}") from e
+        replaced["lora"] = lora
     return dataclasses.replace(cfg, **replaced) if replaced else cfg
 
 
@@ -538,7 +488,9 @@ def _literal(text: str) -> Any:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
@@ -554,6 +506,7 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     out["model"]["family"] = models.of_config(cfg.model).name
     out["parallel"] = cfg.parallel
     out["init"] = cfg.init
+    out["lora"] = _jsonable(dict(cfg.lora))
     return out
 
 
@@ -583,4 +536,6 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
             raise ValueError(f"unknown fields in {section}: {', '.join(sorted(unknown))}")
         kwargs = {k: _coerce(v, types_[k], f"{section}.{k}") for k, v in fields.items()}
         sections[section] = cls(**kwargs)
-    return RunConfig(**sections, parallel=d.get("parallel") or {}, init=d.get("init"))
+    return RunConfig(
+        **sections, parallel=d.get("parallel") or {}, init=d.get("init"), lora=d.get("lora") or {}
+    )

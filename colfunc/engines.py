@@ -33,11 +33,12 @@ def load_run(run: str | Path) -> dict[str, Any]:
     that do not fit the run's model config, or are not finite, are refused."""
     state, run_cfg = train.load_run(run)
     tasks.check_language_run(run_cfg, run, "serve")
-    check_params(run_cfg.model, state.params)
+    params = train.model_params(run_cfg, state.params)  # (a lora run's adapters, merged)
+    check_params(run_cfg.model, params)
     out: dict[str, Any] = {
         "model": config.model_module(run_cfg.model),
         "cfg": run_cfg.model,
-        "params": state.params,
+        "params": params,
         "tokenizer": ByteTokenizer(),
     }
     if run_cfg.data.tokenizer is not None:  # the tokenizer the run was trained with

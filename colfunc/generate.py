@@ -129,6 +129,9 @@ def generate(
         raise ValueError("the prompt must not be empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    from colfunc.resume import model_params
+
+    params = model_params(cfg, params)  # (a lora run's adapters, merged)
     check_params(cfg.model, params)
     max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len)  # the context ends it anyway
     tokenizer: Any = ByteTokenizer()

@@ -190,8 +190,10 @@ def _mirror_paths(opt_like: PyTree, params_like: PyTree) -> dict[str, str]:
     """``{optimizer-state path: parameter path}`` of the optimizer-state leaves that mirror a
     parameter (the subtrees place_state lays out like the parameters)."""
     spec = [p for p, _ in tree.flatten_with_paths(params_like)[0]]
+    # each leaf of a mirroring subtree (the whole shape, or a part: an optimizer over some of
+    # the parameters) marked with its path, which is its parameter's
     marked = tree.map_subtrees(
-        lambda sub: tree.unflatten(tree.flatten_with_paths(sub)[1], spec), opt_like, params_like
+        lambda sub: tree.map_with_path(lambda p, _: p, sub), opt_like, params_like
     )
     return {p: v for p, v in tree.flatten_with_paths(marked)[0] if isinstance(v, str) and v in spec}
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from colfunc import checkpoint, optim, parallel, random, reshard, tree
-from colfunc.config import OptimConfig, RunConfig, model_module
+from colfunc import adapters, checkpoint, optim, parallel, random, reshard, tree
+from colfunc.config import OptimConfig, RunConfig, lora_config, model_module
 from colfunc.sharding import Mesh, RankFailedError, launch
 from colfunc.step import StateLayout, TrainState, full_state, train_step
 from colfunc.transforms.local import local_piece, rewrap
@@ -30,6 +30,8 @@ __all__ = [
     "element_layout",
     "load_run",
     "make_step",
+    "model_params",
+    "plain_step",
     "single_layout",
 ]
 
@@ -64,13 +66,29 @@ def build_optimizer(cfg: OptimConfig, steps: int) -> optim.GradientTransformatio
     return optim.chain(optim.clip_by_global_norm(cfg.clip_norm), adamw)
 
 
+def plain_step(cfg: RunConfig, *, donate: bool = False) -> Any:
+    """The run's single-device step: its loss and optimizer, with its ``lora`` adapters."""
+    model = model_module(cfg.model)
+    step_fn = train_step(
+        model.loss(cfg.model), build_optimizer(cfg.optim, cfg.train.steps), donate=donate
+    )
+    lora = lora_config(cfg.lora)
+    return step_fn if lora is None else adapters.lora(step_fn, **lora.kwargs())
+
+
+def model_params(cfg: RunConfig, params: Any) -> Any:
+    """The parameters of a run's model: a ``lora`` run's adapters merged into its base (what
+    ``generate``, ``export --hf`` and ``serve`` read); any other run's as they are."""
+    lora = lora_config(cfg.lora)
+    if lora is None or not any(adapters.is_adapter(p) for p in tree.paths(params)):
+        return params
+    return adapters.merge(params, lora)
+
+
 def make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
     """The run's step on this rank: its loss and optimizer, composed as ``parallel`` says."""
+    step_fn = plain_step(cfg, donate=True)
     model = model_module(cfg.model)
-    # the loop never looks at a state again once it is stepped: let the step reuse its buffers
-    step_fn = train_step(
-        model.loss(cfg.model), build_optimizer(cfg.optim, cfg.train.steps), donate=True
-    )
     if pc is not None and mesh is not None:
         step_fn = parallel.build(step_fn, mesh, pc, parallel.model_plan(model, pc))
     return step_fn
@@ -102,7 +120,9 @@ def _fresh_layout(step_fn: Any, cfg: RunConfig) -> TrainState:
 def element_layout(step_fn: Any, cfg: RunConfig) -> dict[str, reshard.Piece]:
     """Which global elements each of this rank's tensors holds under ``step_fn``'s layout."""
     described = model_module(cfg.model).init(cfg.model, seed=cfg.train.seed, abstract=True)
-    opt_like = build_optimizer(cfg.optim, cfg.train.steps).init(random.as_meta(described))
+    plain = plain_step(cfg)
+    described = plain.prepare(described)  # (a lora run's adapters)
+    opt_like = plain.init_opt(random.as_meta(described))
     return reshard.element_runs(step_fn, described, opt_like)
 
 

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from colfunc import hf, parallel, random, tasks, tree
-from colfunc.config import RunConfig, model_module
+from colfunc import adapters, hf, parallel, random, tasks, tree
+from colfunc.config import RunConfig, lora_config, model_module
 from colfunc.resume import (
     CHECKPOINT,
     CHECKPOINTS,
@@ -59,11 +59,13 @@ from colfunc.resume import (
     checkpoint_path,
     load_run,
     make_step,
+    model_params,
+    plain_step,
     single_layout,
 )
 from colfunc.saving import Saver, max_over_ranks
 from colfunc.sharding import Mesh, launch
-from colfunc.step import TrainState, train_step
+from colfunc.step import TrainState
 
 __all__ = [
     "CHECKPOINT",
@@ -73,6 +75,7 @@ __all__ = [
     "checkpoint_path",
     "evaluate",
     "load_run",
+    "model_params",
     "plot",
     "run",
 ]
@@ -423,7 +426,6 @@ def _train(
     stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
     tokens_per_step = task.per_step
     model = model_module(cfg.model)
-    loss_fn = model.loss(cfg.model)
     step_fn = make_step(cfg, mesh, pc)
     params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
     if isinstance(state, ShardedRun):
@@ -432,9 +434,7 @@ def _train(
         else:  # another layout: the slices of each file that hold this rank's pieces
             state = state.resharded(step_fn, mesh, cfg)
     elif state is not None:  # in the single-device layout, whatever the mesh was
-        _check_resumable(
-            state, train_step(loss_fn, build_optimizer(cfg.optim, tc.steps)).init(params0)
-        )
+        _check_resumable(state, plain_step(cfg).init(params0))
         if mesh is not None:
             state = step_fn.place_state(state)
     val_batches = task.validation()
@@ -456,6 +456,11 @@ def _train(
     )
     state = step_fn.init(params0) if state is None else state
     n_params = sum(x.numel() for x in tree.tensors(params0))
+    n_params_text = f"{n_params / 1e6:.2f}M parameters"
+    lora = lora_config(cfg.lora)
+    if lora is not None:  # how many train: the adapters' a [in, r] and b [r, out] per layer
+        n_train = adapters.adapter_numel(lora, params0)
+        n_params_text += f", {n_train / 1e6:.2f}M in rank-{lora.rank} adapters trained"
     where = (
         f"{torch.get_num_threads()} CPU threads"
         if mesh is None
@@ -464,7 +469,7 @@ def _train(
     if lead:
         print(
             f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
-            f"({n_params / 1e6:.2f}M parameters) {task.describe()} on {where} into {run_dir}/",
+            f"({n_params_text}) {task.describe()} on {where} into {run_dir}/",
             flush=True,
         )
 

@@ -5,21 +5,22 @@ from colfunc.adapters.lora import (
     INITS,
     LoraConfig,
     Target,
+    adapter_numel,
     adapter_paths,
     call,
-    combine,
     config_of,
     is_adapter,
     lora,
-    merge,
 )
 from colfunc.adapters.peft import adapter_config, fused_groups, load_adapter, save_adapter, to_peft
+from colfunc.adapters.weights import combine, merge
 
 __all__ = [
     "INITS",
     "LoraConfig",
     "Target",
     "adapter_config",
+    "adapter_numel",
     "adapter_paths",
     "call",
     "combine",

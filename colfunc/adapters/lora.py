@@ -36,13 +36,12 @@ __all__ = [
     "INITS",
     "LoraConfig",
     "Target",
+    "adapter_numel",
     "adapter_paths",
     "call",
-    "combine",
     "config_of",
     "is_adapter",
     "lora",
-    "merge",
 ]
 
 PyTree = Any
@@ -272,6 +271,18 @@ def _meta_quantized(w: torch.Tensor, fmt: str, path: str) -> dict[str, torch.Ten
     }
 
 
+def adapter_numel(config: LoraConfig, params: PyTree) -> int:
+    """How many values the adapters of ``params`` under ``config`` hold (each shared ``a``
+    once)."""
+    total = 0
+    for t in resolve(config, params):
+        lead = math.prod(t.shape[:-2])
+        total += lead * config.rank * t.shape[-1]
+        if t.leader == t.path:
+            total += lead * config.rank * t.shape[-2]
+    return total
+
+
 def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
     """``params`` with an adapter for every target: the ones already there (a checkpoint, a
     peft folder read by :func:`colfunc.hf.load_adapter`) kept after checking their shapes, the
@@ -336,8 +347,8 @@ def _attach(node: dict[str, Any], prefix: str, config: LoraConfig) -> dict[str, 
         path = f"{prefix}{name}"
         leader = config.leader(path).rpartition(".")[2]
         a, w = adapters[leader]["a"], out[name]
-        if quant.is_quantized(w):  # the frozen base in 4 or 8 bits: this layer's, made whole
-            w = quant.dequantize(w, a.dtype)
+        if quant.is_quantized(w):  # the frozen base in 4 or 8 bits, dequantized at its matmul
+            w = quant.Dequantized(w, a.dtype)
         out[name] = LowRank(w, a, ad["b"], config.scale, config.dropout, path)
     return out
 
@@ -556,36 +567,3 @@ def lora(
     assert isinstance(new.trainable, Trainable)
     new = new.replace(prepare=lambda params: add_adapters(config, params))
     return step.composition.build(new) if step.composition is not None else new
-
-
-def merge(params: PyTree, config: LoraConfig) -> PyTree:
-    """``params`` without adapters, each adapted weight replaced by ``w + a @ b * scale`` (its
-    dtype kept; a quantized base dequantized, in the adapters' dtype): the model the adapters
-    make, for export or serving without them."""
-    flat = dict(tree.flatten_with_paths(params)[0])
-    out = tree.subset(params, lambda p: not is_adapter(p))
-    for w in sorted({base_of(p) for p in flat if is_adapter(p)}):
-        a, b = flat[adapter_paths(config.leader(w))[0]], flat[adapter_paths(w)[1]]
-        base = _get(params, w)
-        if quant.is_quantized(base):
-            base = quant.dequantize(base, a.dtype)
-        delta = torch.matmul(a.to(torch.float64), b.to(torch.float64)) * config.scale
-        out = _set(out, w, (base.to(torch.float64) + delta).to(base.dtype))
-    return out
-
-
-def combine(params: PyTree, adapters: PyTree) -> PyTree:
-    """``params`` with the adapter leaves of ``adapters`` (from :func:`colfunc.hf.load_adapter`
-    or a saved run) put in place; a path both hold, or a leaf of ``adapters`` that is not an
-    adapter, is an error."""
-    flat = dict(tree.flatten_with_paths(params)[0])
-    out = params
-    for path, x in tree.flatten_with_paths(adapters)[0]:
-        if not is_adapter(path):
-            raise ValueError(f"combine: {path} is not an adapter path (…lora.<weight>.a or .b)")
-        if path in flat:
-            raise ValueError(f"combine: params already hold {path}")
-        if base_of(path) not in flat:
-            raise ValueError(f"combine: {path} adapts {base_of(path)}, which params lack")
-        out = _set(out, path, x)
-    return out

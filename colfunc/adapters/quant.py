@@ -21,7 +21,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "NF4", "dequantize", "is_quantized", "packed_bytes", "quantize"]
+__all__ = [
+    "BLOCK",
+    "FORMATS",
+    "NF4",
+    "Dequantized",
+    "dequantize",
+    "is_quantized",
+    "packed_bytes",
+    "quantize",
+]
 
 BLOCK = 64  # values per absmax
 FORMATS = ("nf4", "int8")
@@ -96,11 +105,12 @@ def _dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     absmax = q["absmax"]
     if "int8" in q:
         codes = q["int8"].unflatten(-1, (-1, BLOCK)).to(torch.float32) / 127.0
-    else:
+    else:  # each nibble looked up (int32 indices: half a long's bytes), then interleaved
         packed = q["nf4"]
         table = torch.tensor(NF4, dtype=torch.float32, device=packed.device)
-        idx = torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2).long()
-        codes = table[idx].unflatten(-1, (-1, BLOCK))
+        hi = table.index_select(0, (packed >> 4).flatten().int()).view(packed.shape)
+        lo = table.index_select(0, (packed & 15).flatten().int()).view(packed.shape)
+        codes = torch.stack([hi, lo], dim=-1).flatten(-2).unflatten(-1, (-1, BLOCK))
     return (codes * absmax.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
@@ -108,3 +118,40 @@ def packed_bytes(numel: int, fmt: str) -> int:
     """Bytes of a quantized weight of ``numel`` values: its codes and its scales."""
     codes = numel // 2 if fmt == "nf4" else numel
     return codes + 4 * (numel // BLOCK)
+
+
+class _Matmul(torch.autograd.Function):
+    """``x @ dequantize(q)`` that keeps the packed codes for the backward pass, not the weight:
+    the backward dequantizes again (as bitsandbytes' 4-bit matmul), so a layer's full-width
+    weight lives only while its product is computed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fmt: str, dtype: torch.dtype, fn: Any, *qs: Any) -> Any:
+        codes, absmax = qs
+        ctx.fmt, ctx.dtype, ctx.fn = fmt, dtype, fn
+        ctx.save_for_backward(codes, absmax)
+        return fn(x, dequantize({fmt: codes, "absmax": absmax}, dtype))
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        codes, absmax = ctx.saved_tensors
+        w = dequantize({ctx.fmt: codes, "absmax": absmax}, ctx.dtype)
+        return ctx.fn(dy, w.t()), None, None, None, None, None
+
+
+class Dequantized:
+    """A quantized weight where a model reads one: :class:`colfunc.nn.LowRank` multiplies by
+    it through :meth:`linear`, dequantizing it there (and again in the backward pass)."""
+
+    def __init__(self, q: dict[str, Any], dtype: torch.dtype) -> None:
+        self.q, self.dtype = q, dtype
+        self.fmt = "nf4" if "nf4" in q else "int8"
+        codes = q[self.fmt]
+        self.shape = torch.Size(
+            (*codes.shape[:-1], codes.shape[-1] * (2 if self.fmt == "nf4" else 1))
+        )
+        self.device = codes.device
+
+    def linear(self, x: torch.Tensor, bias: Any, fn: Any) -> torch.Tensor:
+        y = _Matmul.apply(x, self.fmt, self.dtype, fn, self.q[self.fmt], self.q["absmax"])
+        return y if bias is None else y + bias

@@ -50,7 +50,13 @@ class LowRank:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, linear: Any) -> torch.Tensor:
         """``x @ w + bias`` plus the adapter's term, each product through ``linear`` (the plain
         :func:`colfunc.nn.linear`, so tensor and sequence parallelism apply to every one)."""
-        y = linear(x, self.w, bias)
+        w = self.w
+        # (a weight kept quantized, colfunc.adapters.quant.Dequantized, multiplies itself)
+        y = (
+            w.linear(x, bias, linear)
+            if type(w) is not torch.Tensor and hasattr(w, "linear")
+            else (linear(x, w, bias))
+        )
         h = F.dropout(x, self.dropout, training=torch.is_grad_enabled()) if self.dropout else x
         return torch.add(y, linear(linear(h, self.a), self.b), alpha=self.scale)
 
