@@ -309,6 +309,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.kv_memory is not None:
         kw["kv_memory"] = args.kv_memory
+    loras = engines.parse_loras(args.lora or [], args.tp)
+    if loras:
+        kw["max_loras"] = len(loras)
     folder = args.run if args.run is not None else args.hf
     name = args.model_name or Path(folder).resolve().name
 
@@ -324,7 +327,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     ranks: threading.Thread | None = None
     if args.tp == 1:
-        loop = EngineLoop(load(), max_waiting=args.max_waiting)
+        engine = load()
+        engines.add_loras(engine, loras, name)
+        loop = EngineLoop(engine, max_waiting=args.max_waiting)
     else:
         # the ranks are threads of this process: rank 0 runs the loop the server feeds, the
         # others follow it step by step
@@ -517,6 +522,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-waiting", type=int, default=256, help="queue length before 503 (default: 256)"
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=FOLDER",
+        help="also serve a peft LoRA adapter as the model NAME (repeatable)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

@@ -24,7 +24,7 @@ from colfunc import config, hf, models, tasks, train
 from colfunc.generate import check_params
 from colfunc.inference import ByteTokenizer, Engine, load_hf_tokenizer
 
-__all__ = ["from_hf", "from_run", "load_hf", "load_run"]
+__all__ = ["add_loras", "from_hf", "from_run", "load_hf", "load_run", "parse_loras"]
 
 
 def load_run(run: str | Path) -> dict[str, Any]:
@@ -89,3 +89,24 @@ def from_hf(folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: A
     loaded = load_hf(folder, dtype)
     given = {k: v for k, v in kwargs.items() if v is not None or k not in loaded}
     return Engine(**{**loaded, **given})
+
+
+def parse_loras(items: list[str], tp: int = 1) -> dict[str, str]:
+    """``colfunc serve --lora NAME=FOLDER`` arguments, as ``{name: folder}``."""
+    loras: dict[str, str] = {}
+    for item in items:
+        name, eq, where = item.partition("=")
+        if not eq or not name or not where or name in loras:
+            raise ValueError(f"--lora must be NAME=FOLDER with a name of its own, got {item!r}")
+        loras[name] = where
+    if loras and tp != 1:
+        raise ValueError("--lora with --tp is not supported; serve adapters with --tp 1")
+    return loras
+
+
+def add_loras(engine: Engine, loras: dict[str, str], base_name: str) -> None:
+    """Load each peft adapter folder of ``loras`` into ``engine`` under its name."""
+    for name, where in loras.items():
+        if name == base_name:
+            raise ValueError(f"--lora {name}=...: the base model is served as {name!r}")
+        engine.add_lora(name, where)

@@ -231,7 +231,9 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
             flat[adapter_paths(p)[1]] = (torch.stack(col) if per_layer else col[0]).contiguous()
         if len(e.paths) > 1:
             shared.append(tuple(e.paths))
-    unknown = sorted(set(state) - used)
+    # peft saves the frozen base weight of an adapted head or embedding beside its adapter
+    # (save_embedding_layers): a copy of the base's, not trained, read from the base instead
+    unknown = sorted(k for k in set(state) - used if not k.endswith(".base_layer.weight"))
     if unknown:
         raise ValueError(
             f"load_adapter: {str(folder)!r} has {unknown[0]}, which no weight of the "

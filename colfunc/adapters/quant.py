@@ -102,16 +102,19 @@ def dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    # (one fp32 tensor of the weight's size is made and scaled in place: the temporaries are
+    # the codes as bytes and as int32 indices)
     absmax = q["absmax"]
     if "int8" in q:
-        codes = q["int8"].unflatten(-1, (-1, BLOCK)).to(torch.float32) / 127.0
-    else:  # each nibble looked up (int32 indices: half a long's bytes), then interleaved
+        codes = q["int8"].to(torch.float32).div_(127.0)
+    else:  # the nibbles interleaved as bytes, then looked up (int32: half a long's bytes)
         packed = q["nf4"]
         table = torch.tensor(NF4, dtype=torch.float32, device=packed.device)
-        hi = table.index_select(0, (packed >> 4).flatten().int()).view(packed.shape)
-        lo = table.index_select(0, (packed & 15).flatten().int()).view(packed.shape)
-        codes = torch.stack([hi, lo], dim=-1).flatten(-2).unflatten(-1, (-1, BLOCK))
-    return (codes * absmax.unsqueeze(-1)).flatten(-2).to(dtype)
+        idx = torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)
+        shape = idx.shape
+        codes = table.index_select(0, idx.flatten().int()).view(shape)
+    codes.unflatten(-1, (-1, BLOCK)).mul_(absmax.unsqueeze(-1))
+    return codes.to(dtype)
 
 
 def packed_bytes(numel: int, fmt: str) -> int:

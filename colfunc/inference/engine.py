@@ -12,6 +12,7 @@ tokens, S sequences in the step, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from colfunc import models, nn
+from colfunc import core, models, nn
+from colfunc.inference.adapters import AdapterSlots, Rows, rows_of
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
@@ -123,6 +125,9 @@ class Engine:
     ``tp`` axis, inside :func:`colfunc.launch`), every rank runs the same steps on its shards
     of the model's tensor-parallel plan and its heads of the cache, and samples the same tokens.
 
+    ``max_loras``: how many LoRA adapters it may serve at once (:meth:`add_lora`; a request
+    picks one with ``SamplingParams(lora=name)``, and a step mixes them with the base).
+
     ``eos_token_id``: the end-of-sequence id, or several (Llama 3 ends a turn with any of
     ``[128001, 128008, 128009]``); None takes the tokenizer's. ``eos_token_ids`` holds them all.
 
@@ -147,6 +152,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         eos_token_id: int | Seq[int] | None = None,
         mesh: Mesh | None = None,
+        max_loras: int = 0,
     ) -> None:
         if isinstance(model, str):
             model = models.get(model).module
@@ -163,7 +169,12 @@ class Engine:
         if mesh is not None:
             params = self._place(params, mesh, spec.kv_heads)
         self.tp = mesh.axis_size("tp") if mesh is not None else 1
-        self.params = params
+        self.params = self.base_params = params
+        self.adapters = AdapterSlots(max_loras)
+        if max_loras and mesh is not None:
+            raise ValueError(
+                "Engine: max_loras (adapters) with a tensor-parallel mesh is not supported"
+            )
         self.block_size = _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -238,6 +249,24 @@ class Engine:
             out[key] = from_local(c, self.mesh, {"tp": Shard(3)}, shape)
         return out
 
+    def add_lora(self, name: str, source: Any) -> None:
+        """Serve the LoRA adapter ``source`` as ``name`` (requests pick it with
+        ``SamplingParams(lora=name)``): a peft adapter folder, or ``(LoraConfig, adapters)``
+        as :func:`colfunc.hf.load_adapter` returns them. At most ``max_loras`` are held."""
+        if isinstance(source, tuple):
+            config, adapters = source
+        else:
+            from colfunc import hf
+
+            config, adapters = hf.load_adapter(source, self.cfg)
+        self.adapters.add(name, config, adapters, self.base_params)
+        self.params = self.adapters.stacked(self.base_params)
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the adapters served, in the order they were added."""
+        return list(self.adapters.names)
+
     # --- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
         """``prompt``'s token ids, checked: text needs a tokenizer, ids must lie in the
@@ -273,6 +302,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine: params must be SamplingParams, got {type(params).__name__}")
+        self.adapters.slot(params.lora)  # (an adapter that is not loaded: refused by name)
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
@@ -338,6 +368,7 @@ class Engine:
         slots: list[int] = []
         rows: list[int] = []
         sampled: list[Sequence] = []
+        token_slots: list[int | None] = []  # each token's adapter (None: the base)
         M = max(len(seq.blocks) for seq, _ in work.items)
         tables = torch.zeros(len(work.items), M, dtype=torch.int32)
         for s, (seq, n) in enumerate(work.items):
@@ -345,6 +376,7 @@ class Engine:
             # (a block given back before a sliding window reads as -1: the attention skips it)
             tables[s, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             tokens += seq.tokens[lo : lo + n]
+            token_slots += [self.adapters.slot(seq.params.lora)] * n
             positions += range(lo, lo + n)
             slots += [seq.blocks[p // B] * B + p % B for p in range(lo, lo + n)]
             if lo + n == seq.num_tokens:
@@ -358,14 +390,21 @@ class Engine:
             query_lens=tuple(n for _, n in work.items),
             seq_lens=tuple(seq.num_tokens for seq, _ in work.items),
         )
-        logits_SV, ys = self.model.paged_forward(
-            self.params,
-            torch.tensor(tokens, device=device),
-            batch,
-            self._sharded_cache(),
-            self.cfg,
-            torch.tensor(rows, dtype=torch.long, device=device),
-        )
+        with contextlib.ExitStack() as stack:
+            params = self.params
+            if self.adapters.names:  # each request's tokens through its own adapter
+                sampled_slots = [self.adapters.slot(seq.params.lora) for seq in sampled]
+                frame = Rows(rows_of(token_slots, device), rows_of(sampled_slots, device))
+                stack.enter_context(core.context(frame))
+                params = frame.top(params)
+            logits_SV, ys = self.model.paged_forward(
+                params,
+                torch.tensor(tokens, device=device),
+                batch,
+                self._sharded_cache(),
+                self.cfg,
+                torch.tensor(rows, dtype=torch.long, device=device),
+            )
         if isinstance(logits_SV, ShardedTensor):  # split over the vocabulary: every rank samples
             logits_SV = logits_SV.full_tensor()  # the same tokens from the whole logits
         slot_N = torch.tensor(slots, device=device)

@@ -45,7 +45,8 @@ class SamplingParams:
     one's probability. ``stop`` strings end a completion and are cut from its text;
     ``stop_token_ids`` (and the model's end-of-sequence token unless ``ignore_eos``) end it and
     stay in its token ids. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
-    likely tokens'.
+    likely tokens'. ``lora`` names the adapter (``Engine.add_lora``) the request runs with; None:
+    the base model.
 
     Example:
         >>> SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=1)
@@ -65,6 +66,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         _int("n", self.n, 1)
@@ -93,6 +95,10 @@ class SamplingParams:
             _int("stop_token_ids[...]", t, 0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise TypeError(
+                f"SamplingParams: lora must be an adapter's name or None, got {self.lora!r}"
+            )
 
     @property
     def greedy(self) -> bool:

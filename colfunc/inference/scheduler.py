@@ -134,7 +134,9 @@ class Scheduler:
         size, tokens = self.allocator.block_size, seq.tokens
         while len(seq.keys) < upto:
             j = len(seq.keys)
-            parent = seq.keys[-1] if seq.keys else None
+            # (a request with an adapter has keys and values of its own: its chain starts apart)
+            salt = None if seq.params.lora is None else b"lora:" + seq.params.lora.encode()
+            parent = seq.keys[-1] if seq.keys else salt
             seq.keys.append(block_hash(parent, tokens[j * size : (j + 1) * size]))
 
     def _cached_prefix(self, seq: Sequence) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import queue
 import threading
@@ -379,9 +380,11 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         return _error(503, f"the server is busy: {exc}; retry later", "server_error")
 
     def start(req: _Sampling, prompt: str | list[int], logprobs: int | None):
-        if req.model != model_name:
+        served = [model_name, *engine.loras]
+        if req.model not in served:
             raise _BadRequest(
-                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                f"the model {req.model!r} does not exist; this server serves "
+                f"{', '.join(map(repr, served))}",
                 "model",
                 "model_not_found",
             )
@@ -389,6 +392,8 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         if loop.failure is not None:
             raise RuntimeError(f"the engine stopped: {loop.failure!r}")
         params = _params(req, logprobs)
+        if req.model != model_name:  # an adapter's name: its requests run through it
+            params = dataclasses.replace(params, lora=req.model)
         try:
             ids = engine.encode_prompt(prompt)
         except ValueError as e:
@@ -543,7 +548,9 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "colfunc"}
-        return {"object": "list", "data": [card]}
+        # each adapter as vLLM lists its LoRA modules: a model whose parent is the base
+        cards = [{**card, "id": name, "root": name, "parent": model_name} for name in engine.loras]
+        return {"object": "list", "data": [{**card, "root": model_name, "parent": None}, *cards]}
 
     @app.get("/health")
     async def health() -> Response:

@@ -30,13 +30,14 @@ from colfunc.nn.lm import (
     next_token_loss,
     next_token_targets,
 )
-from colfunc.nn.lowrank import LowRank
+from colfunc.nn.lowrank import LowRank, LowRanks
 from colfunc.nn.plans import tensor_plans
 
 __all__ = [
     "ROPE_TYPES",
     "AttentionOptions",
     "LowRank",
+    "LowRanks",
     "Paged",
     "PagedBatch",
     "RopeScaling",

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from colfunc.core import linear_frames, sequence_split
-from colfunc.nn.lowrank import LowRank
+from colfunc.nn.lowrank import LowRank, LowRanks
 
 __all__ = ["embedding", "linear", "unembed"]
 
@@ -34,7 +34,7 @@ def linear(
     low-rank term: ``x @ w + (x @ a) @ b * scale``.
     """
     if type(w_IO) is not torch.Tensor:
-        if type(w_IO) is LowRank:
+        if type(w_IO) is LowRank or type(w_IO) is LowRanks:
             return w_IO.linear(x_BTI, b_O, linear)
         for frame in linear_frames():
             out = frame.linear(x_BTI, w_IO, b_O)

@@ -15,7 +15,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LowRank"]
+__all__ = ["LowRank", "LowRanks"]
+
+
+def _refused(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """Any torch function handed an adapted weight: refused, naming it (the adapter would be
+    lost)."""
+    owner = next((x for x in (*args, *(kwargs or {}).values()) if isinstance(x, cls)), None)
+    path = getattr(owner, "path", "?")
+    name = getattr(func, "__name__", repr(func))
+    raise ValueError(
+        f"lora: the model uses the adapted weight {path} in {name}(), not through "
+        "colfunc.nn.linear; a LoRA target must be the weight of a linear map (drop it from "
+        "targets)"
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,13 +73,29 @@ class LowRank:
         h = F.dropout(x, self.dropout, training=torch.is_grad_enabled()) if self.dropout else x
         return torch.add(y, linear(linear(h, self.a), self.b), alpha=self.scale)
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        owner = next((x for x in (*args, *(kwargs or {}).values()) if isinstance(x, LowRank)), None)
-        path = owner.path if owner is not None else "?"
-        name = getattr(func, "__name__", repr(func))
-        raise ValueError(
-            f"lora: the model uses the adapted weight {path} in {name}(), not through "
-            "colfunc.nn.linear; a LoRA target must be the weight of a linear map (drop it from "
-            "targets)"
-        )
+    __torch_function__ = classmethod(_refused)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowRanks:
+    """The weight ``w_IO`` with several adapters, one chosen per row of the input (a batch of
+    requests served with different adapters, S-LoRA / Punica style): ``a_KIR``, ``b_KRO`` (the
+    scale folded into ``b``), and ``rows``, for each adapter ``k`` in use, the indices of the
+    rows (tokens, flattened) it applies to. Rows not named get the plain weight."""
+
+    w: Any
+    a: torch.Tensor
+    b: torch.Tensor
+    rows: dict[int, torch.Tensor]
+    path: str = "?"
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, linear: Any) -> torch.Tensor:
+        y = linear(x, self.w, bias)
+        if not self.rows:
+            return y
+        x_NI, y_NO = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for k, r in self.rows.items():  # each adapter's rows gathered, multiplied, added back
+            y_NO.index_add_(0, r, (x_NI.index_select(0, r) @ self.a[k]) @ self.b[k])
+        return y
+
+    __torch_function__ = classmethod(_refused)
