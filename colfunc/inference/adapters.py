@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from colfunc import nn, tree
-from colfunc.adapters.lora import KEY, LoraConfig, adapter_paths, base_of, is_adapter
+from colfunc.adapters.lora import KEY, LoraConfig, _set, adapter_paths, base_of, is_adapter
 from colfunc.adapters.quant import is_quantized
 
 __all__ = ["AdapterSlots"]
@@ -101,13 +101,6 @@ class AdapterSlots:
             out = _set(out, a_path, a)
             out = _set(out, b_path, b)
         return out
-
-
-def _set(params: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    head, _, rest = path.partition(".")
-    out = dict(params)
-    out[head] = _set(out.get(head, {}), rest, value) if rest else value
-    return out
 
 
 def _attach(node: dict[str, Any], prefix: str, rows: dict[int, torch.Tensor]) -> dict[str, Any]:
