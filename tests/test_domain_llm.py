@@ -134,14 +134,17 @@ def test_multiple_choice_scores_the_first_token_of_each_choice(base: object) -> 
     assert rec.multiple_choice(models.llama, cfg, params, base, [items[best]]) == 1.0
 
 
-def test_the_whole_recipe_runs_in_a_few_steps(tmp_path: Path) -> None:
-    """``examples/colossal_llama/recipe.py`` end to end, a few steps per stage."""
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_the_whole_recipe_runs_in_a_few_steps(tmp_path: Path, lora: int) -> None:
+    """``examples/colossal_llama/recipe.py`` end to end, a few steps per stage; with
+    ``--sft-lora`` the chat stage trains adapters, saved as a peft folder."""
     import runpy
     import sys
 
     script = Path(__file__).resolve().parents[1] / "examples" / "colossal_llama" / "recipe.py"
     argv = sys.argv
     sys.argv = [str(script), "--out", str(tmp_path / "run"), "--steps", "3", "--sft-steps", "2"]
+    sys.argv += ["--sft-lora", str(lora)]
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
@@ -155,3 +158,8 @@ def test_the_whole_recipe_runs_in_a_few_steps(tmp_path: Path) -> None:
     }
     assert set(figures["perplexity_before"]) == {"code", "docs"}
     assert figures["added_tokens"] > 0
+    assert figures["sft_lora_rank"] == lora
+    adapter = tmp_path / "run" / "sft_adapter" / "adapter_config.json"
+    assert adapter.is_file() == bool(lora)
+    if lora:
+        assert json.loads(adapter.read_text())["r"] == lora

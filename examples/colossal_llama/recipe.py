@@ -12,6 +12,7 @@ tokenizer of that code; the new domain is the standard library's docstrings. The
    first token of each choice.
 
     python examples/colossal_llama/recipe.py --out runs/domain-llm [--steps 300] [--sft-steps 100]
+        [--sft-lora RANK]  # the chat fine-tuning with LoRA adapters (saved in peft's format)
 
 The figures go to OUT/figures.json (and the tokenizer and model to OUT/).
 """
@@ -57,8 +58,10 @@ def _docstrings() -> list[tuple[str, str]]:
     return out
 
 
-def _train(cfg, params, batches, steps: int, lr: float):  # type: ignore[no-untyped-def]
+def _train(cfg, params, batches, steps: int, lr: float, lora: int = 0):  # type: ignore[no-untyped-def]
     step = cf.train_step(models.llama.loss(cfg), optim.adamw(lr, weight_decay=0.0), donate=True)
+    if lora:  # rank-`lora` adapters of every attention and MLP weight, the base frozen
+        step = cf.lora(step, rank=lora, alpha=2.0 * lora)
     state = step.init(params)
     losses = []
     it = iter(batches)
@@ -78,6 +81,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=300, help="pre-training steps per stage")
     parser.add_argument("--sft-steps", type=int, default=100)
+    parser.add_argument(
+        "--sft-lora", type=int, default=0, help="fine-tune on chat with LoRA adapters of this rank"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out: Path = args.out
@@ -135,7 +141,13 @@ def main() -> None:
         {k: v[i : i + bs] for k, v in packed.items()}
         for i in range(0, len(packed["input_ids"]), bs)
     ]
-    params, sft = _train(cfg, params, sft_batches, args.sft_steps, 1e-3)
+    if args.sft_lora:  # LoRA: the adapters saved as peft reads them, then merged in
+        adapted, sft = _train(cfg, params, sft_batches, args.sft_steps, 1e-3, args.sft_lora)
+        config = cf.adapters.LoraConfig(rank=args.sft_lora, alpha=2.0 * args.sft_lora)
+        cf.adapters.save_adapter(out / "sft_adapter", cfg, adapted, config)
+        params = cf.adapters.merge(adapted, config)
+    else:
+        params, sft = _train(cfg, params, sft_batches, args.sft_steps, 1e-3)
 
     # 5: evaluation
     after = {c: rec.perplexity(models.llama, cfg, params, t, seq) for c, t in held_out.items()}
@@ -164,6 +176,7 @@ def main() -> None:
         "multiple_choice": score,
         "multiple_choice_items": len(items),
         "losses": {"pretrain": pre[-1:], "continual": cpt[-1:], "sft": sft[-1:]},
+        "sft_lora_rank": args.sft_lora,
         "seconds": round(time.perf_counter() - t0, 1),
     }
     (out / "figures.json").write_text(json.dumps(figures, indent=1))
