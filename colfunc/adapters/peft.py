@@ -2,7 +2,7 @@
 ``adapter_model.safetensors``), for every registered model family with a Hugging Face side.
 
 A colfunc adapter of a weight maps to the LoRA layer of the ``transformers`` module that holds
-it, through the family's weight table (:mod:`colfunc.hf`): ``lora_A.weight [r, in]`` is ``a``
+it, through the family's weight table (as :mod:`colfunc.hf` reads weights): ``lora_A.weight [r, in]`` is ``a``
 transposed and ``lora_B.weight [out, r]`` is ``b`` transposed. A module that fuses several colfunc
 weights (GPT-2's ``c_attn`` holds ``wq``, ``wk`` and ``wv``) has one ``lora_A``, so those weights
 must share one ``a`` (``cf.lora(..., shared=[...])``; :func:`fused_groups` names them), and its
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from colfunc import hf, nn, tree
+from colfunc import models, nn, tree
 from colfunc.adapters.lora import LoraConfig, adapter_paths, base_of, is_adapter
 from colfunc.models import HFWeight
 
@@ -30,9 +30,17 @@ WEIGHTS = "adapter_model.safetensors"
 
 def _entries(cfg: Any) -> list[tuple[HFWeight, bool]]:
     """The family's weight table for ``cfg``: ``(entry, per_layer)``, linear maps only."""
-    _, top, layer = hf._table(cfg)
+    top, layer = _hf_side(cfg).weights(cfg)
     entries = [(e, False) for e in top] + [(e, True) for e in layer]
     return [(e, per_layer) for e, per_layer in entries if e.key.endswith(".weight")]
+
+
+def _hf_side(cfg: Any) -> Any:
+    """The Hugging Face side of the registered family of ``cfg``."""
+    family = models.of_config(cfg)
+    if family.hf is None:
+        raise ValueError(f"peft: the {family.name!r} model family has no Hugging Face counterpart")
+    return family.hf
 
 
 def _module(entry: HFWeight) -> str:
@@ -121,7 +129,7 @@ def adapter_config(
         "use_dora": False,
         "target_modules": targets,
         "bias": "none",
-        "fan_in_fan_out": hf.models.of_config(cfg).name == "gpt",
+        "fan_in_fan_out": models.of_config(cfg).name == "gpt",
         "init_lora_weights": True,
         "modules_to_save": None,
         "layers_to_transform": None,
@@ -200,7 +208,7 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
     flat: dict[str, torch.Tensor] = {}
     shared: list[tuple[str, ...]] = []
     used: set[str] = set()
-    shapes = hf._table(cfg)[0].param_shapes(cfg)
+    shapes = models.of_config(cfg).module.param_shapes(cfg)
     for e, per_layer in _entries(cfg):
         name = PREFIX + _module(e)
         keys = [name.format(i=i) for i in range(cfg.n_layer)] if per_layer else [name]
@@ -237,7 +245,7 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
     if unknown:
         raise ValueError(
             f"load_adapter: {str(folder)!r} has {unknown[0]}, which no weight of the "
-            f"{hf.models.of_config(cfg).name} model maps to"
+            f"{models.of_config(cfg).name} model maps to"
         )
     if not flat:
         raise ValueError(f"load_adapter: {str(folder)!r} holds no LoRA weights")

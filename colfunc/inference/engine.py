@@ -256,9 +256,9 @@ class Engine:
         if isinstance(source, tuple):
             config, adapters = source
         else:
-            from colfunc import hf
+            from colfunc.adapters.peft import load_adapter
 
-            config, adapters = hf.load_adapter(source, self.cfg)
+            config, adapters = load_adapter(source, self.cfg)
         self.adapters.add(name, config, adapters, self.base_params)
         self.params = self.adapters.stacked(self.base_params)
 
