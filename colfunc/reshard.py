@@ -285,13 +285,15 @@ def read_local(
     fresh: TrainState,
     pieces: dict[str, Piece],
     check: Callable[[str, torch.Tensor], None] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> TrainState:
     """``fresh`` (a step's newly made state on this rank) with the values of the checkpoint
     ``reader`` reads: every tensor that holds elements of a global one is assembled from the
     files that hold them (``runs`` from :func:`element_runs` for this rank), reading only those
     elements' blocks; the other leaves (step counts, scalars) come whole from rank 0's file.
     The transforms' own entries of ``extra`` stay ``fresh``'s; the rest of ``extra`` and the
-    step are the checkpoint's."""
+    step are the checkpoint's. A key ``keep`` accepts that the checkpoint lacks keeps
+    ``fresh``'s value (a lora run's frozen base, which its checkpoints leave out)."""
     index = reader.tensors
     locals_ = tensors_by_key(local_pieces(fresh))
 
@@ -305,6 +307,8 @@ def read_local(
                 )
             return got
         entry = index.get(key)
+        if entry is None and keep is not None and keep(key):
+            return like
         if entry is None:
             raise checkpoint.CheckpointError(f"{reader.path} has no tensor {key!r}")
         if entry["dtype"] != str(like.dtype).removeprefix("torch."):

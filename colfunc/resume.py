@@ -31,7 +31,10 @@ __all__ = [
     "load_run",
     "make_step",
     "model_params",
+    "omits_base",
     "plain_step",
+    "run_base",
+    "saved_part",
     "single_layout",
 ]
 
@@ -85,6 +88,39 @@ def model_params(cfg: RunConfig, params: Any) -> Any:
     return adapters.merge(params, lora)
 
 
+def run_base(cfg: RunConfig, given: Any = None) -> Any:
+    """The parameters a run starts from (``given``, else its folder's weights or its model's
+    init from ``train.seed``): a lora run's frozen base, which its checkpoints leave out."""
+    if given is not None:
+        return given
+    if cfg.init is not None:
+        from colfunc import hf
+
+        return hf.load(cfg.init)[1]
+    return model_module(cfg.model).init(cfg.model, seed=cfg.train.seed)
+
+
+def omits_base(cfg: RunConfig) -> bool:
+    """Whether the run's checkpoints hold its adapters and their optimizer state only (a lora
+    run: the frozen base is made again from where it came from, so a checkpoint is megabytes)."""
+    return lora_config(cfg.lora) is not None
+
+
+def saved_part(cfg: RunConfig, state: TrainState) -> TrainState:
+    """What a checkpoint of ``state`` holds (see :func:`omits_base`)."""
+    if not omits_base(cfg):
+        return state
+    return state._replace(params=tree.subset(state.params, adapters.is_adapter))
+
+
+def _kept(cfg: RunConfig) -> Any:
+    """Which of a state's keys (``params.<path>``) a load keeps from the fresh state, when the
+    checkpoint lacks them: a lora run's frozen base."""
+    if not omits_base(cfg):
+        return lambda key: False
+    return lambda key: key.startswith("params.") and not adapters.is_adapter(key[7:])
+
+
 def make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
     """The run's step on this rank: its loss and optimizer, composed as ``parallel`` says."""
     step_fn = plain_step(cfg, donate=True)
@@ -99,10 +135,13 @@ def _layout_key(cfg: RunConfig) -> Any:
     return {k: v for k, v in cfg.parallel.items() if k not in ("backend", "timeout")}
 
 
-def _fresh_layout(step_fn: Any, cfg: RunConfig) -> TrainState:
+def _fresh_layout(step_fn: Any, cfg: RunConfig, base: Any = None) -> TrainState:
     """A new state of ``step_fn`` on this rank, for its layout only: abstract parameters made
     as zeros (a load replaces every value, so the model's random initialisation would be
-    work thrown away), each rank making its own pieces; a pipeline cuts made ones."""
+    work thrown away), each rank making its own pieces; a pipeline cuts made ones. A lora
+    run's is made from its base (:func:`run_base`), which its checkpoints leave out."""
+    if omits_base(cfg):
+        return step_fn.init(run_base(cfg, base))
     model = model_module(cfg.model)
     described = tree.map(
         lambda x: (
@@ -144,14 +183,17 @@ class ShardedRun:
         self.partial = bool(reader.tensors)
         self.bytes_read: dict[int, dict[int, int]] = {}  # loading rank -> file rank -> bytes
 
-    def resharded(self, step_fn: Any, mesh: Mesh | None, cfg: RunConfig) -> TrainState:
+    def resharded(
+        self, step_fn: Any, mesh: Mesh | None, cfg: RunConfig, base: Any = None
+    ) -> TrainState:
         """This rank's state under ``step_fn``'s layout (any composition, mesh or world size;
         ``mesh`` None for one device), reading from each file only the blocks that hold the
-        elements of this rank's pieces."""
+        elements of this rank's pieces (a lora run's base made from ``base``, or again from
+        its source: :func:`run_base`)."""
         pieces = element_layout(step_fn, cfg)
-        fresh = _fresh_layout(step_fn, cfg)
+        fresh = _fresh_layout(step_fn, cfg, base)
         reader = self.reader.with_own_counts()
-        state = reshard.read_local(reader, fresh, pieces)
+        state = reshard.read_local(reader, fresh, pieces, keep=_kept(cfg))
         self.bytes_read[0 if mesh is None else mesh.rank] = dict(reader.bytes_read)
         return state
 
@@ -162,17 +204,21 @@ class ShardedRun:
             and _layout_key(cfg) == _layout_key(self.config)
         )
 
-    def local(self, step_fn: Any, mesh: Mesh, cfg: RunConfig) -> TrainState:
+    def local(self, step_fn: Any, mesh: Mesh, cfg: RunConfig, base: Any = None) -> TrainState:
         """This rank's state, as the writing rank held it, under the same composition."""
         saved, _ = checkpoint.load_shard(self.path, mesh.rank)
-        fresh = _fresh_layout(step_fn, cfg)
+        fresh = _fresh_layout(step_fn, cfg, base)
         where = f"{self.path / checkpoint.shard_name(mesh.rank)}"
+        kept = _kept(cfg)
 
         def fill(fresh_part: Any, saved_part: Any, what: str) -> Any:
             flat, treedef = tree.flatten_with_paths(fresh_part)
             have = dict(tree.flatten_with_paths(saved_part)[0])
             out = []
             for path, x in flat:
+                if path not in have and what == "parameter" and kept(f"params.{path}"):
+                    out.append(x)  # (a lora run's frozen base: made, not saved)
+                    continue
                 if path not in have:
                     raise checkpoint.CheckpointError(f"{where} has no {what} {path!r}")
                 y = have[path]
@@ -266,4 +312,9 @@ def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
+    if omits_base(cfg) and any(not adapters.is_adapter(p) for p in tree.paths(state.params)):
+        return state, cfg  # (a lora checkpoint written whole)
+    if omits_base(cfg):  # the adapters saved, the base made again
+        made = plain_step(cfg).prepare(run_base(cfg))
+        state = state._replace(params=tree.merge(made, state.params))
     return state, cfg

@@ -19,7 +19,7 @@ import torch
 
 from colfunc import checkpoint, reshard, tree
 from colfunc.config import RunConfig
-from colfunc.resume import element_layout
+from colfunc.resume import element_layout, saved_part
 from colfunc.sharding import Mesh, comm
 from colfunc.step import TrainState
 
@@ -75,10 +75,11 @@ class Saver:
                 f"step {state.step}: parameter {bad[0]!r} is not finite; the run stops without "
                 f"saving, so the checkpoint of step {self.last_saved} is kept"
             )
+        saved = saved_part(self.cfg, state)  # (a lora run's: its adapters, not its base)
         if self.writer is not None:
-            self.writer.submit(self.store, state.step, state, self.cfg, keep_last=self.keep)
+            self.writer.submit(self.store, state.step, saved, self.cfg, keep_last=self.keep)
         else:
-            checkpoint.commit(self.store, state.step, state, self.cfg, keep_last=self.keep)
+            checkpoint.commit(self.store, state.step, saved, self.cfg, keep_last=self.keep)
         self.last_saved = state.step
 
     def pieces(self) -> dict[str, reshard.Piece]:
@@ -91,8 +92,11 @@ class Saver:
     def _save_shards(self, state: TrainState, mesh: Mesh) -> None:
         """Every rank writes its own pieces, as it holds them (no gathering), with which
         global elements they hold; rank 0 writes the index once all have, and commits."""
-        local = reshard.local_pieces(state)
-        described = self.pieces()
+        local = saved_part(self.cfg, reshard.local_pieces(state))
+        kept = {f"params.{p}" for p in tree.paths(local.params)}
+        described = {
+            k: v for k, v in self.pieces().items() if not k.startswith("params.") or k in kept
+        }
         floats = [
             (p, x) for p, x in tree.flatten_with_paths(local.params)[0] if x.is_floating_point()
         ]

@@ -430,9 +430,9 @@ def _train(
     params0 = model.init(cfg.model, seed=tc.seed) if given is None else given
     if isinstance(state, ShardedRun):
         if mesh is not None and state.same_layout(cfg, pc):  # this rank's own file, no other
-            state = state.local(step_fn, mesh, cfg)
+            state = state.local(step_fn, mesh, cfg, given)
         else:  # another layout: the slices of each file that hold this rank's pieces
-            state = state.resharded(step_fn, mesh, cfg)
+            state = state.resharded(step_fn, mesh, cfg, given)
     elif state is not None:  # in the single-device layout, whatever the mesh was
         _check_resumable(state, plain_step(cfg).init(params0))
         if mesh is not None:

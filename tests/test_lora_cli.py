@@ -48,7 +48,7 @@ def test_train_export_peft_and_merged(folder, tmp_path) -> None:
     import peft
     import transformers
 
-    from colfunc import adapters, config, hf, models, train, tree
+    from colfunc import adapters, checkpoint, config, hf, models, train, tree
 
     example = REPO / "examples" / "configs" / "llama_lora.py"
     env = {**os.environ, "COLFUNC_HF_MODEL": str(folder), "HF_HUB_OFFLINE": "1"}
@@ -71,6 +71,13 @@ def test_train_export_peft_and_merged(folder, tmp_path) -> None:
     assert lora.base_dtype == "nf4" and lora.rank == 4
     flat = dict(tree.flatten_with_paths(state.params)[0])
     assert any(p.endswith(".nf4") for p in flat)  # the base, in 4 bits
+    # the checkpoint holds the adapters and their moments, not the base (made again from
+    # the folder): a small fraction of the folder's weights
+    raw, _ = checkpoint.load_shard(train.checkpoint_path(run), 0)  # (one rank: dp 1)
+    assert tree.paths(raw.params) and all(adapters.is_adapter(p) for p in tree.paths(raw.params))
+    saved = sum(f.stat().st_size for f in (run / "checkpoints").rglob("*") if f.is_file())
+    adapter_bytes = sum(x.numel() * x.element_size() for p, x in flat.items() if ".lora." in p)
+    assert saved < 3 * adapter_bytes + 64 * 1024, (saved, adapter_bytes)  # (and two moments)
     assert sum(float(x.abs().sum()) for p, x in flat.items() if p.endswith(".b")) > 0  # trained
     ids = torch.randint(
         0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
@@ -147,3 +154,42 @@ def test_a_lora_run_resumes_exactly_and_a_bad_section_is_one_line(folder, tmp_pa
     ):
         assert torch.equal(x, y), p
     assert tree.paths(whole.opt_state) == tree.paths(cut.opt_state)
+
+
+def test_a_parallel_lora_run_saves_shards_of_its_adapters_and_resumes_exactly(
+    folder, tmp_path
+) -> None:
+    """Under dp=2 with ZeRO-3 each rank's shard holds its pieces of the adapters and their
+    moments only; four steps at once equal two, the shards, and two more (the same layout)."""
+    from colfunc import adapters, checkpoint, train, tree
+    from colfunc.cli import main
+
+    common = [
+        "--set", f"data.corpus={folder / 'corpus.txt'}", "--set", "data.seq_len=32",
+        "--set", "data.batch_size=2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
+        "--set", "train.sample_tokens=0", "--set", f"train.out_dir={tmp_path}",
+        "--set", "optim.lr=1e-2", "--set", "optim.final_lr=1e-2", "--set", "optim.warmup_steps=0",
+        "--set", "lora.rank=2", "--set", "parallel.data=2", "--set", "parallel.zero=3",
+        "--set", "parallel.offload=None", "--set", "parallel.remat='none'", "--no-progress",
+    ]  # fmt: skip
+    example = str(REPO / "examples" / "configs" / "llama_lora.py")
+    os.environ["COLFUNC_HF_MODEL"] = str(folder)
+    try:
+        assert main(["train", example, "--name", "whole", "--set", "train.steps=4", *common]) == 0
+        assert main(["train", example, "--name", "cut", "--set", "train.steps=2", *common]) == 0
+        shards = list((tmp_path / "cut" / "checkpoints").rglob("rank-*.safetensors"))
+        assert len(shards) == 2
+        for rank in range(2):  # each rank's pieces of the adapters (and moments), no base
+            raw, _ = checkpoint.load_shard(train.checkpoint_path(tmp_path / "cut"), rank)
+            assert all(adapters.is_adapter(p) for p in tree.paths(raw.params))
+        assert main(["train", "--resume", str(tmp_path / "cut"), "--set", "train.steps=4",
+                     "--no-progress"]) == 0  # fmt: skip
+    finally:
+        del os.environ["COLFUNC_HF_MODEL"]
+    whole, _ = train.load_run(tmp_path / "whole")
+    cut, _ = train.load_run(tmp_path / "cut")
+    assert whole.step == cut.step == 4
+    for (p, x), (_, y) in zip(
+        tree.flatten_with_paths(whole.params)[0], tree.flatten_with_paths(cut.params)[0]
+    ):
+        assert torch.equal(x, y), p

@@ -236,9 +236,14 @@ def test_another_layout_reads_only_the_blocks_of_its_own_pieces(
         reads: dict[int, int] = {}
 
         def resharded(
-            self: Any, step_fn: Any, mesh: Any, cfg: Any, own: dict[int, int] = own
+            self: Any,
+            step_fn: Any,
+            mesh: Any,
+            cfg: Any,
+            base: Any = None,
+            own: dict[int, int] = own,
         ) -> Any:
-            state = original(self, step_fn, mesh, cfg)
+            state = original(self, step_fn, mesh, cfg, base)
             rank = 0 if mesh is None else mesh.rank
             own[rank] = sum(x.nbytes for x in tree.tensors(reshard.local_pieces(state)))
             return state
