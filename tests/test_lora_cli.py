@@ -39,6 +39,30 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
+def _common(folder: Path, tmp_path: Path, *more: str) -> list[str]:
+    """Short runs at a constant learning rate (a longer run does not change it), rank 2."""
+    sets = [
+        f"data.corpus={folder / 'corpus.txt'}", "data.seq_len=32", "data.batch_size=2",
+        "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=0",
+        f"train.out_dir={tmp_path}", "optim.lr=1e-2", "optim.final_lr=1e-2",
+        "optim.warmup_steps=0", "lora.rank=2", *more,
+    ]  # fmt: skip
+    return [a for s in sets for a in ("--set", s)] + ["--no-progress"]
+
+
+def _same_runs(a: Path, b: Path) -> None:
+    """The two runs end at step 4 with bit-identical parameters."""
+    from colfunc import train, tree
+
+    x_state, _ = train.load_run(a)
+    y_state, _ = train.load_run(b)
+    assert x_state.step == y_state.step == 4
+    xs, ys = tree.flatten_with_paths(x_state.params)[0], tree.flatten_with_paths(y_state.params)[0]
+    for (p, x), (_, y) in zip(xs, ys):
+        assert torch.equal(x, y), p
+    assert tree.paths(x_state.opt_state) == tree.paths(y_state.opt_state)
+
+
 def _colfunc(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "colfunc", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=cwd)
@@ -119,17 +143,10 @@ def test_a_lora_run_resumes_exactly_and_a_bad_section_is_one_line(folder, tmp_pa
     """Four steps at once equal two, a checkpoint (adapters and their moments) and two more
     (at a constant learning rate, which a longer run does not change);
     a ``lora`` section with an unknown key or a bad value exits 2 with one line."""
-    from colfunc import train, tree
     from colfunc.cli import main
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    common = [
-        "--set", f"data.corpus={folder / 'corpus.txt'}", "--set", "data.seq_len=32",
-        "--set", "data.batch_size=2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
-        "--set", "train.sample_tokens=0", "--set", f"train.out_dir={tmp_path}",
-        "--set", "optim.lr=1e-2", "--set", "optim.final_lr=1e-2", "--set", "optim.warmup_steps=0",
-        "--set", "lora.rank=2", "--no-progress", "--threads", "1",
-    ]  # fmt: skip
+    common = [*_common(folder, tmp_path), "--threads", "1"]
     example = str(REPO / "examples" / "configs" / "llama_lora.py")
     os.environ["COLFUNC_HF_MODEL"] = str(folder)
     try:
@@ -146,14 +163,7 @@ def test_a_lora_run_resumes_exactly_and_a_bad_section_is_one_line(folder, tmp_pa
         assert len(err) == 1 and "base_dtype must be None or one of" in err[0], err
     finally:
         del os.environ["COLFUNC_HF_MODEL"]
-    whole, _ = train.load_run(tmp_path / "whole")
-    cut, _ = train.load_run(tmp_path / "cut")
-    assert whole.step == cut.step == 4
-    for (p, x), (_, y) in zip(
-        tree.flatten_with_paths(whole.params)[0], tree.flatten_with_paths(cut.params)[0]
-    ):
-        assert torch.equal(x, y), p
-    assert tree.paths(whole.opt_state) == tree.paths(cut.opt_state)
+    _same_runs(tmp_path / "whole", tmp_path / "cut")
 
 
 def test_a_parallel_lora_run_saves_shards_of_its_adapters_and_resumes_exactly(
@@ -164,14 +174,8 @@ def test_a_parallel_lora_run_saves_shards_of_its_adapters_and_resumes_exactly(
     from colfunc import adapters, checkpoint, train, tree
     from colfunc.cli import main
 
-    common = [
-        "--set", f"data.corpus={folder / 'corpus.txt'}", "--set", "data.seq_len=32",
-        "--set", "data.batch_size=2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
-        "--set", "train.sample_tokens=0", "--set", f"train.out_dir={tmp_path}",
-        "--set", "optim.lr=1e-2", "--set", "optim.final_lr=1e-2", "--set", "optim.warmup_steps=0",
-        "--set", "lora.rank=2", "--set", "parallel.data=2", "--set", "parallel.zero=3",
-        "--set", "parallel.offload=None", "--set", "parallel.remat='none'", "--no-progress",
-    ]  # fmt: skip
+    more = ("parallel.data=2", "parallel.zero=3", "parallel.offload=None", "parallel.remat='none'")
+    common = _common(folder, tmp_path, *more)
     example = str(REPO / "examples" / "configs" / "llama_lora.py")
     os.environ["COLFUNC_HF_MODEL"] = str(folder)
     try:
@@ -186,10 +190,4 @@ def test_a_parallel_lora_run_saves_shards_of_its_adapters_and_resumes_exactly(
                      "--no-progress"]) == 0  # fmt: skip
     finally:
         del os.environ["COLFUNC_HF_MODEL"]
-    whole, _ = train.load_run(tmp_path / "whole")
-    cut, _ = train.load_run(tmp_path / "cut")
-    assert whole.step == cut.step == 4
-    for (p, x), (_, y) in zip(
-        tree.flatten_with_paths(whole.params)[0], tree.flatten_with_paths(cut.params)[0]
-    ):
-        assert torch.equal(x, y), p
+    _same_runs(tmp_path / "whole", tmp_path / "cut")
