@@ -83,15 +83,16 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _problem(name: str):
+def _problem(name: str, dora: bool = False):
     """(hf model, colfunc cfg, lora step, state with random adapters, config)."""
     model = _hf_model(name)
     cfg, params = hf.from_hf(model)
     _, targets, shared, _ = FAMILIES[name]
     opt = optim.adamw(1e-2, betas=(0.9, 0.99), weight_decay=0.1)
     step = cf.lora(
-        cf.train_step(models.of_config(cfg).module.loss(cfg), opt), 4, 8.0, targets, shared=shared
-    )
+        cf.train_step(models.of_config(cfg).module.loss(cfg), opt),
+        4, 8.0, targets, shared=shared, dora=dora,
+    )  # fmt: skip
     state = step.init(params)
     g = torch.Generator().manual_seed(1)  # b random too, so every product is exercised
     ps = tree.map_with_path(
@@ -104,7 +105,10 @@ def _problem(name: str):
 
 
 def _peft(model, name: str, state, cfg, config):
-    pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES[name][3], lora_dropout=0.0)
+    pc = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=FAMILIES[name][3], lora_dropout=0.0,
+        use_dora=config.dora,
+    )  # fmt: skip
     pm = peft.get_peft_model(model, pc).double()
     ours = adapters.to_peft(cfg, state.params, config)
     mine = [k for k in peft.get_peft_model_state_dict(pm) if ".lora_" in k]
@@ -114,9 +118,22 @@ def _peft(model, name: str, state, cfg, config):
     return pm
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_logits_and_adamw_steps_equal_peft(name) -> None:
-    model, cfg, step, state, config = _problem(name)
+@pytest.mark.parametrize(
+    ("name", "dora"), [*((n, False) for n in sorted(FAMILIES)), ("llama", True), ("gpt2", True)]
+)
+def test_logits_and_adamw_steps_equal_peft(name, dora) -> None:
+    """LoRA (and DoRA: a magnitude per output column, the column norms held constant in the
+    backward pass) against peft: logits, then five AdamW steps."""
+    model, cfg, step, state, config = _problem(name, dora)
+    if dora:  # magnitudes away from the base's norms, so that they matter from the start
+        g = torch.Generator().manual_seed(2)
+        state = step.init(
+            tree.map_with_path(
+                lambda p, x: x * (1 + 0.3 * torch.rand(x.shape, generator=g, dtype=x.dtype))
+                if p.endswith(".m") else x,
+                state.params,
+            )
+        )  # fmt: skip
     module = models.of_config(cfg).module
     base0 = {
         p: x.clone()
@@ -155,9 +172,9 @@ def test_logits_and_adamw_steps_equal_peft(name) -> None:
     assert held and all(adapters.is_adapter(p) for p in held)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, tmp_path) -> None:
-    _, cfg, _, state, config = _problem(name)
+@pytest.mark.parametrize(("name", "dora"), [("llama", False), ("gpt2", False), ("llama", True)])
+def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, dora, tmp_path) -> None:
+    _, cfg, _, state, config = _problem(name, dora)
     module = models.of_config(cfg).module
     ids = _batch(3)["input_ids"]
     adapters.save_adapter(tmp_path / "out", cfg, state.params, config)
@@ -174,12 +191,13 @@ def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, tmp_path
         lora_dropout=0.0,
         init_lora_weights=False,
         use_rslora=True,
+        use_dora=dora,
     )
     torch.manual_seed(5)
     theirs = peft.get_peft_model(_hf_model(name), pc).double()
     theirs.save_pretrained(tmp_path / "peft")
     got, ad = hf.load_adapter(tmp_path / "peft", cfg)
-    assert (got.rank, got.alpha, got.rslora) == (4, 6.0, True)
+    assert (got.rank, got.alpha, got.rslora, got.dora) == (4, 6.0, True, dora)
     params = adapters.combine(hf.from_hf(_hf_model(name))[1], ad)
     with torch.no_grad():
         ours = adapters.call(got, module.apply, params, ids, cfg)

@@ -84,21 +84,22 @@ CASES = {
 }
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=14, deadline=None)
 @given(
     case=st.sampled_from(sorted(CASES)),
     name=st.sampled_from(["gpt", "llama"]),
     targets=st.sampled_from(sorted(TARGETS)),
     first=st.booleans(),
     rslora=st.booleans(),
+    dora=st.booleans(),
 )
-def test_compositions_equal_one_device(case, name, targets, first, rslora) -> None:
+def test_compositions_equal_one_device(case, name, targets, first, rslora, dora) -> None:
     model, cfg, params, batches = _problem(name)
     chosen = TARGETS[targets]
     if name == "gpt" and "head.weight" in chosen:
         chosen = [t for t in chosen if t != "head.weight"]  # (GPT ties its head to the embedding)
     opt = optim.adamw(1e-2, betas=(0.8, 0.99), weight_decay=0.1)
-    kw = dict(rank=2, alpha=4.0, targets=chosen, rslora=rslora)
+    kw = dict(rank=2, alpha=4.0, targets=chosen, rslora=rslora, dora=dora)
     ref = cf.lora(cf.train_step(model.loss(cfg), opt), **kw)
     start = _with_random_b(ref, params)
     mesh_shape, compose = CASES[case]

@@ -85,10 +85,10 @@ def _problem(d_model: int = 128, dtype: torch.dtype = torch.float32):
     return cfg, params, batches
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_a_qlora_step_equals_a_lora_step_on_the_dequantized_base(fmt) -> None:
+@pytest.mark.parametrize(("fmt", "dora"), [("nf4", False), ("int8", False), ("nf4", True)])
+def test_a_qlora_step_equals_a_lora_step_on_the_dequantized_base(fmt, dora) -> None:
     cfg, params, batches = _problem()
-    kw = dict(rank=4, alpha=8.0, targets=["blocks.attn.w*", "blocks.mlp.w*"])
+    kw = dict(rank=4, alpha=8.0, targets=["blocks.attn.w*", "blocks.mlp.w*"], dora=dora)
     opt = optim.adamw(1e-2)
     q_step = cf.lora(cf.train_step(models.llama.loss(cfg), opt), base_dtype=fmt, **kw)
     q_state = q_step.init(params)

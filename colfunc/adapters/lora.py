@@ -42,6 +42,7 @@ __all__ = [
     "config_of",
     "is_adapter",
     "lora",
+    "magnitude_path",
 ]
 
 PyTree = Any
@@ -63,6 +64,7 @@ class LoraConfig:
     shared: tuple[tuple[str, ...], ...] = ()
     seed: int = 0
     base_dtype: str | None = None
+    dora: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -87,8 +89,9 @@ class LoraConfig:
             raise ValueError(f"lora: dropout must be in [0, 1), got {self.dropout!r}")
         if self.init not in INITS:
             raise ValueError(f"lora: init must be one of {INITS}, got {self.init!r}")
-        if not isinstance(self.rslora, bool):
-            raise TypeError(f"lora: rslora must be a bool, got {self.rslora!r}")
+        for flag in ("rslora", "dora"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"lora: {flag} must be a bool, got {getattr(self, flag)!r}")
         groups = []
         for g in self.shared:
             if isinstance(g, str) or not isinstance(g, (tuple, list)) or len(g) < 2:
@@ -150,6 +153,11 @@ class Target:
         return adapter_paths(self.path)[1]
 
 
+def magnitude_path(path: str) -> str:
+    """The path of DoRA's magnitude of the weight at ``path``."""
+    return adapter_paths(path)[1][:-1] + "m"
+
+
 def adapter_paths(path: str) -> tuple[str, str]:
     """The paths of the adapter of the weight at ``path``: ``(a, b)``."""
     parent, _, name = path.rpartition(".")
@@ -160,7 +168,7 @@ def adapter_paths(path: str) -> tuple[str, str]:
 def is_adapter(path: str) -> bool:
     """Whether ``path`` is an adapter's ``a`` or ``b``."""
     parts = path.split(".")
-    return len(parts) >= 3 and parts[-3] == KEY and parts[-1] in ("a", "b")
+    return len(parts) >= 3 and parts[-3] == KEY and parts[-1] in ("a", "b", "m")
 
 
 def base_of(path: str) -> str:
@@ -259,18 +267,6 @@ def _init_a(config: LoraConfig, t: Target, path: str) -> torch.Tensor:
     return random.uniform(config.seed, path, shape, -bound, bound, t.dtype)
 
 
-def _meta_quantized(w: torch.Tensor, fmt: str, path: str) -> dict[str, torch.Tensor]:
-    """A dry run's quantized weight: its codes and scales on the meta device."""
-    quant.quantize(torch.empty((1, w.shape[-1])), fmt, path)  # (the same checks)
-    *lead, n_in, n_out = w.shape
-    codes = (*lead, n_in, n_out // 2 if fmt == "nf4" else n_out)
-    dtype = torch.uint8 if fmt == "nf4" else torch.int8
-    return {
-        fmt: torch.empty(codes, dtype=dtype, device="meta"),
-        "absmax": torch.empty((*lead, n_in, n_out // quant.BLOCK), device="meta"),
-    }
-
-
 def adapter_numel(config: LoraConfig, params: PyTree) -> int:
     """How many values the adapters of ``params`` under ``config`` hold (each shared ``a``
     once)."""
@@ -280,7 +276,20 @@ def adapter_numel(config: LoraConfig, params: PyTree) -> int:
         total += lead * config.rank * t.shape[-1]
         if t.leader == t.path:
             total += lead * config.rank * t.shape[-2]
+        if config.dora:
+            total += lead * t.shape[-1]
     return total
+
+
+def _column_norms(w: Any, t: Target) -> torch.Tensor:
+    """DoRA's initial magnitude: the norm of each output column of ``w`` (``[..., out]``)."""
+    if isinstance(w, random.Abstract):
+        w = w.materialize()
+    if quant.is_quantized(w):
+        w = quant.dequantize(w, t.dtype)
+    if w.device.type == "meta":
+        return torch.empty((*w.shape[:-2], w.shape[-1]), dtype=w.dtype, device="meta")
+    return w.detach().mul(w).sum(dim=-2).sqrt().to(w.dtype)
 
 
 def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
@@ -303,11 +312,17 @@ def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
             if isinstance(w, random.Abstract):  # quantized once made, where a layout makes it
                 w = w.materialize()
             if getattr(w, "device", None) is not None and w.device.type == "meta":
-                w = _meta_quantized(w, config.base_dtype, t.path)
+                w = quant.meta_quantized(w, config.base_dtype, t.path)
             else:
                 w = quant.quantize(w, config.base_dtype, t.path)
             out = _set(out, t.path, w)
         lead = t.shape[:-2]
+        if config.dora and _get(out, magnitude_path(t.path)) is None:  # m = the column norms
+            out = _set(
+                out,
+                magnitude_path(t.path),
+                _column_norms(w if w is not None else _get(out, t.path), t),
+            )
         shapes = {t.a: (*lead, t.shape[-2], config.rank), t.b: (*lead, config.rank, t.shape[-1])}
         for path, shape in shapes.items():
             have = _get(out, path)
@@ -349,7 +364,7 @@ def _attach(node: dict[str, Any], prefix: str, config: LoraConfig) -> dict[str, 
         a, w = adapters[leader]["a"], out[name]
         if quant.is_quantized(w):  # the frozen base in 4 or 8 bits, dequantized at its matmul
             w = quant.Dequantized(w, a.dtype)
-        out[name] = LowRank(w, a, ad["b"], config.scale, config.dropout, path)
+        out[name] = LowRank(w, a, ad["b"], config.scale, config.dropout, path, ad.get("m"))
     return out
 
 
@@ -396,7 +411,12 @@ class Adapted:
             nd = 3 if weight.startswith("blocks.") else 2
             full = list(spec) + [None] * (nd - len(spec))
             lead, s_in, s_out = full[:-2], full[-2], full[-1]
-            entries[path] = P(*lead, s_in, None) if path.endswith(".a") else P(*lead, None, s_out)
+            if path.endswith(".m"):  # DoRA's magnitude: one per output
+                entries[path] = P(*lead, s_out)
+            else:
+                entries[path] = (
+                    P(*lead, s_in, None) if path.endswith(".a") else P(*lead, None, s_out)
+                )
         packed = set()
         for weight, x in _weights(params):  # a quantized weight's codes and scales: as it
             if isinstance(x, _Packed):
@@ -520,6 +540,7 @@ def lora(
     shared: Sequence[Sequence[str]] = (),
     seed: int = 0,
     base_dtype: str | None = None,
+    dora: bool = False,
 ) -> Step:
     """``step`` training low-rank adapters of the weights ``targets`` selects, all else frozen.
 
@@ -531,7 +552,9 @@ def lora(
     adapters' input in training; ``shared`` groups weights with one input (a fused Hugging Face
     module) under one ``a``. ``base_dtype="nf4"`` (QLoRA) or ``"int8"`` stores each targeted
     base weight quantized (:mod:`colfunc.adapters.quant`), dequantized one layer at a time just
-    before its matmul.
+    before its matmul. ``dora=True`` (DoRA, Liu et al. 2024) adds a trained magnitude per
+    output column (``lora.<weight>.m``, the base's column norms at init) and rescales each
+    column of ``w + a b scale`` to it, the norms held constant in the backward pass, as peft.
 
     It composes with every transform, applied before or after them.
 
@@ -551,6 +574,7 @@ def lora(
         shared=tuple(tuple(g) for g in shared),
         seed=seed,
         base_dtype=base_dtype,
+        dora=dora,
     )
     base = step.base if step.base is not None else step
     if config_of(base) is not None:

@@ -6,7 +6,8 @@ it, through the family's weight table (as :mod:`colfunc.hf` reads weights): ``lo
 transposed and ``lora_B.weight [out, r]`` is ``b`` transposed. A module that fuses several colfunc
 weights (GPT-2's ``c_attn`` holds ``wq``, ``wk`` and ``wv``) has one ``lora_A``, so those weights
 must share one ``a`` (``cf.lora(..., shared=[...])``; :func:`fused_groups` names them), and its
-``lora_B`` is their ``b`` concatenated as the weights are.
+``lora_B`` is their ``b`` concatenated as the weights are (DoRA's ``lora_magnitude_vector``
+likewise).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from colfunc import models, nn, tree
-from colfunc.adapters.lora import LoraConfig, adapter_paths, base_of, is_adapter
+from colfunc.adapters.lora import LoraConfig, adapter_paths, base_of, is_adapter, magnitude_path
 from colfunc.models import HFWeight
 
 __all__ = ["adapter_config", "fused_groups", "load_adapter", "save_adapter", "to_peft"]
@@ -106,6 +107,10 @@ def to_peft(cfg: Any, params: Any, config: LoraConfig) -> dict[str, torch.Tensor
             bi = e.join([b if i is None else b[i] for b in bs])
             out[name + ".lora_A.weight"] = ai.detach().t().contiguous().clone()
             out[name + ".lora_B.weight"] = bi.detach().t().contiguous().clone()
+            if config.dora:  # DoRA's magnitudes, one per output, joined as the weights are
+                ms = [flat[magnitude_path(p)] for p in e.paths]
+                mi = e.join([(m if i is None else m[i]).unsqueeze(0) for m in ms])[0]
+                out[name + ".lora_magnitude_vector"] = mi.detach().contiguous().clone()
     return out
 
 
@@ -126,7 +131,7 @@ def adapter_config(
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "use_rslora": config.rslora,
-        "use_dora": False,
+        "use_dora": config.dora,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": models.of_config(cfg).name == "gpt",
@@ -165,7 +170,6 @@ def _refuse(folder: Path, meta: dict[str, Any]) -> None:
             meta.get("peft_type", "LORA") != "LORA",
             f"peft_type={meta.get('peft_type')!r} (LoRA only)",
         ),
-        (bool(meta.get("use_dora")), "use_dora=true"),
         (meta.get("bias", "none") != "none", f"bias={meta.get('bias')!r} (only 'none')"),
         (bool(meta.get("rank_pattern")), "a rank_pattern (one rank for every module only)"),
         (bool(meta.get("alpha_pattern")), "an alpha_pattern (one alpha for every module only)"),
@@ -220,7 +224,7 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
                 f"load_adapter: {str(folder)!r} adapts {_module(e)} in some layers only; colfunc "
                 "adapts every layer"
             )
-        a_s, b_s = [], []
+        a_s, b_s, m_s = [], [], []
         for k in keys:
             a, b = state[k + ".lora_A.weight"], state[k + ".lora_B.weight"]
             used.update((k + ".lora_A.weight", k + ".lora_B.weight"))
@@ -232,11 +236,20 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
                 )
             a_s.append(a.t())
             b_s.append(e.split(b.t(), [s for s in sizes]))
+            if meta.get("use_dora"):
+                mag = state.get(k + ".lora_magnitude_vector")
+                if mag is None or tuple(mag.shape) != (sum(sizes),):
+                    raise ValueError(f"load_adapter: {k} has no DoRA magnitude of {sum(sizes)}")
+                used.add(k + ".lora_magnitude_vector")
+                m_s.append([x[0] for x in e.split(mag.unsqueeze(0), sizes)])
         lead = e.paths[0]
         flat[adapter_paths(lead)[0]] = torch.stack(a_s) if per_layer else a_s[0]
         for j, p in enumerate(e.paths):
             col = [bs[j] for bs in b_s]
             flat[adapter_paths(p)[1]] = (torch.stack(col) if per_layer else col[0]).contiguous()
+            if m_s:
+                mc = [ms[j] for ms in m_s]
+                flat[magnitude_path(p)] = (torch.stack(mc) if per_layer else mc[0]).contiguous()
         if len(e.paths) > 1:
             shared.append(tuple(e.paths))
     # peft saves the frozen base weight of an adapted head or embedding beside its adapter
@@ -257,5 +270,6 @@ def load_adapter(source: str | Path, cfg: Any) -> tuple[LoraConfig, dict[str, An
         dropout=float(meta.get("lora_dropout", 0.0)),
         rslora=bool(meta.get("use_rslora", False)),
         shared=tuple(shared),
+        dora=bool(meta.get("use_dora", False)),
     )
     return config, nn.nest({p: x.contiguous() for p, x in flat.items()})

@@ -28,6 +28,7 @@ __all__ = [
     "Dequantized",
     "dequantize",
     "is_quantized",
+    "meta_quantized",
     "packed_bytes",
     "quantize",
 ]
@@ -155,6 +156,22 @@ class Dequantized:
         )
         self.device = codes.device
 
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight (DoRA's column norms read it)."""
+        return dequantize(self.q, self.dtype)
+
     def linear(self, x: torch.Tensor, bias: Any, fn: Any) -> torch.Tensor:
         y = _Matmul.apply(x, self.fmt, self.dtype, fn, self.q[self.fmt], self.q["absmax"])
         return y if bias is None else y + bias
+
+
+def meta_quantized(w: torch.Tensor, fmt: str, path: str) -> dict[str, torch.Tensor]:
+    """A dry run's quantized weight: its codes and scales on the meta device."""
+    quantize(torch.empty((1, w.shape[-1])), fmt, path)  # (the same checks)
+    *lead, n_in, n_out = w.shape
+    codes = (*lead, n_in, n_out // 2 if fmt == "nf4" else n_out)
+    dtype = torch.uint8 if fmt == "nf4" else torch.int8
+    return {
+        fmt: torch.empty(codes, dtype=dtype, device="meta"),
+        "absmax": torch.empty((*lead, n_in, n_out // BLOCK), device="meta"),
+    }

@@ -8,7 +8,15 @@ import torch
 
 from colfunc import tree
 from colfunc.adapters import quant
-from colfunc.adapters.lora import LoraConfig, _get, _set, adapter_paths, base_of, is_adapter
+from colfunc.adapters.lora import (
+    LoraConfig,
+    _get,
+    _set,
+    adapter_paths,
+    base_of,
+    is_adapter,
+    magnitude_path,
+)
 
 __all__ = ["combine", "merge"]
 
@@ -16,7 +24,8 @@ PyTree = Any
 
 
 def merge(params: PyTree, config: LoraConfig) -> PyTree:
-    """``params`` without adapters, each adapted weight replaced by ``w + a @ b * scale`` (its
+    """``params`` without adapters, each adapted weight replaced by ``w + a @ b * scale`` (DoRA's
+    columns rescaled to their magnitudes; its
     dtype kept; a quantized base dequantized, in the adapters' dtype): the model the adapters
     make, for export or serving without them."""
     flat = dict(tree.flatten_with_paths(params)[0])
@@ -27,7 +36,13 @@ def merge(params: PyTree, config: LoraConfig) -> PyTree:
         if quant.is_quantized(base):
             base = quant.dequantize(base, a.dtype)
         delta = torch.matmul(a.to(torch.float64), b.to(torch.float64)) * config.scale
-        out = _set(out, w, (base.to(torch.float64) + delta).to(base.dtype))
+        merged = base.to(torch.float64) + delta
+        m = flat.get(magnitude_path(w))
+        if m is not None:  # DoRA: each output column rescaled to its magnitude
+            merged = merged * (m.to(torch.float64) / merged.square().sum(dim=-2).sqrt()).unsqueeze(
+                -2
+            )
+        out = _set(out, w, merged.to(base.dtype))
     return out
 
 

@@ -47,6 +47,11 @@ class AdapterSlots:
                 f"Engine.add_lora: the engine holds at most max_loras={self.max_loras} adapters "
                 f"({self.names} loaded); build it with a larger max_loras"
             )
+        if config.dora:
+            raise ValueError(
+                f"Engine.add_lora: {name!r} is a DoRA adapter, which is not served beside others; "
+                "merge it into the base (colfunc.adapters.merge) and serve that"
+            )
         flat = dict(tree.flatten_with_paths(adapters)[0])
         base = {p: x for p, x in tree.flatten_with_paths(params)[0]}
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -47,6 +47,7 @@ class LowRank:
     scale: float
     dropout: float = 0.0
     path: str = "?"
+    m: Any = None  # DoRA's magnitude per output, or None
 
     @property
     def shape(self) -> torch.Size:
@@ -65,13 +66,25 @@ class LowRank:
         :func:`colfunc.nn.linear`, so tensor and sequence parallelism apply to every one)."""
         w = self.w
         # (a weight kept quantized, colfunc.adapters.quant.Dequantized, multiplies itself)
+        packed = type(w) is not torch.Tensor and hasattr(w, "linear")
+        dora = self.m is not None
         y = (
-            w.linear(x, bias, linear)
-            if type(w) is not torch.Tensor and hasattr(w, "linear")
-            else (linear(x, w, bias))
+            w.linear(x, None if dora else bias, linear)
+            if packed
+            else linear(x, w, None if dora else bias)
         )
         h = F.dropout(x, self.dropout, training=torch.is_grad_enabled()) if self.dropout else x
-        return torch.add(y, linear(linear(h, self.a), self.b), alpha=self.scale)
+        lora = linear(linear(h, self.a), self.b)
+        if not dora:
+            return torch.add(y, lora, alpha=self.scale)
+        # DoRA (Liu et al. 2024): each output column of w + a b scale rescaled to the magnitude
+        # m; the column norms are taken as constants (no gradient), as the paper and peft do
+        with torch.no_grad():
+            full = w.dequantized() if packed else w
+            merged = full + torch.matmul(self.a, self.b) * self.scale
+            norm = merged.mul(merged).sum(dim=-2).sqrt()
+        out = torch.add(y, lora, alpha=self.scale) * (self.m / norm)
+        return out if bias is None else out + bias
 
     __torch_function__ = classmethod(_refused)
 
