@@ -25,12 +25,12 @@ pytest.importorskip("triton")
 import itertools
 
 import colfunc.ops as ops
-from colfunc.kernels import adamw, attention, cross_entropy, norms, paged_attention, rope
+from colfunc.kernels import adamw, attention, cross_entropy, norms, paged_attention, quant, rope
 from colfunc.ops import AdamWHyper, PagedBatch, reference
 
 _STALE = [
     m.__name__
-    for m in (adamw, attention, cross_entropy, norms, paged_attention, rope)
+    for m in (adamw, attention, cross_entropy, norms, paged_attention, quant, rope)
     if not m.INTERPRETED
 ]
 if _STALE:
@@ -445,3 +445,23 @@ def test_varlen_attention_is_each_sequence_alone() -> None:
             assert torch.allclose(got[a:b], want, atol=1e-5), choice
     with pytest.raises(ValueError, match="cu_seqlens"):
         ops.varlen_attention(q, k, v, [0, 3, 15])
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    lead=st.sampled_from([(), (3,), (2, 5)]),
+    blocks=st.integers(0, 40),  # blocks of 64 values: up to 2 programs of 1024 bytes
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_nf4_dequantization_equals_the_reference(lead, blocks, dtype, seed) -> None:
+    """QLoRA's base, dequantized by the kernel: every value equal to the reference's."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (*lead, 32 * blocks), generator=g, dtype=torch.uint8)
+    absmax = torch.rand((*lead, blocks), generator=g) * 4
+    got = quant.dequantize_nf4(packed, absmax, dtype)
+    want = reference.dequantize_nf4(packed, absmax, dtype)
+    assert got.dtype == dtype and got.shape == want.shape == (*lead, 64 * blocks)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="codes must be uint8 and absmax float32"):
+        quant.dequantize_nf4(packed.int(), absmax, dtype)

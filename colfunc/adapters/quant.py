@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from colfunc import ops
+from colfunc.ops.values import NF4, NF4_BLOCK
+
 __all__ = [
     "BLOCK",
     "FORMATS",
@@ -33,28 +36,9 @@ __all__ = [
     "quantize",
 ]
 
-BLOCK = 64  # values per absmax
+BLOCK = NF4_BLOCK  # values per absmax (int8's too)
 FORMATS = ("nf4", "int8")
 
-# The NF4 data type: Dettmers et al. 2023, appendix E (bitsandbytes' ``create_normal_map``).
-NF4 = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
 _NF4_MIDS = tuple((a + b) / 2 for a, b in itertools.pairwise(NF4))  # decision boundaries
 
 
@@ -103,18 +87,10 @@ def dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
-    # (one fp32 tensor of the weight's size is made and scaled in place: the temporaries are
-    # the codes as bytes and as int32 indices)
-    absmax = q["absmax"]
-    if "int8" in q:
-        codes = q["int8"].to(torch.float32).div_(127.0)
-    else:  # the nibbles interleaved as bytes, then looked up (int32: half a long's bytes)
-        packed = q["nf4"]
-        table = torch.tensor(NF4, dtype=torch.float32, device=packed.device)
-        idx = torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)
-        shape = idx.shape
-        codes = table.index_select(0, idx.flatten().int()).view(shape)
-    codes.unflatten(-1, (-1, BLOCK)).mul_(absmax.unsqueeze(-1))
+    if "nf4" in q:  # (a Triton kernel on the GPU, the vectorized reference elsewhere)
+        return ops.dequantize_nf4(q["nf4"].contiguous(), q["absmax"].contiguous(), dtype)
+    codes = q["int8"].to(torch.float32).div_(127.0)
+    codes.unflatten(-1, (-1, BLOCK)).mul_(q["absmax"].unsqueeze(-1))
     return codes.to(dtype)
 
 

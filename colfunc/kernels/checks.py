@@ -24,6 +24,7 @@ __all__ = [
     "adamw_lists",
     "attention",
     "cross_entropy",
+    "dequantize_nf4",
     "device",
     "interpreting",
     "layer_norm",
@@ -297,3 +298,22 @@ def adamw(
         grad_dtypes=FLOAT_DTYPES,
     )
     adamw_hyper("adamw_", hyper)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> None:
+    """NF4 codes: contiguous uint8 ``[..., n / 2]``, contiguous fp32 absmax ``[..., n / 64]``
+    (one per 64 values, on the same device), a floating output dtype."""
+    if packed.dtype != torch.uint8 or absmax.dtype != torch.float32:
+        raise ValueError(
+            f"dequantize_nf4: codes must be uint8 and absmax float32, got {packed.dtype} and "
+            f"{absmax.dtype}"
+        )
+    if not (packed.is_contiguous() and absmax.is_contiguous()):
+        raise ValueError("dequantize_nf4: codes and absmax must be contiguous")
+    if packed.shape[:-1] != absmax.shape[:-1] or packed.shape[-1] != 32 * absmax.shape[-1]:
+        raise ValueError(
+            f"dequantize_nf4: codes {list(packed.shape)} and absmax {list(absmax.shape)} do not "
+            "match (32 bytes, 64 values, per absmax)"
+        )
+    if dtype not in FLOAT_DTYPES and dtype != torch.float64:
+        raise ValueError(f"dequantize_nf4: the output dtype must be floating, got {dtype}")

@@ -42,6 +42,7 @@ __all__ = [
     "attention_block_backward",
     "attention_lse",
     "cross_entropy",
+    "dequantize_nf4",
     "kernels_choice",
     "layer_norm",
     "paged_attention",
@@ -261,6 +262,16 @@ def layer_norm(
         out: torch.Tensor = _kernel("norms").layer_norm(x, weight, bias, eps)
         return out
     return reference.layer_norm(x, weight, bias, eps)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """NF4 codes (two a byte) with one fp32 absmax per 64 values, as values in ``dtype``
+    (QLoRA's frozen base, dequantized before its matmul)."""
+    check = lambda: checks.dequantize_nf4(packed, absmax, dtype)  # noqa: E731
+    if _use_triton("dequantize_nf4", check, (packed, absmax)):
+        out: torch.Tensor = _kernel("quant").dequantize_nf4(packed, absmax, dtype)
+        return out
+    return reference.dequantize_nf4(packed, absmax, dtype)
 
 
 def cross_entropy(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from colfunc import torch_private
-from colfunc.ops.values import AdamWHyper, PagedBatch
+from colfunc.ops.values import NF4, NF4_BLOCK, AdamWHyper, PagedBatch
 
 __all__ = [
     "adamw_",
@@ -24,6 +24,7 @@ __all__ = [
     "attention_block_backward",
     "attention_lse",
     "cross_entropy",
+    "dequantize_nf4",
     "layer_norm",
     "rms_norm",
     "rope",
@@ -525,3 +526,16 @@ def paged_prefill_into(
             softcap=softcap,
         )
         out_NHE[lo:hi] = y[0].transpose(0, 1)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of NF4 codes ``packed[..., n / 2]`` (two a byte, the high nibble first) with one
+    ``absmax[..., n / 64]`` per block of 64, as ``[..., n]`` in ``dtype``: one fp32 tensor of the
+    result's size is made and scaled in place (the temporaries: the codes as bytes and as int32
+    indices)."""
+    table = torch.tensor(NF4, dtype=torch.float32, device=packed.device)
+    idx = torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)
+    shape = idx.shape
+    codes = table.index_select(0, idx.flatten().int()).view(shape)
+    codes.unflatten(-1, (-1, NF4_BLOCK)).mul_(absmax.unsqueeze(-1))
+    return codes.to(dtype)

@@ -16,7 +16,29 @@ import dataclasses
 
 import torch
 
-__all__ = ["AdamWHyper", "PagedBatch"]
+__all__ = ["NF4", "NF4_BLOCK", "AdamWHyper", "PagedBatch"]
+
+# The NF4 data type: Dettmers et al. 2023, appendix E (bitsandbytes' ``create_normal_map``): the
+# 16 values a 4-bit NormalFloat code stands for, times its block's absmax
+NF4 = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+NF4_BLOCK = 64  # values per absmax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
