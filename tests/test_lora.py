@@ -183,7 +183,7 @@ def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, dora, tm
         ours = adapters.call(config, module.apply, state.params, ids, cfg)
         torch.testing.assert_close(pm(input_ids=ids).logits, ours, rtol=0, atol=1e-10)
 
-    # a peft adapter with random values of its own, saved by peft, read back here
+    # a peft adapter with random values of its own, trained and saved by peft, read back here
     pc = peft.LoraConfig(
         r=4,
         lora_alpha=6,
@@ -195,6 +195,12 @@ def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, dora, tm
     )
     torch.manual_seed(5)
     theirs = peft.get_peft_model(_hf_model(name), pc).double()
+    trained = [p for p in theirs.parameters() if p.requires_grad]
+    peft_opt = torch.optim.AdamW(trained, lr=1e-2)
+    for k in range(2):  # trained by peft a little, then saved by it
+        peft_opt.zero_grad()
+        _ce(theirs(input_ids=_batch(10 + k)["input_ids"]).logits, _batch(10 + k)["input_ids"]).backward()
+        peft_opt.step()
     theirs.save_pretrained(tmp_path / "peft")
     got, ad = hf.load_adapter(tmp_path / "peft", cfg)
     assert (got.rank, got.alpha, got.rslora, got.dora) == (4, 6.0, True, dora)
