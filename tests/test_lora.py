@@ -199,7 +199,9 @@ def test_exported_folder_loads_in_peft_and_peft_folder_loads_here(name, dora, tm
     peft_opt = torch.optim.AdamW(trained, lr=1e-2)
     for k in range(2):  # trained by peft a little, then saved by it
         peft_opt.zero_grad()
-        _ce(theirs(input_ids=_batch(10 + k)["input_ids"]).logits, _batch(10 + k)["input_ids"]).backward()
+        _ce(
+            theirs(input_ids=_batch(10 + k)["input_ids"]).logits, _batch(10 + k)["input_ids"]
+        ).backward()
         peft_opt.step()
     theirs.save_pretrained(tmp_path / "peft")
     got, ad = hf.load_adapter(tmp_path / "peft", cfg)
