@@ -268,12 +268,8 @@ def lora_config(section: Any) -> Any:
     unknown = sorted(set(section) - set(fields))
     if unknown:
         raise ValueError(f"lora: unknown key {unknown[0]!r}; the keys are {', '.join(fields)}")
-    args = dict(section)
-    for key in ("targets", "shared"):  # lists in a file or JSON, tuples in the config
-        if isinstance(args.get(key), list):
-            args[key] = tuple(tuple(g) if isinstance(g, list) else g for g in args[key])
-    try:
-        return LoraConfig(**args)
+    try:  # (lists from a file or JSON: LoraConfig makes them tuples)
+        return LoraConfig(**section)
     except TypeError as e:
         raise ValueError(str(e)) from None
 

@@ -312,9 +312,7 @@ def load_run(run: str | Path, *, gather: bool = True) -> tuple[Any, RunConfig]:
     state, cfg = checkpoint.load(path)
     if not (isinstance(cfg, RunConfig) and isinstance(state, TrainState)):
         raise ValueError(f"{str(path)!r} is not the checkpoint of a colfunc training run")
-    if omits_base(cfg) and any(not adapters.is_adapter(p) for p in tree.paths(state.params)):
-        return state, cfg  # (a lora checkpoint written whole)
-    if omits_base(cfg):  # the adapters saved, the base made again
-        made = plain_step(cfg).prepare(run_base(cfg))
+    if omits_base(cfg) and all(adapters.is_adapter(p) for p in tree.paths(state.params)):
+        made = plain_step(cfg).prepare(run_base(cfg))  # the adapters saved, the base made again
         state = state._replace(params=tree.merge(made, state.params))
     return state, cfg

@@ -29,7 +29,7 @@ import torch
 from colfunc import core, random, tree
 from colfunc.adapters import quant
 from colfunc.core import P, Plan
-from colfunc.nn.lowrank import LowRank
+from colfunc.nn.lowrank import LowRank, column_norms
 from colfunc.step import Step, Trainable, train_step
 
 __all__ = [
@@ -185,11 +185,8 @@ class _Packed:
     """A quantized weight seen as the weight it stands for (its shape; the scales' dtype)."""
 
     def __init__(self, q: dict[str, Any]) -> None:
-        fmt = "nf4" if "nf4" in q else "int8"
-        codes = q[fmt]
-        self.shape = (*codes.shape[:-1], codes.shape[-1] * (2 if fmt == "nf4" else 1))
+        self.shape = quant.unpacked_shape(q)
         self.dtype = q["absmax"].dtype
-        self.device = getattr(codes, "device", None)
 
 
 def _weights(params: PyTree) -> list[tuple[str, Any]]:
@@ -289,7 +286,7 @@ def _column_norms(w: Any, t: Target) -> torch.Tensor:
         w = quant.dequantize(w, t.dtype)
     if w.device.type == "meta":
         return torch.empty((*w.shape[:-2], w.shape[-1]), dtype=w.dtype, device="meta")
-    return w.detach().mul(w).sum(dim=-2).sqrt().to(w.dtype)
+    return column_norms(w.detach()).to(w.dtype)
 
 
 def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
@@ -318,11 +315,7 @@ def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
             out = _set(out, t.path, w)
         lead = t.shape[:-2]
         if config.dora and _get(out, magnitude_path(t.path)) is None:  # m = the column norms
-            out = _set(
-                out,
-                magnitude_path(t.path),
-                _column_norms(w if w is not None else _get(out, t.path), t),
-            )
+            out = _set(out, magnitude_path(t.path), _column_norms(w, t))
         shapes = {t.a: (*lead, t.shape[-2], config.rank), t.b: (*lead, config.rank, t.shape[-1])}
         for path, shape in shapes.items():
             have = _get(out, path)
@@ -346,25 +339,31 @@ def add_adapters(config: LoraConfig, params: PyTree) -> PyTree:
     return out
 
 
-def _attach(node: dict[str, Any], prefix: str, config: LoraConfig) -> dict[str, Any]:
-    """``node`` (a dict of parameters at ``prefix``) with every adapted weight a LowRank and
-    the ``lora`` dicts taken out, recursively."""
+Make = Callable[[str, Any, dict[str, Any], dict[str, Any]], Any]
+
+
+def attach(node: dict[str, Any], prefix: str, make: Make) -> dict[str, Any]:
+    """``node`` (a dict of parameters at ``prefix``) with the ``lora`` dicts taken out and each
+    adapted weight replaced by ``make(path, weight, its adapter, the lora dict)``, recursively
+    (a quantized weight's dict is a weight, not a level)."""
     out = {}
-    adapters = node.get(KEY)
     for k, v in node.items():
-        if k == KEY:
-            continue
-        nested = type(v) is dict and not quant.is_quantized(v)
-        out[k] = _attach(v, f"{prefix}{k}.", config) if nested else v
-    if adapters is None:
-        return out
-    for name, ad in adapters.items():
-        path = f"{prefix}{name}"
-        leader = config.leader(path).rpartition(".")[2]
-        a, w = adapters[leader]["a"], out[name]
-        if quant.is_quantized(w):  # the frozen base in 4 or 8 bits, dequantized at its matmul
-            w = quant.Dequantized(w, a.dtype)
-        out[name] = LowRank(w, a, ad["b"], config.scale, config.dropout, path, ad.get("m"))
+        if k != KEY:
+            nested = type(v) is dict and not quant.is_quantized(v)
+            out[k] = attach(v, f"{prefix}{k}.", make) if nested else v
+    for name, ad in node.get(KEY, {}).items():
+        out[name] = make(f"{prefix}{name}", out[name], ad, node[KEY])
+    return out
+
+
+def outside_blocks(params: PyTree, fn: Callable[[dict[str, Any]], PyTree]) -> PyTree:
+    """``params`` with ``fn`` applied to everything but ``blocks`` (which the scanned block
+    handles a layer at a time)."""
+    if not isinstance(params, dict):
+        return params
+    out = fn({k: v for k, v in params.items() if k != "blocks"})
+    if "blocks" in params:
+        out["blocks"] = params["blocks"]
     return out
 
 
@@ -375,19 +374,20 @@ class Adapted:
     def __init__(self, config: LoraConfig) -> None:
         self.config = config
 
+    def _make(self, path: str, w: Any, ad: dict[str, Any], group: dict[str, Any]) -> LowRank:
+        c = self.config
+        a = group[c.leader(path).rpartition(".")[2]]["a"]
+        if quant.is_quantized(w):  # the frozen base in 4 or 8 bits, dequantized at its matmul
+            w = quant.Dequantized(w, a.dtype)
+        return LowRank(w, a, ad["b"], c.scale, c.dropout, path, ad.get("m"))
+
     def attach_top(self, params: PyTree) -> PyTree:
         """The parameters outside ``blocks`` with their adapters attached (``blocks`` as is:
         the scanned block attaches each layer's)."""
-        if not isinstance(params, dict):
-            return params
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        out = _attach(rest, "", self.config)
-        if "blocks" in params:
-            out["blocks"] = params["blocks"]
-        return out
+        return outside_blocks(params, lambda rest: attach(rest, "", self._make))
 
     def attach_layer(self, layer: PyTree) -> PyTree:
-        return _attach(layer, "blocks.", self.config) if isinstance(layer, dict) else layer
+        return attach(layer, "blocks.", self._make) if isinstance(layer, dict) else layer
 
     def plan(
         self, plan: dict[str, P], params: PyTree, mode: str, mesh_sizes: dict[str, int]
@@ -445,18 +445,18 @@ def _check_blocks(weight: str, shape: tuple[int, ...], spec: P, sizes: dict[str,
         )
 
 
-class _AttachLayers:
-    """Context frame: every :func:`colfunc.scan_layers` inside it runs its layers with their
-    adapters attached (a model's own forward, not only its loss)."""
+class AttachLayers:
+    """Context frame: every :func:`colfunc.scan_layers` inside it runs each layer through
+    ``attach_layer`` (its adapters attached) first: a model's own forward, not only its loss."""
 
-    def __init__(self, adapted: Adapted) -> None:
-        self.adapted = adapted
+    def __init__(self, attach_layer: Callable[[PyTree], PyTree]) -> None:
+        self.attach_layer = attach_layer
 
     def scan_layers(
         self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Callable[..., Any]
     ) -> tuple[PyTree, PyTree]:
-        attach = self.adapted.attach_layer
-        return inner(lambda layer, c, x: block(attach(layer), c, x), carry, blocks, xs)
+        attach_layer = self.attach_layer
+        return inner(lambda layer, c, x: block(attach_layer(layer), c, x), carry, blocks, xs)
 
 
 def call(
@@ -469,7 +469,7 @@ def call(
         >>> logits = adapters.call(config, llama.apply, state.params, ids, cfg)
     """
     adapted = Adapted(config)
-    with core.context(_AttachLayers(adapted)):
+    with core.context(AttachLayers(adapted.attach_layer)):
         return fn(adapted.attach_top(params), *args, **kwargs)
 
 
@@ -567,7 +567,7 @@ def lora(
     config = LoraConfig(
         rank=rank,
         alpha=alpha,
-        targets=tuple(targets) if not isinstance(targets, str) else (targets,),
+        targets=(targets,) if isinstance(targets, str) else tuple(targets),
         dropout=dropout,
         init=init,
         rslora=rslora,

@@ -34,12 +34,19 @@ __all__ = [
     "meta_quantized",
     "packed_bytes",
     "quantize",
+    "unpacked_shape",
 ]
 
 BLOCK = NF4_BLOCK  # values per absmax (int8's too)
 FORMATS = ("nf4", "int8")
 
 _NF4_MIDS = tuple((a + b) / 2 for a, b in itertools.pairwise(NF4))  # decision boundaries
+
+
+def unpacked_shape(q: dict[str, Any]) -> tuple[int, ...]:
+    """The shape of the weight the quantized dict ``q`` stands for."""
+    codes = q["nf4"] if "nf4" in q else q["int8"]
+    return (*codes.shape[:-1], codes.shape[-1] * (2 if "nf4" in q else 1))
 
 
 def is_quantized(x: Any) -> bool:
@@ -81,8 +88,7 @@ def dequantize(q: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     if type(codes) is not torch.Tensor and hasattr(codes, "_local"):
         sharded: Any = codes
         local = _dequantize({k: v._local for k, v in q.items()}, dtype)
-        shape = (*codes.shape[:-1], codes.shape[-1] * (2 if "nf4" in q else 1))
-        return type(codes)(local, sharded.mesh, sharded.placements, shape)
+        return type(codes)(local, sharded.mesh, sharded.placements, unpacked_shape(q))
     return _dequantize(q, dtype)
 
 
@@ -126,11 +132,8 @@ class Dequantized:
     def __init__(self, q: dict[str, Any], dtype: torch.dtype) -> None:
         self.q, self.dtype = q, dtype
         self.fmt = "nf4" if "nf4" in q else "int8"
-        codes = q[self.fmt]
-        self.shape = torch.Size(
-            (*codes.shape[:-1], codes.shape[-1] * (2 if self.fmt == "nf4" else 1))
-        )
-        self.device = codes.device
+        self.shape = torch.Size(unpacked_shape(q))
+        self.device = q[self.fmt].device
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight (DoRA's column norms read it)."""
@@ -143,7 +146,7 @@ class Dequantized:
 
 def meta_quantized(w: torch.Tensor, fmt: str, path: str) -> dict[str, torch.Tensor]:
     """A dry run's quantized weight: its codes and scales on the meta device."""
-    quantize(torch.empty((1, w.shape[-1])), fmt, path)  # (the same checks)
+    _check(w, fmt, path)
     *lead, n_in, n_out = w.shape
     codes = (*lead, n_in, n_out // 2 if fmt == "nf4" else n_out)
     dtype = torch.uint8 if fmt == "nf4" else torch.int8

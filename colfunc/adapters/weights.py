@@ -17,6 +17,7 @@ from colfunc.adapters.lora import (
     is_adapter,
     magnitude_path,
 )
+from colfunc.nn.lowrank import column_norms
 
 __all__ = ["combine", "merge"]
 
@@ -39,9 +40,7 @@ def merge(params: PyTree, config: LoraConfig) -> PyTree:
         merged = base.to(torch.float64) + delta
         m = flat.get(magnitude_path(w))
         if m is not None:  # DoRA: each output column rescaled to its magnitude
-            merged = merged * (m.to(torch.float64) / merged.square().sum(dim=-2).sqrt()).unsqueeze(
-                -2
-            )
+            merged = merged * (m.to(torch.float64) / column_norms(merged)).unsqueeze(-2)
         out = _set(out, w, merged.to(base.dtype))
     return out
 

@@ -11,13 +11,21 @@ its own requests' tokens, gathered and added back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from colfunc import nn, tree
-from colfunc.adapters.lora import KEY, LoraConfig, _set, adapter_paths, base_of, is_adapter
+from colfunc.adapters.lora import (
+    AttachLayers,
+    LoraConfig,
+    _set,
+    adapter_paths,
+    attach,
+    base_of,
+    is_adapter,
+    outside_blocks,
+)
 from colfunc.adapters.quant import is_quantized
 
 __all__ = ["AdapterSlots"]
@@ -53,7 +61,7 @@ class AdapterSlots:
                 "merge it into the base (colfunc.adapters.merge) and serve that"
             )
         flat = dict(tree.flatten_with_paths(adapters)[0])
-        base = {p: x for p, x in tree.flatten_with_paths(params)[0]}
+        base = dict(tree.flatten_with_paths(params)[0])
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for w in sorted({base_of(p) for p in flat if is_adapter(p)}):
             a, b = flat[adapter_paths(config.leader(w))[0]], flat[adapter_paths(w)[1]]
@@ -89,9 +97,10 @@ class AdapterSlots:
         """``params`` with every loaded adapter stacked beside its weight (in ``lora`` dicts)."""
         weights = sorted({w for ws in self.weights.values() for w in ws})
         rank = max(a.shape[-1] for ws in self.weights.values() for a, _ in ws.values())
+        flat = dict(tree.flatten_with_paths(params)[0])
         out = params
         for w in weights:
-            like = dict(tree.flatten_with_paths(params)[0])[w]
+            like = flat[w]
             lead, n_in, n_out = tuple(like.shape[:-2]), like.shape[-2], like.shape[-1]
             K = len(self.names)
             a = torch.zeros((*lead, K, n_in, rank), dtype=like.dtype, device=like.device)
@@ -108,38 +117,22 @@ class AdapterSlots:
         return out
 
 
-def _attach(node: dict[str, Any], prefix: str, rows: dict[int, torch.Tensor]) -> dict[str, Any]:
-    out = {}
-    for k, v in node.items():
-        if k != KEY:
-            out[k] = _attach(v, f"{prefix}{k}.", rows) if type(v) is dict else v
-    for name, ad in node.get(KEY, {}).items():
-        out[name] = nn.LowRanks(out[name], ad["a"], ad["b"], rows, f"{prefix}{name}")
-    return out
+def _lowranks(rows: dict[int, torch.Tensor]) -> Any:
+    """How a weight with its stacked adapters is attached for the rows of ``rows``."""
+    return lambda path, w, ad, group: nn.LowRanks(w, ad["a"], ad["b"], rows, path)
 
 
-class Rows:
+class Rows(AttachLayers):
     """Context frame for one engine step: every scanned layer reads its adapters for the rows
     of ``rows`` (adapter slot -> token indices), the weights outside the layers (the head,
     which a paged forward applies to the sampled rows only) for those of ``sampled``."""
 
     def __init__(self, rows: dict[int, torch.Tensor], sampled: dict[int, torch.Tensor]) -> None:
-        self.rows, self.sampled = rows, sampled
+        super().__init__(lambda layer: attach(layer, "blocks.", _lowranks(rows)))
+        self.sampled = sampled
 
     def top(self, params: PyTree) -> PyTree:
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        out = _attach(rest, "", self.sampled)
-        if "blocks" in params:
-            out["blocks"] = params["blocks"]
-        return out
-
-    def scan_layers(
-        self, block: Any, carry: PyTree, blocks: PyTree, xs: PyTree, inner: Callable[..., Any]
-    ) -> tuple[PyTree, PyTree]:
-        rows = self.rows
-        return inner(
-            lambda layer, c, x: block(_attach(layer, "blocks.", rows), c, x), carry, blocks, xs
-        )
+        return outside_blocks(params, lambda rest: attach(rest, "", _lowranks(self.sampled)))
 
 
 def rows_of(slots: list[int | None], device: torch.device) -> dict[int, torch.Tensor]:

@@ -30,7 +30,7 @@ from colfunc.nn.lm import (
     next_token_loss,
     next_token_targets,
 )
-from colfunc.nn.lowrank import LowRank, LowRanks
+from colfunc.nn.lowrank import LowRank, LowRanks, column_norms
 from colfunc.nn.plans import tensor_plans
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "batch_field",
     "causal_lm_loss",
     "check_input_ids",
+    "column_norms",
     "embedding",
     "gated",
     "gelu_tanh",

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LowRank", "LowRanks"]
+__all__ = ["LowRank", "LowRanks", "column_norms"]
+
+
+def column_norms(w: torch.Tensor) -> torch.Tensor:
+    """The norm of each output column of ``w[..., in, out]``: ``[..., out]`` (DoRA's). Written
+    as a sum of squares, which a tensor-parallel split of ``in`` reduces as any sum."""
+    return w.mul(w).sum(dim=-2).sqrt()
 
 
 def _refused(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -82,7 +88,7 @@ class LowRank:
         with torch.no_grad():
             full = w.dequantized() if packed else w
             merged = full + torch.matmul(self.a, self.b) * self.scale
-            norm = merged.mul(merged).sum(dim=-2).sqrt()
+            norm = column_norms(merged)
         out = torch.add(y, lora, alpha=self.scale) * (self.m / norm)
         return out if bias is None else out + bias
 
