@@ -193,3 +193,56 @@ def test_offload_auto_at_a_tenth_of_the_base_streams_it_and_equals_one_device() 
         for p, x in tree.flatten_with_paths(final.params)[0]:
             if not adapters.is_adapter(p):
                 assert torch.equal(x, flat0[p]), p
+
+
+WEIGHTS = ["blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv", "blocks.attn.wo"]
+WEIGHTS += ["blocks.mlp.w_gate", "blocks.mlp.w_up", "blocks.mlp.w_down"]
+
+
+def _tp_bytes(cfg, params, batch, make) -> int:
+    """The bytes a tp=2 rank sends in one step (the second, after init's)."""
+
+    def main(mesh: cf.Mesh) -> int:
+        step = make(mesh)
+        state, _ = step(step.init(params), batch)
+        mesh.ledger.reset()
+        with recording(mesh):
+            step(state, batch)
+        return mesh.ledger.bytes()
+
+    return max(cf.launch(main, mesh={"tp": 2}))
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    chosen=st.lists(st.sampled_from(WEIGHTS), min_size=1, max_size=7, unique=True),
+    rank=st.sampled_from([2, 4, 8]),
+)
+def test_tensor_parallel_adapters_add_only_their_rank_r_sums(chosen, rank) -> None:
+    """tp=2: a LoRA step moves no more than the frozen base's own step (gradients through every
+    layer, none for the weights) plus, per adapted weight and layer, one all-reduce of
+    ``[tokens, rank]``: the sum over ranks an adapter's replicated factor needs (column-parallel
+    W: ``dY b.T`` for a's gradient; row-parallel W: ``x a`` in the forward pass). Nothing of the
+    activations' size is reduced again: the input gradients of weights that read the same input
+    stay partial until their one reduction, as the base's do."""
+    cfg = models.llama.Config(
+        vocab_size=32, n_layer=2, n_head=2, n_kv_heads=2, d_model=64, max_seq_len=16
+    )
+    params = tree.map(lambda x: x.double(), models.llama.init(cfg, seed=0))
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    opt = optim.adamw(1e-2)
+    loss, plan = models.llama.loss(cfg), models.llama.tp_plan
+    frozen = _tp_bytes(  # (the embedding trains, so every layer's backward pass runs)
+        cfg,
+        params,
+        batch,
+        lambda m: cf.shard(cf.train_step(loss, opt, trainable="embed.*"), m, plan),
+    )
+    kw = dict(rank=rank, alpha=2.0 * rank, targets=chosen)
+    lora = _tp_bytes(
+        cfg, params, batch, lambda m: cf.lora(cf.shard(cf.train_step(loss, opt), m, plan), **kw)
+    )
+    tokens = ids.numel()
+    sums = len(chosen) * cfg.n_layer * tokens * rank * 8  # all_reduce at n=2: 2 * (1/2) * bytes
+    assert lora <= frozen + sums, (lora, frozen, sums)

@@ -44,6 +44,7 @@ from colfunc.sharding.mesh import Mesh, current_mesh
 from colfunc.sharding.placement import Partial, Placements, Replicate, grad_placements
 from colfunc.sharding.redistribute import redistribute_local
 from colfunc.sharding.rules import OpSharding, Spec, lookup
+from colfunc.sharding.rules.registry import gradient_arithmetic
 from colfunc.sharding.tensor import ShardedTensor
 from colfunc.torch_private import pytree_module as pytree
 
@@ -252,6 +253,7 @@ def _memo(func: Any, flat: list[Any], tree: Any, specs: dict[int, Spec], mesh: M
         func,
         tree,
         mesh,
+        gradient_arithmetic(),
         *(
             (s.shape, flat[i].stride(), s.dtype, s.placements, s.param)
             if (s := specs.get(i)) is not None

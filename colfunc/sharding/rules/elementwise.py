@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from colfunc.sharding.placement import Partial, Placement, Shard
-from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
+from colfunc.sharding.rules.registry import (
+    OpSharding,
+    Option,
+    R,
+    Spec,
+    gradient_arithmetic,
+    pick,
+    rule,
+)
 from colfunc.torch_private import pytree_module as pytree
 
 __all__ = ["options", "pointwise"]
@@ -57,7 +65,13 @@ def pointwise(
     def elementwise(*args: Any, **kwargs: Any) -> OpSharding:
         specs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Spec)]
         numel = math.prod(torch.broadcast_shapes(*(s.shape for s in specs)))
-        return pick(specs, options(specs, partial, ops), out_numel=numel, partial_cost=partial_cost)
+        return pick(
+            specs,
+            options(specs, partial, ops),
+            out_numel=numel,
+            partial_cost=partial_cost,
+            defer=partial_cost > 0 and gradient_arithmetic(),
+        )
 
     rule(*funcs)(elementwise)
 

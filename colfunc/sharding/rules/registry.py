@@ -27,6 +27,7 @@ from typing import Any, TypeAlias, TypeVar, cast
 
 import torch
 
+from colfunc import torch_private
 from colfunc.sharding.mesh import Mesh
 from colfunc.sharding.placement import (
     Partial,
@@ -38,7 +39,17 @@ from colfunc.sharding.placement import (
     shard_range,
 )
 
-__all__ = ["RULES", "OpSharding", "Option", "R", "Spec", "lookup", "pick", "rule"]
+__all__ = [
+    "RULES",
+    "OpSharding",
+    "Option",
+    "R",
+    "Spec",
+    "gradient_arithmetic",
+    "lookup",
+    "pick",
+    "rule",
+]
 
 R = Replicate()
 
@@ -122,6 +133,14 @@ def lookup(func: torch._ops.OpOverload) -> Rule | None:
     return RULES.get(func) or RULES.get(func.overloadpacket)
 
 
+def gradient_arithmetic() -> bool:
+    """Whether the op being placed computes gradients: autograd is running a backward node and
+    not recording (remat recomputing a layer inside the backward pass records: a forward). A
+    rule may place such an op differently (a gradient sum keeps its pending reduction, see
+    :func:`pick`'s ``defer``), so the dispatcher's memo keys on it too."""
+    return not torch.is_grad_enabled() and torch_private.in_backward()
+
+
 # --- choosing placements per axis -------------------------------------------------------------
 
 OptionOut: TypeAlias = Placement | tuple[Placement, ...]
@@ -167,6 +186,7 @@ def pick(
     *,
     out_numel: int | Sequence[int] | None = None,
     partial_cost: float = 2.0,
+    defer: bool = False,
 ) -> OpSharding:
     """The cheapest option on each mesh axis, combined into an OpSharding (ties: the earlier option).
 
@@ -174,7 +194,12 @@ def pick(
     output, the all_reduce that will reduce it later (``partial_cost`` times its size
     ``out_numel``, default the largest input's; 0 for ops that merely copy). Without that price a
     Partial would ride through every linear op unreduced (Megatron reduces right after the
-    row-parallel layer).
+    row-parallel layer). With ``defer`` (the elementwise rules of gradient arithmetic, see
+    :func:`gradient_arithmetic`) a Partial input carried to a Partial output owes no new
+    reduction, only its own, moved: a gradient sum ``Partial + R`` then stays Partial rather than
+    reducing now, so that the input gradients of weights that read one activation (a LoRA
+    adapter's beside its base weight, q's beside k's) are reduced once, where they all meet. The
+    forward pass keeps Megatron's placement (equal to one device bit for bit where the sums allow).
 
     Two preferences come before the cost, in this order; an option that breaks one is taken only
     when every option does:
@@ -200,6 +225,13 @@ def pick(
     def cost(a: int, opt: Option) -> float:
         outs = opt[0] if isinstance(opt[0], tuple) else (opt[0],)
         later = sum(n for o, n in zip(outs, sizes) if isinstance(o, Partial))
+        if defer and later:  # a Partial input carried on: its pending reduction moves, no new one
+            carried = sum(
+                s.numel
+                for s, w in zip(specs, opt[1])
+                if isinstance(w, Partial) and s.placements[a] == w
+            )
+            later = max(later - carried, 0)
         return partial_cost * later + sum(
             s.numel * _cost(s.placements[a], w) for s, w in zip(specs, opt[1])
         )
