@@ -17,7 +17,14 @@ machine's CPU threads:
   ratio ours/theirs (goal: at least 1.0). The engine's tokens are checked against ``generate``'s
   for two prompts.
 
+- ``module`` (``--parts module``): for LLaMA and Qwen 2, which colfunc also runs through their own
+  ``transformers`` module (``hf.from_hf(m, model_impl="hf")``), that path against the native
+  one, interleaved: the training step's median time ratio module/native and the engine's
+  generation time ratio module/native on the requests above (goal: at most 1.25 each); the
+  first step's losses and the greedy tokens are checked to agree.
+
     python benchmarks/models.py [--families llama,mistral] [--steps 6] [--threads N]
+    python benchmarks/models.py --parts module
 """
 
 from __future__ import annotations
@@ -122,14 +129,69 @@ def _generate(m: Any) -> tuple[float, float, float, bool]:
     return total / t_ours, total / t_theirs, t_theirs / t_ours, same
 
 
+def _module_vs_native(m: Any, steps: int) -> tuple[float, float, float, bool]:
+    """(train module/native, loss gap, generation time module/native, greedy tokens equal)."""
+    sides = [hf.from_hf(m), hf.from_hf(m, model_impl="hf")]
+    steps_ = []
+    for cfg, params in sides:
+        module = cf.models.of_config(cfg).module
+        step = cf.train_step(module.loss(cfg), optim.adamw(**HYPER), donate=True)
+        steps_.append([step, step.init(params)])
+    g = torch.Generator().manual_seed(1)
+    ratios, gap = [], 0.0
+    for i in range(steps + 1):
+        ids = torch.randint(1, SIZE["vocab_size"], (8, 128), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        times, losses = [], []
+        for pair in steps_:
+            t0 = time.perf_counter()
+            pair[1], metrics = pair[0](pair[1], batch)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(metrics["loss"]))
+        if i == 0:
+            gap = abs(losses[0] - losses[1])
+        else:
+            ratios.append(times[1] / times[0])
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(16, 97, (16,), generator=g).tolist()
+    prompts = [torch.randint(1, SIZE["vocab_size"], (k,), generator=g).tolist() for k in lens]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engines = [
+        Engine(cf.models.of_config(c).module, c, p, max_num_seqs=16, max_num_batched_tokens=1024)
+        for c, p in sides
+    ]
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    gen_times: list[list[float]] = [[], []]
+    tokens = []
+    for _ in range(2):  # interleaved, twice
+        for k, engine in enumerate(engines):
+            engine.generate(prompts[:2], warm)
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, greedy)
+            gen_times[k].append(time.perf_counter() - t0)
+            tokens.append([o.outputs[0].token_ids for o in out])
+    gen = min(gen_times[1]) / min(gen_times[0])
+    return statistics.median(ratios), gap, gen, tokens[0] == tokens[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per family")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--parts", default="families", help="families, module or both")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "module" in args.parts:
+        print("| family | train module/native | first-step loss gap | generate module/native | "
+              "greedy equal |")  # fmt: skip
+        print("| --- | ---: | ---: | ---: | --- |")
+        for name in ("llama", "qwen2"):
+            ratio, gap, gen, same = _module_vs_native(_model(name), args.steps)
+            print(f"| {name} | {ratio:.3f} | {gap:.1e} | {gen:.3f} | {same} |")
+        if "families" not in args.parts:
+            return
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, ", end="")
     print(f"{torch.get_num_threads()} threads; fp32; batch 8 x 128 tokens")
     print("| family | params | train ours/theirs | first-step loss gap | ours tok/s | "

@@ -292,7 +292,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from colfunc import engines
+    from colfunc import engines, hf
     from colfunc.inference import Engine
     from colfunc.inference.engine import KVMemoryError
     from colfunc.inference.server import EngineLoop, build_app, follow
@@ -317,7 +317,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # read the files once, on this thread (the ranks below are threads: two importing
     # transformers at once can trip over its lazy modules), then build an engine per rank
-    loaded = engines.load_run(args.run) if args.run is not None else engines.load_hf(args.hf)
+    by_hf = lambda: engines.load_hf(args.hf, model_impl=args.model_impl or "auto")  # noqa: E731
+    loaded = engines.load_run(args.run) if args.run is not None else by_hf()
+    print(f"colfunc: {hf.describe(loaded['cfg'])}", file=sys.stderr, flush=True)
 
     def load(**extra: Any) -> Engine:
         try:
@@ -507,20 +509,17 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a run or a Hugging Face folder over the OpenAI API")
     p.add_argument("--run", help="a run folder (or its checkpoint folder)")
     p.add_argument("--hf", help="a Hugging Face model folder (save_pretrained layout)")
+    p.add_argument(
+        "--model-impl", choices=("auto", "native", "hf"), help="native family or own module"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--model-name", help="the model's name in the API (default: the folder's)")
     p.add_argument(
         "--max-num-seqs", type=int, default=256, help="sequences per step (default: 256)"
     )
-    p.add_argument(
-        "--kv-memory",
-        help="KV cache size, e.g. 1GiB (default: enough for --max-num-seqs sequences at the "
-        "model's full context, at most 2GiB)",
-    )
-    p.add_argument(
-        "--max-waiting", type=int, default=256, help="queue length before 503 (default: 256)"
-    )
+    p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB (default: fit, at most 2GiB)")
+    p.add_argument("--max-waiting", type=int, default=256, help="queue before 503 (default 256)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
     p.add_argument(
         "--lora",

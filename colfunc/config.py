@@ -349,7 +349,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
                 from colfunc import hf
 
                 init = sections["model"]
-                sections["model"] = hf.read_config(init)
+                sections["model"] = hf.read_config(init, getattr(module, "model_impl", "auto"))
             fields = dict(
                 sections, parallel={} if parallel is None else parallel, init=init, lora=lora
             )
@@ -498,6 +498,9 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section in SECTIONS:
         value = getattr(cfg, section)
+        if section == "model" and callable(getattr(value, "to_json", None)):
+            out[section] = value.to_json()  # (a model config that says what it is itself)
+            continue
         out[section] = {n: _jsonable(getattr(value, n)) for n in _field_types(type(value))}
     out["model"]["family"] = models.of_config(cfg.model).name
     out["parallel"] = cfg.parallel
@@ -526,6 +529,10 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
     sections = {}
     for section, cls in classes.items():
         fields = model if section == "model" else d[section]
+        from_json = getattr(cls, "from_json", None)
+        if section == "model" and callable(from_json):
+            sections[section] = from_json(fields)
+            continue
         types_ = _field_types(cls)
         unknown = set(fields) - set(types_)
         if unknown:

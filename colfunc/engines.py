@@ -52,16 +52,19 @@ def load_run(run: str | Path) -> dict[str, Any]:
     return out
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
+def load_hf(
+    folder: str | Path, dtype: torch.dtype | None = None, model_impl: str = "auto"
+) -> dict[str, Any]:
     """What :func:`from_hf` builds an engine from: the model module, config, parameters,
     tokenizer (None if the folder has none) and end-of-sequence id or ids (``generation_config.json``'s,
-    else ``config.json``'s) of a Hugging Face folder."""
+    else ``config.json``'s) of a Hugging Face folder. ``model_impl``: its native family or its
+    own ``transformers`` module (:data:`colfunc.hf.MODEL_IMPLS`)."""
     import transformers
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"engines.from_hf: {str(folder)!r} has no config.json")
-    cfg, params = hf.load(str(folder), dtype)
+    cfg, params = hf.load(str(folder), dtype, model_impl)
     hf_cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     eos = getattr(hf_cfg, "eos_token_id", None)
     if (folder / "generation_config.json").is_file():  # what transformers' generate stops at
@@ -82,11 +85,18 @@ def from_run(run: str | Path, **kwargs: Any) -> Engine:
     return Engine(**{**load_run(run), **kwargs})
 
 
-def from_hf(folder: str | Path, *, dtype: torch.dtype | None = None, **kwargs: Any) -> Engine:
+def from_hf(
+    folder: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    model_impl: str = "auto",
+    **kwargs: Any,
+) -> Engine:
     """The engine of a Hugging Face model folder (``save_pretrained``: ``config.json`` and
-    safetensors; any registered family), with the folder's tokenizer when it has one. Local files
-    only; ``kwargs`` go to :class:`~colfunc.inference.Engine`."""
-    loaded = load_hf(folder, dtype)
+    safetensors; a native family, else the model's own ``transformers`` module, or as
+    ``model_impl`` says), with the folder's tokenizer when it has one. Local files only;
+    ``kwargs`` go to :class:`~colfunc.inference.Engine`."""
+    loaded = load_hf(folder, dtype, model_impl)
     given = {k: v for k, v in kwargs.items() if v is not None or k not in loaded}
     return Engine(**{**loaded, **given})
 

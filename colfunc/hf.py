@@ -24,14 +24,17 @@ from typing import Any
 import torch
 
 from colfunc import models, nn, tree
-from colfunc.models import HFMapping, HFWeight
+from colfunc.models import HFMapping, HFWeight, hf_module
 from colfunc.random import materialize
 
 __all__ = [
+    "MODEL_IMPLS",
     "byte_tokenizer",
+    "describe",
     "folder_of",
     "from_hf",
     "hf_config",
+    "impl_of",
     "load",
     "load_abstract",
     "load_adapter",
@@ -42,6 +45,27 @@ __all__ = [
 
 Config = Any  # the Config of a registered model family with a Hugging Face side
 Params = dict[str, Any]
+# how a Hugging Face model runs: its native family where colfunc has one, else its own
+# transformers module (colfunc.models.hf_module); or either, forced
+MODEL_IMPLS = ("auto", "native", "hf")
+
+
+def _adapted(cfg: Any) -> bool:
+    return isinstance(cfg, hf_module.Config)
+
+
+def impl_of(cfg: Any) -> str:
+    """The ``model_impl`` that reads a folder into ``cfg`` again: ``"hf"`` or ``"native"``."""
+    return "hf" if _adapted(cfg) else "native"
+
+
+def describe(cfg: Any) -> str:
+    """One line saying how the model of ``cfg`` runs: its native family, or its own
+    ``transformers`` module."""
+    if _adapted(cfg):
+        return f"model: {cfg.architecture} through its transformers module ({cfg.n_layer} layers)"
+    family = models.of_config(cfg)
+    return f"model: the native {family.name} family ({cfg.n_layer} layers)"
 
 
 def _mapping(cfg: Any) -> tuple[Any, HFMapping]:
@@ -58,6 +82,8 @@ def _mapping(cfg: Any) -> tuple[Any, HFMapping]:
 
 def _table(cfg: Any) -> tuple[Any, list[HFWeight], list[HFWeight]]:
     """``(model module, top-level entries, per-layer entries)`` for a colfunc config."""
+    if _adapted(cfg):
+        return (hf_module, *hf_module.weights(cfg))
     module, mapping = _mapping(cfg)
     return (module, *mapping.weights(cfg))
 
@@ -67,20 +93,34 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _read_hf_config(hf_cfg: Any, names: list[str], source: str | None = None) -> Any:
-    """The colfunc config of a ``transformers`` config, by the family that reads it (found by
-    the class ``names``, else the config's ``model_type``; ``source`` names the folder)."""
+def _read_hf_config(
+    hf_cfg: Any, names: list[str], source: str | None = None, model_impl: str = "auto"
+) -> Any:
+    """The colfunc config of a ``transformers`` config: by the native family that reads it
+    (found by the class ``names``, else the config's ``model_type``), or where none does (or
+    ``model_impl="hf"``) the model's own module's (``source`` names the folder)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    where = f"{source!r}: " if source else ""
+    if model_impl != "hf":
+        try:
+            family = models.of_hf(names, getattr(hf_cfg, "model_type", None))
+        except ValueError as e:
+            if model_impl == "native":
+                raise ValueError(f"{where}{e} (model_impl='hf' runs its own module)") from None
+        else:
+            assert family.hf is not None  # of_hf finds only families with a Hugging Face side
+            return family.hf.read_config(hf_cfg)
     try:
-        family = models.of_hf(names, getattr(hf_cfg, "model_type", None))
+        return hf_module.config_of(hf_cfg)
     except ValueError as e:
-        raise ValueError(f"{source!r}: {e}" if source else str(e)) from None
-    assert family.hf is not None  # of_hf finds only families with a Hugging Face side
-    return family.hf.read_config(hf_cfg)
+        raise ValueError(f"{where}{e}") from None
 
 
-def from_hf(hf_model: Any) -> tuple[Config, Params]:
-    """``(cfg, params)`` from a ``transformers`` causal LM of a registered family
-    (GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM built in).
+def from_hf(hf_model: Any, model_impl: str = "auto") -> tuple[Config, Params]:
+    """``(cfg, params)`` from a ``transformers`` causal LM: of a registered family
+    (GPT2LMHeadModel, LlamaForCausalLM, ... built in), else run through its own module
+    (:mod:`colfunc.models.hf_module`; ``model_impl`` forces either, see :data:`MODEL_IMPLS`).
 
     The params are fresh tensors in the model's dtype (never views of its weights). Options
     the colfunc model does not compute (OPT's ``project_in``, LLaMA's scaled rope, ...) raise
@@ -89,14 +129,18 @@ def from_hf(hf_model: Any) -> tuple[Config, Params]:
     Example:
         >>> cfg, params = from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2)))
     """
+    import transformers
+
     name = type(hf_model).__name__
     known = [a for f in models.FAMILIES.values() if f.hf is not None for a in f.hf.architectures]
-    if name not in known:
+    causal = type(hf_model) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING.values()
+    if name not in known and (model_impl == "native" or not causal):
         raise ValueError(
-            f"from_hf supports {sorted(known)}, got {name}; load the causal-LM class "
-            "(e.g. AutoModelForCausalLM), or register a family for it (colfunc.models.register)"
+            f"from_hf: no native family reads {name} (native: {sorted(known)}); load the "
+            "causal-LM class (e.g. AutoModelForCausalLM), register a family for it "
+            "(colfunc.models.register), or model_impl='hf' runs its own module"
         )
-    cfg = _read_hf_config(hf_model.config, [name])
+    cfg = _read_hf_config(hf_model.config, [name] if name in known else [], model_impl=model_impl)
     return cfg, _from_state_dict(cfg, hf_model.state_dict())
 
 
@@ -173,8 +217,15 @@ def hf_config(cfg: Config, **overrides: Any) -> Any:
         >>> model = transformers.GPT2LMHeadModel(hf_config(cfg))
         >>> model.load_state_dict(to_hf(cfg, params))
     """
+    import copy
+
     import transformers  # only here: the rest of this module needs no transformers
 
+    if _adapted(cfg):
+        out = copy.deepcopy(cfg.hf)
+        for k, v in overrides.items():
+            setattr(out, k, v)
+        return out
     _, mapping = _mapping(cfg)
     kw = mapping.write_config(cfg)
     given = kw | overrides
@@ -203,12 +254,14 @@ def folder_of(source: str, what: str = "model") -> Path:
     return path
 
 
-def read_config(source: str) -> Config:
-    """The colfunc config of a Hugging Face folder's ``config.json`` (GPT-2, LLaMA or OPT)."""
+def read_config(source: str, model_impl: str = "auto") -> Config:
+    """The colfunc config of a Hugging Face folder's ``config.json``: its native family's, or
+    where colfunc has none its own module's (``model_impl``: see :data:`MODEL_IMPLS`)."""
     import transformers
 
     hf_cfg = transformers.AutoConfig.from_pretrained(folder_of(source), local_files_only=True)
-    return _read_hf_config(hf_cfg, list(getattr(hf_cfg, "architectures", None) or []), source)
+    names = list(getattr(hf_cfg, "architectures", None) or [])
+    return _read_hf_config(hf_cfg, names, source, model_impl)
 
 
 def _safetensors_keys(folder: Path) -> dict[str, Path]:
@@ -231,12 +284,12 @@ def _safetensors_keys(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def load_abstract(source: str) -> tuple[Config, Params]:
+def load_abstract(source: str, model_impl: str = "auto") -> tuple[Config, Params]:
     """``(cfg, params)`` of a Hugging Face folder whose parameters are described, not made: each
     is a :class:`colfunc.random.Abstract` that reads its tensors from the safetensors files when
     it is made (one parameter at a time, as :meth:`colfunc.Step.init` makes them, so that a rank
     keeping only its shards never holds the whole model). Made, each equals :func:`load`'s."""
-    return _described(source, read_config(source))
+    return _described(source, read_config(source, model_impl))
 
 
 def _described(source: str, cfg: Config) -> tuple[Config, Params]:
@@ -305,7 +358,9 @@ def _described(source: str, cfg: Config) -> tuple[Config, Params]:
     return cfg, nn.nest({p: describe(p) for p in shapes})
 
 
-def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]:
+def load(
+    source: str, dtype: torch.dtype | None = None, model_impl: str = "auto"
+) -> tuple[Config, Params]:
     """``(cfg, params)`` of a Hugging Face ``save_pretrained`` folder (local files only).
 
     The config is read and checked first (what the family does not compute is refused by
@@ -316,7 +371,7 @@ def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]
     import transformers
 
     folder = folder_of(source)
-    cfg = read_config(source)
+    cfg = read_config(source, model_impl)
     has_safetensors = (folder / "model.safetensors").is_file() or (
         folder / "model.safetensors.index.json"
     ).is_file()
@@ -324,7 +379,7 @@ def load(source: str, dtype: torch.dtype | None = None) -> tuple[Config, Params]
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, local_files_only=True, dtype=dtype
         )
-        return from_hf(hf_model)
+        return from_hf(hf_model, model_impl)
     if dtype is None:
         import json
 

@@ -375,11 +375,15 @@ def backend(pc: ParallelConfig) -> str:
     return pc.backend
 
 
-def model_plan(model: Any, pc: ParallelConfig) -> dict[str, Any] | None:
+def model_plan(model: Any, pc: ParallelConfig, cfg: Any = None) -> dict[str, Any] | None:
     """The plan of ``model`` (a model module) for the tensor mode of ``pc``; ValueError when the
-    model has none for it."""
+    model has none for it. A module whose plan depends on the model's config (one run through
+    its ``transformers`` module) has a ``tp_plan(cfg)`` function, called with ``cfg``."""
     if pc.tensor_mode == "1d":
-        return getattr(model, "tp_plan", None)
+        plan = getattr(model, "tp_plan", None)
+        if callable(plan):  # (asked only where tensors are split: a config may have no plan)
+            return plan(cfg) if pc.tensor > 1 else None
+        return plan
     plans = getattr(model, "tp_plans", None) or {}
     if pc.tensor_mode not in plans:
         name = getattr(model, "__name__", type(model).__name__)

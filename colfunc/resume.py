@@ -96,7 +96,7 @@ def run_base(cfg: RunConfig, given: Any = None) -> Any:
     if cfg.init is not None:
         from colfunc import hf
 
-        return hf.load(cfg.init)[1]
+        return hf.load(cfg.init, model_impl=hf.impl_of(cfg.model))[1]
     return model_module(cfg.model).init(cfg.model, seed=cfg.train.seed)
 
 
@@ -126,7 +126,7 @@ def make_step(cfg: RunConfig, mesh: Mesh | None, pc: Any) -> Any:
     step_fn = plain_step(cfg, donate=True)
     model = model_module(cfg.model)
     if pc is not None and mesh is not None:
-        step_fn = parallel.build(step_fn, mesh, pc, parallel.model_plan(model, pc))
+        step_fn = parallel.build(step_fn, mesh, pc, parallel.model_plan(model, pc, cfg.model))
     return step_fn
 
 

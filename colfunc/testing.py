@@ -20,7 +20,9 @@ __all__ = [
     "assert_trees_close",
     "compose",
     "compositions",
+    "greedy_with_preemption",
     "hf_greedy",
+    "hf_validation_loss",
     "meshes",
     "placements",
     "save_bpe_tokenizer",
@@ -262,6 +264,51 @@ def hf_greedy(model: Any, prompts: Iterable[list[int]], max_new_tokens: int) -> 
         )
         out.append(got[0, len(prompt) :].tolist())
     return out
+
+
+def greedy_with_preemption(
+    engine: Any, prompts: list[list[int]], sampling: Any, at: int = 4
+) -> list[list[int]]:
+    """The tokens the engine generates for ``prompts`` when the newest running sequence is
+    preempted at its ``at``-th step (it is computed again from what the prefix cache kept of
+    it): what a test compares with :func:`hf_greedy`."""
+    for r, prompt in enumerate(prompts):
+        engine.add_request(prompt, sampling, request_id=f"p{r}")
+    done: dict[str, list[int]] = {}
+    for k in range(1000):
+        if not engine.has_unfinished():
+            break
+        if k == at:
+            engine.scheduler.preempt(engine.scheduler.running[-1])
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[f"p{r}"] for r in range(len(prompts))]
+
+
+def hf_validation_loss(folder: Any, batch_size: int, seq_len: int, batches: int = 1) -> float:
+    """``transformers``' own loss, averaged over the first ``batches`` validation batches of
+    the folder's ``corpus.txt`` cut by the folder's tokenizer (as a run with that corpus and
+    ``DataConfig(tokenizer="hf:FOLDER")`` cuts it): what a run's first validation loss must
+    equal."""
+    from pathlib import Path
+
+    import transformers
+
+    from colfunc import data
+    from colfunc.inference.tokenizers import load_hf_tokenizer
+
+    folder = Path(folder)
+    tok = load_hf_tokenizer(folder)
+    if tok is None:
+        raise ValueError(f"{str(folder)!r} has no tokenizer")
+    corpus = data.load_corpus(str(folder / "corpus.txt"), 0.05)
+    ids = torch.tensor(tok.encode(bytes(corpus.val.numpy()).decode()), dtype=torch.int32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    losses = []
+    for i in range(batches):
+        b = data.batch_at(ids, batch_size, seq_len, 0, i)
+        with torch.no_grad():
+            losses.append(model(input_ids=b["input_ids"], labels=b["labels"]).loss.item())
+    return sum(losses) / len(losses)
 
 
 def save_bpe_tokenizer(

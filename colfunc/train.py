@@ -386,7 +386,11 @@ def run(
     t_start = time.perf_counter()
     task = tasks.for_run(cfg)  # the corpus (or the video set) read once, here
     # weights read once, here: ranks (threads) must not import transformers side by side
-    params0 = hf.load(cfg.init)[1] if cfg.init is not None else None
+    params0 = None
+    if cfg.init is not None:
+        params0 = hf.load(cfg.init, model_impl=hf.impl_of(cfg.model))[1]
+        if progress:
+            print(f"colfunc: {hf.describe(cfg.model)}", file=sys.stderr, flush=True)
     if isinstance(state, ShardedRun):
         _check_same_optimizer(state.config, cfg)
     if isinstance(state, ShardedRun) and not state.same_layout(cfg, pc) and not state.partial:
@@ -468,7 +472,7 @@ def _train(
     )
     if lead:
         print(
-            f"colfunc: training {type(cfg.model).__module__.rsplit('.', 1)[-1]} "
+            f"colfunc: training {getattr(cfg.model, 'architecture', None) or type(cfg.model).__module__.rsplit('.', 1)[-1]} "
             f"({n_params_text}) {task.describe()} on {where} into {run_dir}/",
             flush=True,
         )

@@ -253,16 +253,7 @@ def test_the_engine_gives_transformers_greedy_tokens_alone_and_under_tp(name: st
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == want
     # preemption forced: the newest sequence is computed again mid-generation, from the full
     # blocks the prefix cache kept of it (where the model allows prefix caching)
-    for r, prompt in enumerate(prompts):
-        engine.add_request(prompt, greedy, request_id=f"p{r}")
-    done: dict[str, list[int]] = {}
-    for k in range(100):
-        if not engine.has_unfinished():
-            break
-        if k == 4:
-            engine.scheduler.preempt(engine.scheduler.running[-1])
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    assert [done[f"p{r}"] for r in range(len(prompts))] == want
+    assert cf.testing.greedy_with_preemption(engine, prompts, greedy) == want
     assert engine.stats()["preemptions"] >= 1
     assert engine.stats()["prefix_hits"] > 0 or not engine.allocator.prefix_caching
 

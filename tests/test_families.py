@@ -240,7 +240,7 @@ def test_the_registry_refuses_clashes_and_names_what_is_registered() -> None:
         models.unregister("nope")
     with pytest.raises(TypeError, match=r"register takes a colfunc\.models\.Family"):
         models.register(llama)  # type: ignore[arg-type]
-    assert set(models.FAMILIES) == {"gpt", "llama", "opt", "dit"}
+    assert set(models.FAMILIES) == {"gpt", "llama", "opt", "dit", "transformers"}
 
 
 def test_unregistered_configs_and_malformed_families_are_named(tmp_path_factory) -> None:
@@ -251,8 +251,10 @@ def test_unregistered_configs_and_malformed_families_are_named(tmp_path_factory)
         hf.to_hf(cfg, params)
     with pytest.raises(ValueError, match=r"model: expected the Config of a registered"):
         dataclasses.replace(config.default(), model=cfg)
-    with pytest.raises(ValueError, match=r"got MistralForCausalLM.*colfunc.models.register"):
-        hf.from_hf(_hf_mistral())
+    with pytest.raises(ValueError, match=r"reads MistralForCausalLM.*colfunc.models.register"):
+        hf.from_hf(_hf_mistral(), model_impl="native")
+    # (by default an architecture no family reads runs through its own module)
+    assert isinstance(hf.from_hf(_hf_mistral())[0], models.hf_module.Config)
     with pytest.raises(ValueError, match="has no Hugging Face counterpart"):
         hf.hf_config(models.dit.Config.tiny())
     with (
@@ -282,4 +284,4 @@ def test_unregistered_configs_and_malformed_families_are_named(tmp_path_factory)
     folder = tmp_path_factory.mktemp("mistral")
     _hf_mistral().save_pretrained(folder)
     with pytest.raises(ValueError, match=r"no registered model family reads.*'mistral'.*Llama"):
-        hf.read_config(str(folder))
+        hf.read_config(str(folder), model_impl="native")

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import colfunc as cf
-from colfunc import config, data, train
-from colfunc.inference.tokenizers import load_hf_tokenizer
+from colfunc import config, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,13 +110,6 @@ def test_the_family_example_fine_tunes_a_local_folder(example, tmp_path, monkeyp
     val = [r["val_loss"] for r in records if "val_loss" in r]
     losses = [r["loss"] for r in records if "loss" in r]
     # the loss before the first step is transformers' own loss on the same tokens
-    tok = load_hf_tokenizer(folder)
-    assert tok is not None
-    corpus = data.load_corpus(str(folder / "corpus.txt"), 0.05)
-    ids = torch.tensor(tok.encode(bytes(corpus.val.numpy()).decode()), dtype=torch.int32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-    b = data.batch_at(ids, cfg.data.batch_size, 32, 0, 0)
-    with torch.no_grad():
-        want = model(input_ids=b["input_ids"], labels=b["labels"]).loss.item()
+    want = cf.testing.hf_validation_loss(folder, cfg.data.batch_size, 32)
     assert val[0] == pytest.approx(want, abs=1e-4)
     assert len(losses) >= 2 and losses[-1] < losses[0]

@@ -53,9 +53,8 @@ def folder(tmp_path_factory) -> Path:
 
 
 def test_the_opt_example_fine_tunes_a_local_folder_under_offload(folder, tmp_path):
-    import transformers
-
-    from colfunc import data, hf
+    import colfunc as cf
+    from colfunc import hf
     from colfunc.inference.tokenizers import load_hf_tokenizer
 
     example = REPO / "examples" / "configs" / "opt_finetune_offload.py"
@@ -82,20 +81,13 @@ def test_the_opt_example_fine_tunes_a_local_folder_under_offload(folder, tmp_pat
     ]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     # the loss before the first step is transformers' own loss on the same tokens
-    tok = load_hf_tokenizer(folder)
-    assert tok is not None
-    corpus = data.load_corpus(str(folder / "corpus.txt"), 0.05)
-    ids = torch.tensor(tok.encode(bytes(corpus.val.numpy()).decode()), dtype=torch.int32)
-    model = transformers.OPTForCausalLM.from_pretrained(folder, local_files_only=True)
-    losses = []
-    for i in range(2):
-        b = data.batch_at(ids, 2, 32, 0, i)
-        with torch.no_grad():
-            losses.append(model(input_ids=b["input_ids"], labels=b["labels"]).loss.item())
-    assert val[0] == pytest.approx(sum(losses) / 2, abs=1e-4)
+    want = cf.testing.hf_validation_loss(folder, 2, 32, batches=2)
+    assert val[0] == pytest.approx(want, abs=1e-4)
     assert val[-1] < val[0]
     assert hf.read_config(f"hf:{folder}").n_layer == 2
     # serving the run speaks its tokenizer, not bytes
+    tok = load_hf_tokenizer(folder)
+    assert tok is not None
     from colfunc import engines
     from colfunc.inference import SamplingParams
 

@@ -237,7 +237,8 @@ class Engine:
         for field, value in (("n_head", self.cfg.n_head), ("key/value heads", kv_heads)):
             if value % n:
                 raise ValueError(f"Engine: {field}={value} is not divisible by tp={n}")
-        return place(params, self.model.tp_plan, mesh)
+        plan = self.model.tp_plan  # (a function of the config for a model run by its own module)
+        return place(params, plan(self.cfg) if callable(plan) else plan, mesh)
 
     def _sharded_cache(self) -> dict[str, torch.Tensor]:
         """The cache as the model sees it: this rank's heads of a cache split on its head dim."""

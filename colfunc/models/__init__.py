@@ -1,7 +1,8 @@
 """Models as pure functions over parameter pytrees: the causal language models GPT-2, OPT and
 the LLaMA-shaped families of one shared decoder (:mod:`colfunc.models.decoder`: LLaMA, Mistral,
 Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3, GPT-NeoX), and the spatial-temporal diffusion transformer DiT (Open-Sora's STDiT) for
-video.
+video; any other ``transformers`` causal LM runs through its own module
+(:mod:`colfunc.models.hf_module`, the ``transformers`` family).
 
 Each module exports ``Config`` (with ``tiny()``), ``init(cfg, seed)``, ``apply(params, ...)``,
 ``loss(cfg)`` (a ``layered`` loss), ``tp_plan`` and ``family``: its :class:`Family`, which
@@ -18,6 +19,7 @@ from colfunc.models import (
     gemma3,
     gpt,
     gpt_neox,
+    hf_module,
     llama,
     mistral,
     olmo2,
@@ -55,6 +57,7 @@ for _module in (
     gpt_neox,
     opt,
     dit,
+    hf_module,
 ):
     register(_module.family)
 

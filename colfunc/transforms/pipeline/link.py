@@ -24,7 +24,16 @@ from colfunc.transforms.local import local_piece
 
 __all__ = ["DTYPES", "Link"]
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# (integer leaves: positions a model computes once before its layers, say)
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+)
 _DESCRIPTOR = 32  # int64 entries per leaf, see _describe
 MAX_LEAVES = 16  # tensor leaves of one message (tags are spaced by this)
 _STRUCTURE = 1024  # bytes of the pickled structure
