@@ -431,3 +431,34 @@ def test_the_example_fine_tunes_a_folder_and_resumes_exactly(
     val = [r["val_loss"] for r in records if "val_loss" in r]
     want = cf.testing.hf_validation_loss(folder, 4, 32)
     assert val[0] == pytest.approx(want, abs=1e-4)
+
+
+def test_serve_runs_the_module_under_tp_and_says_so(tmp_path) -> None:
+    """``colfunc serve --hf FOLDER --tp 2`` on a Granite folder: one line says the module runs,
+    and the openai client's greedy completions are the single-device engine's."""
+    import signal
+
+    import openai
+    from test_server import Process
+
+    from colfunc import engines
+
+    folder = _folder(tmp_path / "granite", "granite")
+    server = Process("--hf", str(folder), "--model-name", "m", "--tp", "2")
+    try:
+        direct = engines.from_hf(folder)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        greedy = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for prompt in ["def f(x):", "import json\n"]:
+            want = direct.generate([prompt], p)[0].outputs[0].text
+            assert (
+                client.completions.create(model="m", prompt=prompt, **greedy).choices[0].text
+                == want
+            )
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        err = server.proc.stderr.read() if server.proc.stderr else ""
+        assert "model: GraniteForCausalLM through its transformers module" in err
+    finally:
+        server.kill()
