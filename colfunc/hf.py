@@ -141,7 +141,22 @@ def from_hf(hf_model: Any, model_impl: str = "auto") -> tuple[Config, Params]:
             "(colfunc.models.register), or model_impl='hf' runs its own module"
         )
     cfg = _read_hf_config(hf_model.config, [name] if name in known else [], model_impl=model_impl)
-    return cfg, _from_state_dict(cfg, hf_model.state_dict())
+    if _adapted(cfg):
+        return cfg, _from_state_dict(cfg, hf_model.state_dict())
+    return cfg, _from_state_dict(cfg, _saved_form(hf_model))
+
+
+def _saved_form(hf_model: Any) -> dict[str, torch.Tensor]:
+    """The model's state dict, and under the names ``save_pretrained`` writes where they differ
+    (``transformers`` 5 keeps some weights fused in memory, a mixture's experts as one tensor,
+    and writes them one per expert): the names the families' weight tables use."""
+    state = hf_model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # (transformers 4: the names are the files')
+        return dict(state)
+    # both names where they differ: a table may use either (GPT-NeoX's head is the module's)
+    return {**revert_weight_conversion(hf_model, dict(state)), **state}
 
 
 def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
@@ -168,6 +183,14 @@ def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
         for p, x in zip(e.paths, pieces(e.key, e)):
             flat[p] = _copy(x)
     for e in layer:
+        if "{j}" in e.key:  # one tensor per expert: stacked after the layer dim
+            E = shapes[e.paths[0]][1]
+            for k, p in enumerate(e.paths):
+                flat[p] = torch.stack([
+                    torch.stack([pieces(e.key.format(i=i, j=j), e)[k] for j in range(E)])
+                    for i in range(cfg.n_layer)
+                ])  # fmt: skip
+            continue
         per_layer = [pieces(e.key.format(i=i), e) for i in range(cfg.n_layer)]
         for j, p in enumerate(e.paths):
             flat[p] = torch.stack([xs[j] for xs in per_layer])
@@ -204,7 +227,11 @@ def to_hf(cfg: Config, params: Params) -> dict[str, torch.Tensor]:
     out = {e.key: value([flat[p] for p in e.paths], e) for e in top}
     for i in range(cfg.n_layer):
         for e in layer:
-            out[e.key.format(i=i)] = value([flat[p][i] for p in e.paths], e)
+            if "{j}" in e.key:  # one tensor per expert
+                for j in range(shapes[e.paths[0]][1]):
+                    out[e.key.format(i=i, j=j)] = value([flat[p][i][j] for p in e.paths], e)
+            else:
+                out[e.key.format(i=i)] = value([flat[p][i] for p in e.paths], e)
     return out
 
 
@@ -351,9 +378,16 @@ def _described(source: str, cfg: Config) -> tuple[Config, Params]:
         def make() -> torch.Tensor:
             if n is None:
                 return _copy(piece(e, key, j))
+            if "{j}" in key:  # one tensor per expert, stacked after the layer dim
+                E = shapes[path][1]
+                return torch.stack([
+                    torch.stack([piece(e, key.format(i=i, j=x), j) for x in range(E)])
+                    for i in range(n)
+                ])  # fmt: skip
             return torch.stack([piece(e, key.format(i=i), j) for i in range(n)])
 
-        return abstract(shapes[path], make, dtype_of(key if n is None else key.format(i=0)))
+        first = key if n is None else key.format(i=0, j=0) if "{j}" in key else key.format(i=0)
+        return abstract(shapes[path], make, dtype_of(first))
 
     return cfg, nn.nest({p: describe(p) for p in shapes})
 
@@ -425,11 +459,15 @@ def save(
     state = to_hf(cfg, params)
     with torch.device("meta"):  # no weights made: the state dict's are assigned
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg))
-    # tied keys (the head shares the embedding) are skipped by save_pretrained
-    model.load_state_dict(state, assign=True)
-    model.tie_weights()
-    if dtype is not None:
-        model = model.to(dtype)
+    fused = not set(state) <= set(model.state_dict(keep_vars=True))
+    if fused:  # the files' names are not the module's (a mixture's experts): written as they are
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_saved(folder, model, state, dtype)
+    else:  # tied keys (the head shares the embedding) are skipped by save_pretrained
+        model.load_state_dict(state, assign=True)
+        model.tie_weights()
+        if dtype is not None:
+            model = model.to(dtype)
     tok = None
     if tokenizer == "bytes":
         tok = byte_tokenizer()
@@ -437,7 +475,8 @@ def save(
         tok = transformers.AutoTokenizer.from_pretrained(
             folder_of(tokenizer, "tokenizer"), local_files_only=True
         )
-    model.save_pretrained(folder, safe_serialization=True)
+    if not fused:
+        model.save_pretrained(folder, safe_serialization=True)
     if tok is not None:
         tok.save_pretrained(folder)
     # the files readable as the umask says, as any other file (save_pretrained's are 0600)
@@ -446,6 +485,18 @@ def save(
         if path.is_file():
             path.chmod(mode)
     return folder
+
+
+def _write_saved(folder: Path, model: Any, state: dict[str, torch.Tensor], dtype: Any) -> None:
+    """``config.json``, ``generation_config.json`` and ``model.safetensors`` of a state dict
+    already under the names ``save_pretrained`` writes."""
+    import safetensors.torch
+
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tensors = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in state.items()}
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
 
 
 def load_adapter(source: str | Path, cfg: Config) -> tuple[Any, Params]:

@@ -108,10 +108,10 @@ FAMILY = Family(
 def _the_first_families_only():
     """The registry as a user adding Mistral finds it when colfunc does not build Mistral: the
     native LLaMA-shaped families that also read these folders (``mistral``; the Qwens, Phi-3,
-    OLMo 2, the Gemmas, SmolLM 3 and GPT-NeoX, for the registry's contents) step aside for each test, and
+    OLMo 2, the Gemmas, SmolLM 3, GPT-NeoX and the mixtures of experts, for the registry's contents) step aside for each test, and
     come back after it."""
     native = ("mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "smollm3")
-    native += ("gpt_neox",)
+    native += ("gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
     aside = [models.unregister(name) for name in native]
     try:
         yield

@@ -25,12 +25,21 @@ pytest.importorskip("triton")
 import itertools
 
 import colfunc.ops as ops
-from colfunc.kernels import adamw, attention, cross_entropy, norms, paged_attention, quant, rope
+from colfunc.kernels import (
+    adamw,
+    attention,
+    cross_entropy,
+    grouped_matmul,
+    norms,
+    paged_attention,
+    quant,
+    rope,
+)
 from colfunc.ops import AdamWHyper, PagedBatch, reference
 
 _STALE = [
     m.__name__
-    for m in (adamw, attention, cross_entropy, norms, paged_attention, quant, rope)
+    for m in (adamw, attention, cross_entropy, grouped_matmul, norms, paged_attention, quant, rope)
     if not m.INTERPRETED
 ]
 if _STALE:
@@ -465,3 +474,31 @@ def test_nf4_dequantization_equals_the_reference(lead, blocks, dtype, seed) -> N
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="codes must be uint8 and absmax float32"):
         quant.dequantize_nf4(packed.int(), absmax, dtype)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.integers(0, 20), min_size=1, max_size=4),
+    n_in=st.integers(1, 40),
+    n_out=st.integers(1, 40),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_matmul_equals_the_reference(counts, n_in, n_out, dtype, seed) -> None:
+    """A mixture's rows, sorted by expert, times each expert's weight: the kernel's output and
+    both gradients against one matmul per expert (tiles that straddle no expert's end; the
+    last rows of an expert in a tile of their own)."""
+    from colfunc.ops import moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), n_in, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(len(counts), n_in, n_out, generator=g) / 4).to(dtype).requires_grad_()
+    assert_matches_reference(
+        lambda a, b: grouped_matmul.grouped_matmul(a, b, counts),
+        lambda a, b: moe._blocks(a, b, counts),
+        [x, w],
+        dtype,
+        seed,
+    )
+    with pytest.raises(ValueError, match="counts summing to"):
+        grouped_matmul.grouped_matmul(x, w, [c + 1 for c in counts])

@@ -26,6 +26,7 @@ __all__ = [
     "cross_entropy",
     "dequantize_nf4",
     "device",
+    "grouped_matmul",
     "interpreting",
     "layer_norm",
     "paged_attention",
@@ -317,3 +318,20 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtyp
         )
     if dtype not in FLOAT_DTYPES and dtype != torch.float64:
         raise ValueError(f"dequantize_nf4: the output dtype must be floating, got {dtype}")
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> None:
+    """Rows ``x[N, I]`` and expert weights ``w[E, I, O]`` of one floating dtype the kernel
+    takes, on one device; ``sizes``: E counts summing to N."""
+    if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
+        raise ValueError(
+            f"grouped_matmul: x and w must share a dtype of {list(FLOAT_DTYPES)}, got {x.dtype} "
+            f"and {w.dtype}"
+        )
+    if x.device != w.device:
+        raise ValueError(f"grouped_matmul: x is on {x.device}, w on {w.device}")
+    if len(sizes) != w.shape[0] or sum(sizes) != x.shape[0]:
+        raise ValueError(
+            f"grouped_matmul: {len(sizes)} counts summing to {sum(sizes)} for {w.shape[0]} "
+            f"experts and {x.shape[0]} rows"
+        )

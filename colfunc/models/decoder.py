@@ -136,6 +136,22 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 def _mlp_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     L, D, F = cfg.n_layer, cfg.d_model, cfg.d_ff
     assert F is not None
+    if cfg.n_experts:  # colfunc.nn.moe's sparse MLP
+        E, X, S = cfg.n_experts, cfg.d_expert, cfg.d_shared_expert or 0
+        assert X is not None
+        shared = {
+            "blocks.mlp.shared.w_gate": (L, D, S),
+            "blocks.mlp.shared.w_up": (L, D, S),
+            "blocks.mlp.shared.w_down": (L, S, D),
+            "blocks.mlp.shared_gate": (L, D, 1),
+        }
+        return {
+            "blocks.mlp.router": (L, D, E),
+            "blocks.mlp.experts.w_gate": (L, E, D, X),
+            "blocks.mlp.experts.w_up": (L, E, D, X),
+            "blocks.mlp.experts.w_down": (L, E, X, D),
+            **(shared if S else {}),
+        }
     if cfg.mlp_gated:
         return {
             "blocks.mlp.w_gate": (L, D, F),
@@ -153,7 +169,13 @@ _NORM_WEIGHTS = {
     "blocks.attn.k_norm",
 }
 _BIASES = {"blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv", "blocks.attn.bo"}
-_RESIDUAL_OUT = {"blocks.attn.wo", "blocks.mlp.w_down", "blocks.mlp.w_out"}
+_RESIDUAL_OUT = {
+    "blocks.attn.wo",
+    "blocks.mlp.w_down",
+    "blocks.mlp.w_out",
+    "blocks.mlp.experts.w_down",
+    "blocks.mlp.shared.w_down",
+}
 
 
 def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
@@ -225,8 +247,15 @@ def _context_ropes(
 
 
 def _carry(x_BTD: torch.Tensor, cfg: Config) -> Carry:
-    """What each block reads: the residual stream and the rotary tables, made once per pass."""
-    return {"h": x_BTD, **_ropes(cfg, x_BTD.shape[1], x_BTD.device)}
+    """What each block reads: the residual stream and the rotary tables, made once per pass;
+    with sparse MLPs, their routing statistics so far (see :func:`_mlp`)."""
+    carry = {"h": x_BTD, **_ropes(cfg, x_BTD.shape[1], x_BTD.device)}
+    if cfg.n_experts:
+        dtype = torch.float64 if x_BTD.dtype == torch.float64 else torch.float32
+        zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=x_BTD.device)  # noqa: E731
+        E, K = cfg.n_experts, cfg.n_experts_per_tok
+        carry.update(moe_tokens=zeros(K, E), moe_probs=zeros(E), moe_z=zeros())
+    return carry
 
 
 def _xs(cfg: Config) -> dict[str, torch.Tensor] | None:
@@ -250,8 +279,21 @@ _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config) -> torch.Tensor:
-    return (nn.gated if cfg.mlp_gated else nn.mlp)(h_BTD, p, _ACT[cfg.mlp_act])
+def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config, carry: Carry) -> tuple[torch.Tensor, Carry]:
+    """The block's MLP, and the carry with a sparse MLP's routing statistics added (each
+    layer's share of the load-balancing and z losses' means over the layers)."""
+    if not cfg.n_experts:
+        return (nn.gated if cfg.mlp_gated else nn.mlp)(h_BTD, p, _ACT[cfg.mlp_act]), carry
+    y_BTD, r = nn.sparse_mlp(h_BTD, p, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+    if "moe_tokens" not in carry:  # (the engine's passes keep no statistics)
+        return y_BTD, carry
+    L = cfg.n_layer
+    return y_BTD, {
+        **carry,
+        "moe_tokens": carry["moe_tokens"] + r.tokens / L,
+        "moe_probs": carry["moe_probs"] + r.probs / L,
+        "moe_z": carry["moe_z"] + r.z / L,
+    }
 
 
 def _block(layer: Params, carry: Carry, cfg: Config, i: int | None = None) -> Carry:
@@ -283,11 +325,11 @@ def _block_kv(
         h_BTD, layer["attn"], head_dim=_head_dim(cfg), rope=rope, paged=paged, options=options
     )
     if cfg.parallel_residual:  # GPT-NeoX: both sub-layers read the block's input
-        m_BTD = _mlp(_norm(x_BTD, layer["ln2"], cfg), layer["mlp"], cfg)
+        m_BTD, carry = _mlp(_norm(x_BTD, layer["ln2"], cfg), layer["mlp"], cfg, carry)
         return {**carry, "h": m_BTD + a_BTD + x_BTD}, kv
     x_BTD = x_BTD + (_norm(a_BTD, layer["post1"], cfg) if post else a_BTD)
     h_BTD = _norm(x_BTD, layer["ln2"], cfg) if pre else x_BTD
-    m_BTD = _mlp(h_BTD, layer["mlp"], cfg)
+    m_BTD, carry = _mlp(h_BTD, layer["mlp"], cfg, carry)
     x_BTD = x_BTD + (_norm(m_BTD, layer["post2"], cfg) if post else m_BTD)
     return {**carry, "h": x_BTD}, kv
 
@@ -385,7 +427,13 @@ def loss(cfg: Config) -> Layered:
 
     def post(params: Params, carry: Carry, batch: Any, ys: Any = None) -> torch.Tensor:
         head = lambda h: _logits(params, h, cfg)  # noqa: E731
-        return nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
+        loss = nn.causal_lm_loss(head, carry["h"], nn.batch_field(batch, "labels"))
+        if cfg.n_experts and cfg.router_aux_loss_coef:  # (Switch's load balancing, Mixtral's)
+            aux = nn.load_balancing_loss(carry["moe_tokens"], carry["moe_probs"])
+            loss = loss + cfg.router_aux_loss_coef * aux.to(loss.dtype)
+        if cfg.n_experts and cfg.router_z_loss_coef:  # (ST-MoE's router z-loss)
+            loss = loss + cfg.router_z_loss_coef * carry["moe_z"].to(loss.dtype)
+        return loss
 
     # whole heads per rank: the attention splits by head (any vocabulary splits, unevenly)
     divisors = {"n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads}

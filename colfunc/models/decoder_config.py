@@ -33,6 +33,10 @@ VARIATIONS = (
     "rotary_fraction",
     "mlp_gated",
     "mlp_bias",
+    "n_experts",
+    "d_shared_expert",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
 )
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "qk_norm_width": ("head", "all"),
@@ -108,6 +112,14 @@ class Config:
     rotary_fraction: float = 1.0
     mlp_gated: bool = True
     mlp_bias: bool = False
+    # a sparse mixture-of-experts MLP in every layer (n_experts > 0; colfunc.nn.moe)
+    n_experts: int = 0
+    n_experts_per_tok: int = 2
+    d_expert: int | None = None
+    norm_topk_prob: bool = True
+    d_shared_expert: int | None = None
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -188,6 +200,39 @@ class Config:
                     f"{self.family_name}.Config: {flag} must be a bool, got {getattr(self, flag)!r}"
                 )
         self._check_variations()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        name = f"{self.family_name}.Config"
+        E, k = self.n_experts, self.n_experts_per_tok
+        if isinstance(E, bool) or not isinstance(E, int) or E < 0:
+            raise ValueError(f"{name}: n_experts must be an int >= 0, got {E!r}")
+        if self.d_expert is None:
+            object.__setattr__(self, "d_expert", self.d_ff)
+        if not E:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
+            raise ValueError(
+                f"{name}: n_experts_per_tok={k!r} must be an int in [1, n_experts={E}] (the "
+                "experts each token is routed to)"
+            )
+        for field in ("d_expert", "d_shared_expert"):
+            value = getattr(self, field)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name}: {field} must be a positive int, got {value!r}")
+        for field in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name}: {field} must be a number >= 0, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"{name}: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        if not self.mlp_gated or self.parallel_residual:
+            raise ValueError(
+                f"{name}: the experts are gated MLPs in sequential blocks; n_experts > 0 needs "
+                "mlp_gated=True and parallel_residual=False"
+            )
 
     def _check_variations(self) -> None:
         name = f"{self.family_name}.Config"

@@ -31,6 +31,7 @@ from colfunc.nn.lm import (
     next_token_targets,
 )
 from colfunc.nn.lowrank import LowRank, LowRanks, column_norms
+from colfunc.nn.moe import Routing, load_balancing_loss, route, sparse_mlp
 from colfunc.nn.plans import tensor_plans
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Paged",
     "PagedBatch",
     "RopeScaling",
+    "Routing",
     "attend",
     "batch_field",
     "causal_lm_loss",
@@ -50,6 +52,7 @@ __all__ = [
     "gated",
     "gelu_tanh",
     "linear",
+    "load_balancing_loss",
     "merge_heads",
     "mlp",
     "nest",
@@ -58,7 +61,9 @@ __all__ = [
     "paged_scan",
     "paged_self_attention",
     "rope_tables",
+    "route",
     "self_attention",
+    "sparse_mlp",
     "split_heads",
     "swiglu",
     "tensor_plans",

@@ -24,6 +24,7 @@ from colfunc.ops.dispatch import (
     rope,
     varlen_attention,
 )
+from colfunc.ops.moe import grouped_matmul, moe_ffn
 from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "cpu_adamw_",
     "cross_entropy",
     "dequantize_nf4",
+    "grouped_matmul",
     "layer_norm",
+    "moe_ffn",
     "paged_attention",
     "reference",
     "rms_norm",

@@ -15,6 +15,7 @@ from colfunc.sharding.rules import (  # noqa: F401  (importing registers the rul
     indexing,
     losses,
     matmul,
+    moe,
     norms,
     reductions,
     softmax,

@@ -1,4 +1,4 @@
-"""Reductions: sum, mean, amax/max (over dims or everything) and max/min over one dim.
+"""Reductions: sum, mean, amax/max (over dims or everything), max/min over one dim and top-k.
 
 A split dim that is reduced leaves a Partial: each rank reduces its chunk, and the pieces
 combine by the reduction (sum for sum and mean, max for max). A split dim that is kept stays
@@ -111,4 +111,12 @@ def max_all(x: Spec) -> OpSharding:
 @rule(aten.max.dim, aten.min.dim)
 def max_dim(x: Spec, dim: int, keepdim: bool = False) -> OpSharding:
     ins, outs = _place(x, _dims(x, dim), keepdim, None)
+    return OpSharding(outputs=(outs, outs), inputs=[ins])
+
+
+@rule(aten.topk)
+def topk(x: Spec, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> OpSharding:
+    """The ``k`` largest along ``dim``, which a chunk cannot know: that dim whole, the others
+    as they are (keepdim: the dim stays, ``k`` long)."""
+    ins, outs = _place(x, _dims(x, dim), True, None)
     return OpSharding(outputs=(outs, outs), inputs=[ins])

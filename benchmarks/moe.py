@@ -1,0 +1,121 @@
+"""Mixtures of experts on the CPU: colfunc's experts against ``transformers``' own, and the
+grouped matmul against a loop over experts.
+
+- ``step``: a training step of a random ``MixtralForCausalLM`` (4 layers, width 256, 8 experts
+  of width 512, 2 per token, vocabulary 8000; batch 8 x 128 tokens, fp32), loaded into colfunc
+  with ``hf.from_hf``: ``cf.train_step(mixtral.loss(cfg), optim.adamw)`` against the module's
+  forward and backward and ``torch.optim.AdamW(fused=True)``, interleaved; the median over steps
+  of theirs/ours (goal: at least 2). ``transformers`` runs its default experts implementation
+  (``grouped_mm`` where it takes the inputs) and, on a second model, its loop over experts
+  (``experts_implementation="eager"``).
+- ``grouped``: ``ops.grouped_matmul`` (rows sorted by expert, one matmul per expert's block)
+  against the loop over experts that selects each expert's rows by a mask, on 2048 tokens x 2
+  choices, 8 experts, 256 -> 512; the median time ratio loop/grouped (goal: above 1).
+
+    python benchmarks/moe.py [--parts step,grouped] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import transformers
+
+import colfunc as cf
+from colfunc import hf, models, ops, optim
+
+SIZE = dict(
+    vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+)  # fmt: skip
+HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model(impl: str | None) -> Any:
+    torch.manual_seed(0)
+    kw = {} if impl is None else {"experts_implementation": impl}
+    return transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**SIZE), **kw)
+
+
+def step_part(steps: int) -> None:
+    theirs = {"default": _model(None), "eager": _model("eager")}
+    cfg, params = hf.from_hf(theirs["default"])
+    ours = cf.train_step(models.mixtral.loss(cfg), optim.adamw(**HYPER), donate=True)
+    state = ours.init(params)
+    opts = {k: torch.optim.AdamW(m.parameters(), fused=True, **HYPER) for k, m in theirs.items()}
+    for m in theirs.values():
+        m.train()
+    g = torch.Generator().manual_seed(1)
+    ratios: dict[str, list[float]] = {k: [] for k in theirs}
+    gap = 0.0
+    for i in range(steps + 1):
+        ids = torch.randint(0, SIZE["vocab_size"], (8, 128), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        t0 = time.perf_counter()
+        state, metrics = ours(state, batch)
+        t_ours = time.perf_counter() - t0
+        for k, m in theirs.items():
+            t0 = time.perf_counter()
+            opts[k].zero_grad(set_to_none=True)
+            loss = m(**batch).loss
+            loss.backward()
+            opts[k].step()
+            t = time.perf_counter() - t0
+            if i == 0 and k == "default":
+                gap = abs(float(metrics["loss"]) - loss.item())
+            elif i > 0:
+                ratios[k].append(t / t_ours)
+    print(f"step: first-step loss gap {gap:.1e}; theirs/ours (median of {steps}): " + ", ".join(
+        f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()
+    ))  # fmt: skip
+
+
+def _masked(x: torch.Tensor, topi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows picked by a mask, one expert at a time (transformers' eager loop)."""
+    out = x.new_zeros(x.shape[0], topi.shape[1], w.shape[2])
+    for e in range(w.shape[0]):
+        tok, slot = torch.where(topi == e)
+        out[tok, slot] = x[tok] @ w[e]
+    return out
+
+
+def grouped_part(reps: int = 7) -> None:
+    g = torch.Generator().manual_seed(3)
+    N, K, E, D, F = 2048, 2, 8, 256, 512
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(E, D, F, generator=g)
+    topi = torch.randint(0, E, (N, K), generator=g)
+    times: dict[str, list[float]] = {"grouped": [], "masked": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        order, counts = ops.moe.routed(topi, E)
+        ops.grouped_matmul(x.index_select(0, order // K), w, counts)
+        times["grouped"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _masked(x, topi, w)
+        times["masked"].append(time.perf_counter() - t0)
+    ratio = statistics.median(times["masked"]) / statistics.median(times["grouped"])
+    print(f"grouped: {N} tokens x {K}, {E} experts, {D} -> {F}: loop/grouped {ratio:.2f} "
+          f"(grouped {1e3 * statistics.median(times['grouped']):.1f} ms)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="step,grouped")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    if "grouped" in args.parts:
+        grouped_part()
+    if "step" in args.parts:
+        step_part(args.steps)
+
+
+if __name__ == "__main__":
+    main()

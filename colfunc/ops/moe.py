@@ -1,0 +1,216 @@
+"""Mixture-of-experts ops: the grouped matmul and the experts' feed-forward over routed tokens.
+
+:func:`grouped_matmul` multiplies rows sorted by expert by their expert's weight: ``x[N, I]``
+(the rows of expert 0, then expert 1, ...), ``w[E, I, O]``, ``counts[E]`` rows each. On the CPU
+(and as the reference) it is one matmul per expert's block of rows; on CUDA tensors the Triton
+kernel (:mod:`colfunc.kernels.grouped_matmul`) runs every block in one launch.
+
+:func:`moe_ffn` is the experts' part of a sparse MLP: each token ``t`` and each of its ``k``
+choices ``(e, g)`` (``topi[t]``, ``topw[t]``) adds ``g * down_e(act(x_t gate_e) * (x_t up_e))``.
+The tokens' choices are flattened, sorted by expert (a stable sort: equal experts keep the
+tokens' order), each expert's rows run through :func:`grouped_matmul`, and the results are
+scattered back and summed per token. The backward pass computes the products again (nothing of
+the experts' width is kept between the passes) and their gradients, written out. It is one operator (``torch.ops.colfunc.moe_ffn``, with its
+backward ``moe_ffn_backward``), so that a ShardedTensor sees one op with one sharding rule
+(:mod:`colfunc.sharding.rules.moe`: tokens split over data-parallel ranks, expert widths over
+tensor-parallel ones), never the data-dependent sort inside.
+
+Legend: N tokens, K choices per token, E experts, D width, F expert width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from colfunc.kernels import checks
+
+__all__ = ["grouped_matmul", "moe_ffn", "routed"]
+
+
+def _counts_list(counts: torch.Tensor | Sequence[int], n_rows: int, n_experts: int) -> list[int]:
+    sizes = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+    if len(sizes) != n_experts:
+        raise ValueError(f"grouped_matmul: counts has {len(sizes)} entries for {n_experts} experts")
+    if any(c < 0 for c in sizes) or sum(sizes) != n_rows:
+        raise ValueError(
+            f"grouped_matmul: counts {sizes} must be >= 0 and sum to the {n_rows} rows of x"
+        )
+    return sizes
+
+
+def grouped_matmul(
+    x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
+    """``x[N, I]`` (rows sorted by expert, ``counts[e]`` rows of expert ``e``) times each row's
+    expert weight ``w[e]`` (``[E, I, O]``): ``[N, O]``. Differentiable."""
+    if x_NI.dim() != 2 or w_EIO.dim() != 3 or x_NI.shape[1] != w_EIO.shape[1]:
+        raise ValueError(
+            f"grouped_matmul: x must be [N, I] and w [E, I, O] with the same I, got "
+            f"{tuple(x_NI.shape)} and {tuple(w_EIO.shape)}"
+        )
+    sizes = _counts_list(counts, x_NI.shape[0], w_EIO.shape[0])
+    from colfunc.ops import dispatch  # (not at import: dispatch imports the kernels' checks)
+
+    check = lambda: checks.grouped_matmul(x_NI, w_EIO, sizes)  # noqa: E731
+    if dispatch._use_triton("grouped_matmul", check, (x_NI, w_EIO)):
+        out: torch.Tensor = dispatch._kernel("grouped_matmul").grouped_matmul(x_NI, w_EIO, sizes)
+        return out
+    return _blocks(x_NI, w_EIO, sizes)
+
+
+def _blocks(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The reference: one matmul per expert's block of rows (experts with none skipped)."""
+    pieces = x_NI.split(sizes)
+    out = [p @ w_EIO[e] for e, p in enumerate(pieces) if sizes[e]]
+    if not out:  # (no rows: an empty product, still of the inputs)
+        return x_NI @ w_EIO[0]
+    return torch.cat(out)
+
+
+def routed(topi_NK: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, counts)``: the flattened choices ``topi.reshape(-1)`` sorted by expert (a
+    stable sort) and each expert's number of rows."""
+    flat = topi_NK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=n_experts)
+
+
+def _moe_plain(
+    x_ND: torch.Tensor,
+    topi_NK: torch.Tensor,
+    topw_NK: torch.Tensor,
+    w_gate_EDF: torch.Tensor,
+    w_up_EDF: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+) -> torch.Tensor:
+    K = topi_NK.shape[1]
+    order, counts = routed(topi_NK, w_gate_EDF.shape[0])
+    tokens = order // K
+    sizes = counts.tolist()
+    x_MD = x_ND.index_select(0, tokens)  # M = N * K rows, by expert
+    h_MF = F.silu(grouped_matmul(x_MD, w_gate_EDF, sizes)) * grouped_matmul(x_MD, w_up_EDF, sizes)
+    y_MD = grouped_matmul(h_MF, w_down_EFD, sizes)
+    y_MD = y_MD * topw_NK.reshape(-1).index_select(0, order)[:, None].to(y_MD.dtype)
+    return torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
+
+
+@torch.library.custom_op("colfunc::moe_ffn", mutates_args=())
+def _moe_ffn_op(
+    x: torch.Tensor,
+    topi: torch.Tensor,
+    topw: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    return _moe_plain(x, topi, topw, w_gate, w_up, w_down)
+
+
+@_moe_ffn_op.register_fake
+def _(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("colfunc::moe_ffn_backward", mutates_args=())
+def _moe_ffn_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topi: torch.Tensor,
+    topw: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the forward's products again (not kept between the passes), then their gradients
+    K, E = topi.shape[1], w_gate.shape[0]
+    order, counts = routed(topi, E)
+    tokens, sizes = order // K, counts.tolist()
+    x_M = x.index_select(0, tokens)
+    a_M = grouped_matmul(x_M, w_gate, sizes)
+    b_M = grouped_matmul(x_M, w_up, sizes)
+    sig = torch.sigmoid(a_M)
+    s_M = a_M * sig
+    h_M = s_M * b_M
+    o_M = grouped_matmul(h_M, w_down, sizes)
+    g_M = topw.reshape(-1).index_select(0, order)
+    dy_M = dy.index_select(0, tokens).to(o_M.dtype)
+    dg_M = (o_M * dy_M).sum(-1)
+    do_M = dy_M * g_M[:, None].to(o_M.dtype)
+    dh_M = grouped_matmul(do_M, w_down.transpose(1, 2), sizes)
+    db_M = dh_M * s_M
+    da_M = dh_M * b_M * sig * (1 + a_M * (1 - sig))
+    dx_M = grouped_matmul(da_M, w_gate.transpose(1, 2), sizes) + grouped_matmul(
+        db_M, w_up.transpose(1, 2), sizes
+    )
+    dx = torch.zeros_like(x).index_add_(0, tokens, dx_M.to(x.dtype))
+    dtopw = torch.zeros(topw.numel(), dtype=topw.dtype, device=topw.device)
+    dtopw = dtopw.index_copy_(0, order, dg_M.to(topw.dtype)).reshape(topw.shape)
+    return (dx, dtopw, _weight_grads(x_M, da_M, sizes, w_gate),
+            _weight_grads(x_M, db_M, sizes, w_up), _weight_grads(h_M, do_M, sizes, w_down))  # fmt: skip
+
+
+def _weight_grads(
+    x_MI: torch.Tensor, dy_MO: torch.Tensor, sizes: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    """Each expert's ``x_e.T @ dy_e`` (``[E, I, O]``, zero for an expert with no rows)."""
+    out = torch.zeros_like(like)
+    for e, (xe, de) in enumerate(zip(x_MI.split(sizes), dy_MO.split(sizes))):
+        if sizes[e]:
+            out[e] = xe.t() @ de
+    return out
+
+
+@_moe_ffn_backward_op.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor,
+      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    return (torch.empty_like(x), torch.empty_like(topw), torch.empty_like(w_gate),
+            torch.empty_like(w_up), torch.empty_like(w_down))  # fmt: skip
+
+
+def _setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+
+
+def _backward(ctx: object, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, topi, topw, w_gate, w_up, w_down = ctx.saved_tensors  # type: ignore[attr-defined]
+    dx, dtopw, dg, du, dd = torch.ops.colfunc.moe_ffn_backward(
+        dy, x, topi, topw, w_gate, w_up, w_down
+    )
+    return dx, None, dtopw, dg, du, dd
+
+
+_moe_ffn_op.register_autograd(_backward, setup_context=_setup)
+
+
+def moe_ffn(
+    x_ND: torch.Tensor,
+    topi_NK: torch.Tensor,
+    topw_NK: torch.Tensor,
+    w_gate_EDF: torch.Tensor,
+    w_up_EDF: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' SwiGLU feed-forward of each token, weighted by its routing weights and
+    summed over its ``K`` choices: ``[N, D]`` (see the module docstring). ``topi[N, K]`` holds
+    expert indices in ``[0, E)``; ``topw[N, K]`` their weights (any float dtype: the products
+    are taken in it and summed in ``x``'s)."""
+    E = w_gate_EDF.shape[0]
+    if topi_NK.dim() != 2 or topi_NK.shape != topw_NK.shape or topi_NK.shape[0] != x_ND.shape[0]:
+        raise ValueError(
+            f"moe_ffn: topi and topw must both be [N, K] with N = {x_ND.shape[0]} tokens, got "
+            f"{tuple(topi_NK.shape)} and {tuple(topw_NK.shape)}"
+        )
+    shapes = (tuple(w_gate_EDF.shape), tuple(w_up_EDF.shape), tuple(w_down_EFD.shape))
+    D = x_ND.shape[1]
+    if shapes[0] != shapes[1] or shapes[0][1] != D or shapes[2] != (E, shapes[0][2], D):
+        raise ValueError(
+            f"moe_ffn: expert weights must be gate/up [E, D, F] and down [E, F, D] with D = {D}, "
+            f"got {shapes}"
+        )
+    out: torch.Tensor = torch.ops.colfunc.moe_ffn(
+        x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD
+    )
+    return out

@@ -1,0 +1,47 @@
+"""The experts' feed-forward (``torch.ops.colfunc.moe_ffn`` and its backward) as one op each.
+
+Per mesh axis, one of three layouts:
+
+- replicated: everything whole;
+- tokens split (data parallelism): the tokens ``x[N, D]`` and their choices ``topi``/``topw``
+  ``[N, K]`` split on N alike, the expert weights whole: each rank runs its own tokens; in the
+  backward pass the weights' gradients are then partial sums over the ranks' tokens;
+- expert widths split (tensor parallelism, Megatron's MLP per expert): ``w_gate``/``w_up``
+  ``[E, D, F]`` on F, ``w_down`` ``[E, F, D]`` on F, the tokens whole: each rank's part of every
+  expert, the output a partial sum (and in the backward pass the input and routing-weight
+  gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import colfunc.ops.moe  # noqa: F401  (registers torch.ops.colfunc.moe_ffn)
+from colfunc.sharding.placement import Partial, Shard
+from colfunc.sharding.rules.registry import OpSharding, Option, R, Spec, pick, rule
+
+P = Partial()
+
+
+@rule(torch.ops.colfunc.moe_ffn.default)
+def moe_ffn(x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec) -> OpSharding:
+    options: list[Option] = [
+        (R, (R, R, R, R, R, R)),
+        (Shard(0), (Shard(0), Shard(0), Shard(0), R, R, R)),
+        (P, (R, R, R, Shard(2), Shard(2), Shard(1))),
+    ]
+    return pick([x, topi, topw, wg, wu, wd], options, out_numel=x.numel)
+
+
+@rule(torch.ops.colfunc.moe_ffn_backward.default)
+def moe_ffn_backward(
+    dy: Spec, x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec
+) -> OpSharding:
+    S0 = Shard(0)
+    options: list[Option] = [
+        ((R, R, R, R, R), (R, R, R, R, R, R, R)),
+        ((S0, S0, P, P, P), (S0, S0, S0, S0, R, R, R)),
+        ((P, P, Shard(2), Shard(2), Shard(1)), (R, R, R, R, Shard(2), Shard(2), Shard(1))),
+    ]
+    sizes = (x.numel, topw.numel, wg.numel, wu.numel, wd.numel)
+    return pick([dy, x, topi, topw, wg, wu, wd], options, out_numel=sizes)
