@@ -8,11 +8,14 @@ grouped matmul against a loop over experts.
   of theirs/ours (goal: at least 2). ``transformers`` runs its default experts implementation
   (``grouped_mm`` where it takes the inputs) and, on a second model, its loop over experts
   (``experts_implementation="eager"``).
+- ``block``: the sparse MLP alone, forward and backward, on the same weights and 1024 tokens:
+  ``colfunc.nn.sparse_mlp`` against ``transformers``' ``MixtralSparseMoeBlock`` (its default
+  experts and its loop), the median ratio theirs/ours (goal: at least 2 against the loop).
 - ``grouped``: ``ops.grouped_matmul`` (rows sorted by expert, one matmul per expert's block)
   against the loop over experts that selects each expert's rows by a mask, on 2048 tokens x 2
   choices, 8 experts, 256 -> 512; the median time ratio loop/grouped (goal: above 1).
 
-    python benchmarks/moe.py [--parts step,grouped] [--steps 5]
+    python benchmarks/moe.py [--parts step,block,grouped] [--steps 5]
 """
 
 from __future__ import annotations
@@ -75,6 +78,39 @@ def step_part(steps: int) -> None:
     ))  # fmt: skip
 
 
+def block_part(reps: int = 7) -> None:
+    theirs = {"default": _model(None), "eager": _model("eager")}
+    _, params = hf.from_hf(theirs["default"])
+    layer = cf.tree.map(lambda x: x[0].detach().clone().requires_grad_(), params["blocks"]["mlp"])
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(8, 128, SIZE["hidden_size"], generator=g)
+    blocks = {k: m.model.layers[0].mlp.train() for k, m in theirs.items()}
+    times: dict[str, list[float]] = {"ours": [], **{k: [] for k in blocks}}
+    gap = 0.0
+    for i in range(reps + 1):
+        x = h.clone().requires_grad_()
+        t0 = time.perf_counter()
+        y, _ = cf.nn.sparse_mlp(x, layer, SIZE["num_experts_per_tok"], True)
+        y.square().mean().backward()
+        t_ours = time.perf_counter() - t0
+        for k, block in blocks.items():
+            xt = h.clone().requires_grad_()
+            t0 = time.perf_counter()
+            yt = block(xt)
+            yt.square().mean().backward()
+            t = time.perf_counter() - t0
+            if i:
+                times[k].append(t)
+            if k == "default":
+                gap = max(gap, (y - yt).abs().max().item())
+        if i:
+            times["ours"].append(t_ours)
+    ours = statistics.median(times["ours"])
+    print(f"block: 1024 tokens, outputs within {gap:.1e}; theirs/ours (median of {reps}): " + ", ".join(
+        f"{k} {statistics.median(times[k]) / ours:.2f}" for k in blocks
+    ) + f" (ours {1e3 * ours:.1f} ms)")  # fmt: skip
+
+
 def _masked(x: torch.Tensor, topi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Each expert's rows picked by a mask, one expert at a time (transformers' eager loop)."""
     out = x.new_zeros(x.shape[0], topi.shape[1], w.shape[2])
@@ -106,13 +142,15 @@ def grouped_part(reps: int = 7) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="step,grouped")
+    parser.add_argument("--parts", default="step,block,grouped")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     if "grouped" in args.parts:
         grouped_part()
+    if "block" in args.parts:
+        block_part()
     if "step" in args.parts:
         step_part(args.steps)
 

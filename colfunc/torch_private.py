@@ -79,6 +79,10 @@ ENTRIES: dict[str, tuple[str, str]] = {
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
         "the CPU flash attention's backward, one key/value block at a time (ring attention)",
     ),
+    "grouped_mm": (
+        "torch._grouped_mm",
+        "the experts' grouped matmul on the CPU (one call for every expert's block of rows)",
+    ),
     "cpu_avx512_bf16": (
         "torch.cpu._is_avx512_bf16_supported",
         "whether the CPU computes bf16 natively (amp's bf16 on CPUs without it is emulated)",

@@ -9,8 +9,8 @@ kernel (:mod:`colfunc.kernels.grouped_matmul`) runs every block in one launch.
 choices ``(e, g)`` (``topi[t]``, ``topw[t]``) adds ``g * down_e(act(x_t gate_e) * (x_t up_e))``.
 The tokens' choices are flattened, sorted by expert (a stable sort: equal experts keep the
 tokens' order), each expert's rows run through :func:`grouped_matmul`, and the results are
-scattered back and summed per token. The backward pass computes the products again (nothing of
-the experts' width is kept between the passes) and their gradients, written out. It is one operator (``torch.ops.colfunc.moe_ffn``, with its
+scattered back and summed per token. The forward pass keeps the gate and up products and each
+row's expert output for the backward pass, which computes their gradients, written out. It is one operator (``torch.ops.colfunc.moe_ffn``, with its
 backward ``moe_ffn_backward``), so that a ShardedTensor sees one op with one sharding rule
 (:mod:`colfunc.sharding.rules.moe`: tokens split over data-parallel ranks, expert widths over
 tensor-parallel ones), never the data-dependent sort inside.
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from colfunc import torch_private
 from colfunc.kernels import checks
 
 __all__ = ["grouped_matmul", "moe_ffn", "routed"]
@@ -52,17 +53,60 @@ def grouped_matmul(
             f"{tuple(x_NI.shape)} and {tuple(w_EIO.shape)}"
         )
     sizes = _counts_list(counts, x_NI.shape[0], w_EIO.shape[0])
+    differentiated = torch.is_grad_enabled() and (x_NI.requires_grad or w_EIO.requires_grad)
+    return _grouped(x_NI, w_EIO, sizes, fused=not differentiated)
+
+
+def _grouped(
+    x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int], fused: bool = True
+) -> torch.Tensor:
+    """The Triton kernel where it applies, else :func:`_blocks` (``fused``: by PyTorch's grouped
+    matmul where it takes the inputs; it is not differentiated)."""
     from colfunc.ops import dispatch  # (not at import: dispatch imports the kernels' checks)
 
     check = lambda: checks.grouped_matmul(x_NI, w_EIO, sizes)  # noqa: E731
     if dispatch._use_triton("grouped_matmul", check, (x_NI, w_EIO)):
         out: torch.Tensor = dispatch._kernel("grouped_matmul").grouped_matmul(x_NI, w_EIO, sizes)
         return out
-    return _blocks(x_NI, w_EIO, sizes)
+    return _blocks(x_NI, w_EIO, sizes, fused)
 
 
-def _blocks(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The reference: one matmul per expert's block of rows (experts with none skipped)."""
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Strides (and the output's rows) in multiples of 16 bytes, as PyTorch's grouped matmul
+    needs them."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+        for t in tensors
+    )
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+    """PyTorch's grouped matmul of plain CPU tensors of the dtypes and alignments it takes (x
+    ``[N, I]`` with w ``[E, I, O]``, or ``[I, N]`` with ``[N, O]`` for each block's
+    ``x.T @ dy``), not differentiated; else None."""
+    plain = type(x) is torch.Tensor and type(w) is torch.Tensor and not x.is_cuda
+    if not (plain and x.dtype in _GROUPED_DTYPES and w.dtype == x.dtype and sum(sizes)):
+        return None
+    if w.shape[-1] * w.element_size() % 16 or not _aligned(x, w):
+        return None
+    if torch_private.are_functorch_transforms_active():
+        return None
+    offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+    out: torch.Tensor = torch_private.get("grouped_mm")(x, w, offs=offs)
+    return out
+
+
+def _blocks(
+    x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int], fused: bool = False
+) -> torch.Tensor:
+    """The CPU path and the reference: one matmul per expert's block of rows (experts with none
+    skipped); with ``fused``, by PyTorch's grouped matmul where it takes the inputs."""
+    out = _grouped_mm(x_NI, w_EIO, sizes) if fused else None
+    if out is not None:
+        return out
     pieces = x_NI.split(sizes)
     out = [p @ w_EIO[e] for e, p in enumerate(pieces) if sizes[e]]
     if not out:  # (no rows: an empty product, still of the inputs)
@@ -85,16 +129,20 @@ def _moe_plain(
     w_gate_EDF: torch.Tensor,
     w_up_EDF: torch.Tensor,
     w_down_EFD: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output, and what the backward pass reads: the gate and up products and each row's
+    expert output, rows sorted by expert (M = N * K)."""
     K = topi_NK.shape[1]
     order, counts = routed(topi_NK, w_gate_EDF.shape[0])
     tokens = order // K
     sizes = counts.tolist()
-    x_MD = x_ND.index_select(0, tokens)  # M = N * K rows, by expert
-    h_MF = F.silu(grouped_matmul(x_MD, w_gate_EDF, sizes)) * grouped_matmul(x_MD, w_up_EDF, sizes)
-    y_MD = grouped_matmul(h_MF, w_down_EFD, sizes)
-    y_MD = y_MD * topw_NK.reshape(-1).index_select(0, order)[:, None].to(y_MD.dtype)
-    return torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
+    x_MD = x_ND.index_select(0, tokens)
+    a_MF = _grouped(x_MD, w_gate_EDF, sizes)
+    b_MF = _grouped(x_MD, w_up_EDF, sizes)
+    o_MD = _grouped(F.silu(a_MF) * b_MF, w_down_EFD, sizes)
+    y_MD = o_MD * topw_NK.reshape(-1).index_select(0, order)[:, None].to(o_MD.dtype)
+    y_ND = torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
+    return y_ND, a_MF, b_MF, o_MD
 
 
 @torch.library.custom_op("colfunc::moe_ffn", mutates_args=())
@@ -105,13 +153,20 @@ def _moe_ffn_op(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _moe_plain(x, topi, topw, w_gate, w_up, w_down)
 
 
 @_moe_ffn_op.register_fake
-def _(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(
+    x: torch.Tensor,
+    topi: torch.Tensor,
+    topw: torch.Tensor,
+    w_gate: torch.Tensor,
+    *args: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    M, Fw = topi.numel(), w_gate.shape[2]
+    return (torch.empty_like(x), x.new_empty(M, Fw), x.new_empty(M, Fw), x.new_empty(M, x.shape[1]))
 
 
 @torch.library.custom_op("colfunc::moe_ffn_backward", mutates_args=())
@@ -123,26 +178,26 @@ def _moe_ffn_backward_op(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    a_M: torch.Tensor,
+    b_M: torch.Tensor,
+    o_M: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # the forward's products again (not kept between the passes), then their gradients
+    # the gradients of the forward's products (kept from the forward pass), written out
     K, E = topi.shape[1], w_gate.shape[0]
     order, counts = routed(topi, E)
     tokens, sizes = order // K, counts.tolist()
     x_M = x.index_select(0, tokens)
-    a_M = grouped_matmul(x_M, w_gate, sizes)
-    b_M = grouped_matmul(x_M, w_up, sizes)
     sig = torch.sigmoid(a_M)
     s_M = a_M * sig
     h_M = s_M * b_M
-    o_M = grouped_matmul(h_M, w_down, sizes)
     g_M = topw.reshape(-1).index_select(0, order)
     dy_M = dy.index_select(0, tokens).to(o_M.dtype)
     dg_M = (o_M * dy_M).sum(-1)
     do_M = dy_M * g_M[:, None].to(o_M.dtype)
-    dh_M = grouped_matmul(do_M, w_down.transpose(1, 2), sizes)
+    dh_M = _grouped(do_M, w_down.transpose(1, 2), sizes)
     db_M = dh_M * s_M
     da_M = dh_M * b_M * sig * (1 + a_M * (1 - sig))
-    dx_M = grouped_matmul(da_M, w_gate.transpose(1, 2), sizes) + grouped_matmul(
+    dx_M = _grouped(da_M, w_gate.transpose(1, 2), sizes) + _grouped(
         db_M, w_up.transpose(1, 2), sizes
     )
     dx = torch.zeros_like(x).index_add_(0, tokens, dx_M.to(x.dtype))
@@ -156,6 +211,9 @@ def _weight_grads(
     x_MI: torch.Tensor, dy_MO: torch.Tensor, sizes: list[int], like: torch.Tensor
 ) -> torch.Tensor:
     """Each expert's ``x_e.T @ dy_e`` (``[E, I, O]``, zero for an expert with no rows)."""
+    fused = _grouped_mm(x_MI.t(), dy_MO, sizes)
+    if fused is not None:
+        return fused.to(like.dtype)
     out = torch.zeros_like(like)
     for e, (xe, de) in enumerate(zip(x_MI.split(sizes), dy_MO.split(sizes))):
         if sizes[e]:
@@ -165,19 +223,22 @@ def _weight_grads(
 
 @_moe_ffn_backward_op.register_fake
 def _(dy: torch.Tensor, x: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor,
-      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+      *saved: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
     return (torch.empty_like(x), torch.empty_like(topw), torch.empty_like(w_gate),
             torch.empty_like(w_up), torch.empty_like(w_down))  # fmt: skip
 
 
-def _setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+def _setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> None:
+    ctx.save_for_backward(*inputs, *output[1:])  # type: ignore[attr-defined]
 
 
-def _backward(ctx: object, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    x, topi, topw, w_gate, w_up, w_down = ctx.saved_tensors  # type: ignore[attr-defined]
+def _backward(
+    ctx: object, dy: torch.Tensor, *unused: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    x, topi, topw, w_gate, w_up, w_down, a, b, o = ctx.saved_tensors  # type: ignore[attr-defined]
     dx, dtopw, dg, du, dd = torch.ops.colfunc.moe_ffn_backward(
-        dy, x, topi, topw, w_gate, w_up, w_down
+        dy, x, topi, topw, w_gate, w_up, w_down, a, b, o
     )
     return dx, None, dtopw, dg, du, dd
 
@@ -210,7 +271,6 @@ def moe_ffn(
             f"moe_ffn: expert weights must be gate/up [E, D, F] and down [E, F, D] with D = {D}, "
             f"got {shapes}"
         )
-    out: torch.Tensor = torch.ops.colfunc.moe_ffn(
-        x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD
-    )
-    return out
+    out = torch.ops.colfunc.moe_ffn(x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    y: torch.Tensor = out[0]  # (the others are what the backward pass reads)
+    return y

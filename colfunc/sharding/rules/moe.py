@@ -25,23 +25,32 @@ P = Partial()
 
 @rule(torch.ops.colfunc.moe_ffn.default)
 def moe_ffn(x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec) -> OpSharding:
+    # outputs: y [N, D], and kept for the backward pass the gate and up products [M, F] and the
+    # experts' outputs [M, D] (M = N * K rows, sorted by expert)
+    S0, S1 = Shard(0), Shard(1)
     options: list[Option] = [
-        (R, (R, R, R, R, R, R)),
-        (Shard(0), (Shard(0), Shard(0), Shard(0), R, R, R)),
-        (P, (R, R, R, Shard(2), Shard(2), Shard(1))),
+        ((R, R, R, R), (R, R, R, R, R, R)),
+        ((S0, S0, S0, S0), (S0, S0, S0, R, R, R)),
+        ((P, S1, S1, P), (R, R, R, Shard(2), Shard(2), Shard(1))),
     ]
-    return pick([x, topi, topw, wg, wu, wd], options, out_numel=x.numel)
+    M, F = topi.numel, wg.shape[2]
+    sizes = (x.numel, M * F, M * F, M * x.shape[1])
+    return pick([x, topi, topw, wg, wu, wd], options, out_numel=sizes)
 
 
 @rule(torch.ops.colfunc.moe_ffn_backward.default)
 def moe_ffn_backward(
-    dy: Spec, x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec
-) -> OpSharding:
-    S0 = Shard(0)
+    dy: Spec, x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec,
+    a: Spec, b: Spec, o: Spec,
+) -> OpSharding:  # fmt: skip
+    S0, S1 = Shard(0), Shard(1)
     options: list[Option] = [
-        ((R, R, R, R, R), (R, R, R, R, R, R, R)),
-        ((S0, S0, P, P, P), (S0, S0, S0, S0, R, R, R)),
-        ((P, P, Shard(2), Shard(2), Shard(1)), (R, R, R, R, Shard(2), Shard(2), Shard(1))),
+        ((R, R, R, R, R), (R, R, R, R, R, R, R, R, R, R)),
+        ((S0, S0, P, P, P), (S0, S0, S0, S0, R, R, R, S0, S0, S0)),
+        (
+            (P, P, Shard(2), Shard(2), Shard(1)),
+            (R, R, R, R, Shard(2), Shard(2), Shard(1), S1, S1, P),
+        ),
     ]
     sizes = (x.numel, topw.numel, wg.numel, wu.numel, wd.numel)
-    return pick([dy, x, topi, topw, wg, wu, wd], options, out_numel=sizes)
+    return pick([dy, x, topi, topw, wg, wu, wd, a, b, o], options, out_numel=sizes)
