@@ -88,7 +88,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Ten
     ``[N, I]`` with w ``[E, I, O]``, or ``[I, N]`` with ``[N, O]`` for each block's
     ``x.T @ dy``), not differentiated; else None."""
     plain = type(x) is torch.Tensor and type(w) is torch.Tensor and not x.is_cuda
-    if not (plain and x.dtype in _GROUPED_DTYPES and w.dtype == x.dtype and sum(sizes)):
+    if not (plain and x.dtype in _GROUPED_DTYPES and w.dtype == x.dtype and sum(sizes) > 0):
         return None
     if w.shape[-1] * w.element_size() % 16 or not _aligned(x, w):
         return None
@@ -104,9 +104,9 @@ def _blocks(
 ) -> torch.Tensor:
     """The CPU path and the reference: one matmul per expert's block of rows (experts with none
     skipped); with ``fused``, by PyTorch's grouped matmul where it takes the inputs."""
-    out = _grouped_mm(x_NI, w_EIO, sizes) if fused else None
-    if out is not None:
-        return out
+    whole = _grouped_mm(x_NI, w_EIO, sizes) if fused else None
+    if whole is not None:
+        return whole
     pieces = x_NI.split(sizes)
     out = [p @ w_EIO[e] for e, p in enumerate(pieces) if sizes[e]]
     if not out:  # (no rows: an empty product, still of the inputs)
