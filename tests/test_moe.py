@@ -205,6 +205,10 @@ def test_bad_configs_are_refused_by_name() -> None:
         models.mixtral.Config(n_experts=4, n_experts_per_tok=5)
     with pytest.raises(ValueError, match="n_experts must be an int >= 0"):
         models.decoder.Config(n_experts=-1)
+    with pytest.raises(
+        ValueError, match=r"capacity_factor must be None \(dropless\) or a number > 0, got -1"
+    ):
+        models.qwen3_moe.Config(n_experts=4, n_experts_per_tok=2, capacity_factor=-1)
     with pytest.raises(ValueError, match="router_aux_loss_coef must be a number >= 0"):
         models.mixtral.Config(router_aux_loss_coef=-0.1)
     with pytest.raises(ValueError, match="n_experts=4: not a variation this family has"):
@@ -245,7 +249,8 @@ def test_moe_ffn_and_its_gradients_equal_the_loop(n, d, f, e, k, seed) -> None:
     x, router = rand(n, d), rand(d, e)
     wg, wu, wd = rand(e, d, f), rand(e, d, f), rand(e, f, d)
     r = nn.route(x, router, k, norm_topk_prob=bool(seed % 2))
-    got = ops.moe_ffn(x, r.topi, r.topw, wg, wu, wd)
+    got, counts = ops.moe_ffn(x, r.topi, r.topw, wg, wu, wd)
+    assert counts.tolist() == torch.bincount(r.topi.reshape(-1), minlength=e).tolist()
     want = _loop(x, r.topi, r.topw, wg, wu, wd)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     dy = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -288,7 +293,7 @@ def test_fp32_experts_by_pytorchs_grouped_matmul_equal_the_fp64_loop(n, e, k, se
     leaves32 = [t.clone().requires_grad_() for t in (x, router, *ws)]
     leaves64 = [t.double().requires_grad_() for t in (x, router, *ws)]
     r32 = nn.route(leaves32[0], leaves32[1], k, True)
-    got = ops.moe_ffn(leaves32[0], r32.topi, r32.topw, *leaves32[2:])
+    got, _ = ops.moe_ffn(leaves32[0], r32.topi, r32.topw, *leaves32[2:])
     r64 = nn.route(leaves64[0], leaves64[1], k, True)
     assert torch.equal(r32.topi, r64.topi) or pytest.skip("a near tie routed differently")
     want = _loop(leaves64[0], r64.topi, r64.topw, *leaves64[2:])
@@ -298,3 +303,40 @@ def test_fp32_experts_by_pytorchs_grouped_matmul_equal_the_fp64_loop(n, e, k, se
         torch.autograd.grad(got, leaves32, dy), torch.autograd.grad(want, leaves64, dy.double())
     ):
         torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-3)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 16), e=st.integers(1, 5), k=st.integers(1, 3),
+    capacity=st.sampled_from([0.25, 0.5, 1.0, 1.5]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_capacity_drops_exactly_the_choices_over_it(n, e, k, capacity, seed) -> None:
+    """Each expert runs at most ceil(capacity * N * k / E) choices, every first choice before
+    any second, then by token: the output is the loop over the kept choices only, the counts
+    are the kept ones, and the gradients are the loop's."""
+    import math
+
+    k = min(k, e)
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    x, router = rand(n, d := 4), rand(d, e)
+    wg, wu, wd = rand(e, d, 3), rand(e, d, 3), rand(e, 3, d)
+    r = nn.route(x, router, k, norm_topk_prob=True)
+    got, counts = ops.moe_ffn(x, r.topi, r.topw, wg, wu, wd, capacity)
+    cap, used, keep = math.ceil(capacity * n * k / e), [0] * e, torch.zeros(n, k)
+    for j in range(k):  # the priority: choice, then token
+        for t in range(n):
+            ex = int(r.topi[t, j])
+            if used[ex] < cap:
+                used[ex] += 1
+                keep[t, j] = 1
+    assert counts.tolist() == used
+    want = _loop(x, r.topi, r.topw * keep, wg, wu, wd)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    leaves = [x, router, wg, wu, wd]
+    dy = torch.randn(n, d, generator=g, dtype=torch.float64)
+    first = torch.autograd.grad(got, leaves, dy, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(want, leaves, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"capacity must be None .* got 0"):
+        ops.moe_ffn(x, r.topi, r.topw, wg, wu, wd, 0)

@@ -284,7 +284,8 @@ def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config, carry: Carry) -> tuple[tor
     layer's share of the load-balancing and z losses' means over the layers)."""
     if not cfg.n_experts:
         return (nn.gated if cfg.mlp_gated else nn.mlp)(h_BTD, p, _ACT[cfg.mlp_act]), carry
-    y_BTD, r = nn.sparse_mlp(h_BTD, p, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+    k, norm, capacity = cfg.n_experts_per_tok, cfg.norm_topk_prob, cfg.capacity_factor
+    y_BTD, r = nn.sparse_mlp(h_BTD, p, k, norm, capacity)
     if "moe_tokens" not in carry:  # (the engine's passes keep no statistics)
         return y_BTD, carry
     L = cfg.n_layer

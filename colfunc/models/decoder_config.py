@@ -120,6 +120,7 @@ class Config:
     d_shared_expert: int | None = None
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -226,6 +227,11 @@ class Config:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"{name}: {field} must be a number >= 0, got {value!r}")
+        c = self.capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not c > 0):
+            raise ValueError(
+                f"{name}: capacity_factor must be None (dropless) or a number > 0, got {c!r}"
+            )
         if not isinstance(self.norm_topk_prob, bool):
             raise ValueError(f"{name}: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
         if not self.mlp_gated or self.parallel_residual:

@@ -28,14 +28,16 @@ class Routing(NamedTuple):
     """One MoE layer's routing: each token's experts ``topi[N, K]`` and weights ``topw[N, K]``,
     and the statistics of the load-balancing loss: the fraction of tokens routed to each expert
     by each of the K choices ``tokens[K, E]`` and the mean router probability of each expert
-    ``probs[E]`` (Switch Transformer's f and P), and the router logits' mean squared
-    log-sum-exp ``z`` (the z-loss)."""
+    ``probs[E]`` (Switch Transformer's f and P), the router logits' mean squared log-sum-exp
+    ``z`` (the z-loss), and once the experts have run, how many choices each ran ``counts[E]``
+    (fewer than routed to it where a capacity dropped some)."""
 
     topi: torch.Tensor
     topw: torch.Tensor
     tokens: torch.Tensor
     probs: torch.Tensor
     z: torch.Tensor
+    counts: torch.Tensor | None = None
 
 
 def route(x_ND: torch.Tensor, router_DE: torch.Tensor, k: int, norm_topk_prob: bool) -> Routing:
@@ -64,15 +66,24 @@ def load_balancing_loss(tokens_KE: torch.Tensor, probs_E: torch.Tensor) -> torch
 
 
 def sparse_mlp(
-    h_BTD: torch.Tensor, p: dict[str, Any], k: int, norm_topk_prob: bool
+    h_BTD: torch.Tensor,
+    p: dict[str, Any],
+    k: int,
+    norm_topk_prob: bool,
+    capacity_factor: float | None = None,
 ) -> tuple[torch.Tensor, Routing]:
     """The sparse MLP of ``h`` (its parameters ``p``, see the module docstring), and its
-    routing."""
+    routing, with how many choices each expert ran (``counts``). ``capacity_factor``: each
+    expert runs at most ``ceil(capacity_factor * N * k / E)`` of the ``N`` tokens' choices (see
+    :func:`colfunc.ops.moe_ffn`); None: dropless."""
     B, T, D = h_BTD.shape
     x_ND = h_BTD.reshape(B * T, D)
     r = route(x_ND, p["router"], k, norm_topk_prob)
     ex = p["experts"]
-    y_ND = ops.moe_ffn(x_ND, r.topi, r.topw, ex["w_gate"], ex["w_up"], ex["w_down"])
+    y_ND, counts = ops.moe_ffn(
+        x_ND, r.topi, r.topw, ex["w_gate"], ex["w_up"], ex["w_down"], capacity_factor
+    )
+    r = r._replace(counts=counts)
     if "shared" in p:  # Qwen2-MoE: an expert every token runs, behind a sigmoid gate
         gate_N1 = torch.sigmoid(linear(x_ND, p["shared_gate"]))
         y_ND = y_ND + gate_N1 * gated(x_ND, p["shared"], torch.nn.functional.silu)

@@ -20,7 +20,9 @@ Legend: N tokens, K choices per token, E experts, D width, F expert width.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,12 +116,28 @@ def _blocks(
     return torch.cat(out)
 
 
-def routed(topi_NK: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, counts)``: the flattened choices ``topi.reshape(-1)`` sorted by expert (a
-    stable sort) and each expert's number of rows."""
-    flat = topi_NK.reshape(-1)
+def routed(
+    topi_NK: torch.Tensor, n_experts: int, capacity: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+    """``(picks, tokens, sizes, counts)``: the choices an expert runs, sorted by expert and
+    within it by priority (every token's first choice before any second choice, then token
+    order, as Switch Transformer and GShard rank them): each one's index into ``topi.reshape(-1)``
+    and its token; each expert's number of them; and as a tensor, how many each expert runs.
+    ``capacity > 0``: an expert runs at most ``ceil(capacity * N * K / E)`` choices, the rest
+    (the lowest in priority) are dropped: they follow every expert's rows, past ``sum(sizes)``."""
+    N, K = topi_NK.shape
+    flat = topi_NK.t().reshape(-1)  # choice-major: q = j * N + t
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=n_experts)
+    counts = torch.bincount(flat, minlength=n_experts)
+    if capacity > 0:  # the dropped choices moved to the end, past every expert's rows
+        cap = math.ceil(capacity * N * K / n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
+        kept = rank < cap
+        order = torch.cat([order[kept], order[~kept]])
+        counts = counts.clamp(max=cap)
+    tokens = order % N
+    return tokens * K + order // N, tokens, counts.tolist(), counts
 
 
 def _moe_plain(
@@ -129,20 +147,25 @@ def _moe_plain(
     w_gate_EDF: torch.Tensor,
     w_up_EDF: torch.Tensor,
     w_down_EFD: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    capacity: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output, and what the backward pass reads: the gate and up products and each row's
-    expert output, rows sorted by expert (M = N * K)."""
-    K = topi_NK.shape[1]
-    order, counts = routed(topi_NK, w_gate_EDF.shape[0])
-    tokens = order // K
-    sizes = counts.tolist()
+    expert output, rows sorted by expert (M = N * K, less the dropped); and each expert's
+    count of rows."""
+    picks, tokens, sizes, counts = routed(topi_NK, w_gate_EDF.shape[0], capacity)
+    kept = sum(sizes)
+    picks, tokens = picks[:kept], tokens[:kept]
     x_MD = x_ND.index_select(0, tokens)
     a_MF = _grouped(x_MD, w_gate_EDF, sizes)
     b_MF = _grouped(x_MD, w_up_EDF, sizes)
     o_MD = _grouped(F.silu(a_MF) * b_MF, w_down_EFD, sizes)
-    y_MD = o_MD * topw_NK.reshape(-1).index_select(0, order)[:, None].to(o_MD.dtype)
+    y_MD = o_MD * topw_NK.reshape(-1).index_select(0, picks)[:, None].to(o_MD.dtype)
     y_ND = torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
-    return y_ND, a_MF, b_MF, o_MD
+    # (kept for the backward pass at the full N * K rows, the dropped ones zero: a fixed shape)
+    pad = topi_NK.numel() - kept
+    a_MF, b_MF, o_MD = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+                        for t in (a_MF, b_MF, o_MD))  # fmt: skip
+    return y_ND, a_MF, b_MF, o_MD, counts
 
 
 @torch.library.custom_op("colfunc::moe_ffn", mutates_args=())
@@ -153,8 +176,9 @@ def _moe_ffn_op(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_plain(x, topi, topw, w_gate, w_up, w_down)
+    capacity: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_plain(x, topi, topw, w_gate, w_up, w_down, capacity)
 
 
 @_moe_ffn_op.register_fake
@@ -163,10 +187,13 @@ def _(
     topi: torch.Tensor,
     topw: torch.Tensor,
     w_gate: torch.Tensor,
-    *args: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    capacity: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
     M, Fw = topi.numel(), w_gate.shape[2]
-    return (torch.empty_like(x), x.new_empty(M, Fw), x.new_empty(M, Fw), x.new_empty(M, x.shape[1]))
+    counts = topi.new_empty(w_gate.shape[0], dtype=torch.int64)
+    return (torch.empty_like(x), x.new_empty(M, Fw), x.new_empty(M, Fw), x.new_empty(M, x.shape[1]), counts)  # fmt: skip
 
 
 @torch.library.custom_op("colfunc::moe_ffn_backward", mutates_args=())
@@ -181,16 +208,17 @@ def _moe_ffn_backward_op(
     a_M: torch.Tensor,
     b_M: torch.Tensor,
     o_M: torch.Tensor,
+    capacity: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the gradients of the forward's products (kept from the forward pass), written out
-    K, E = topi.shape[1], w_gate.shape[0]
-    order, counts = routed(topi, E)
-    tokens, sizes = order // K, counts.tolist()
+    picks, tokens, sizes, _ = routed(topi, w_gate.shape[0], capacity)
+    kept = sum(sizes)
+    picks, tokens, a_M, b_M, o_M = picks[:kept], tokens[:kept], a_M[:kept], b_M[:kept], o_M[:kept]
     x_M = x.index_select(0, tokens)
     sig = torch.sigmoid(a_M)
     s_M = a_M * sig
     h_M = s_M * b_M
-    g_M = topw.reshape(-1).index_select(0, order)
+    g_M = topw.reshape(-1).index_select(0, picks)
     dy_M = dy.index_select(0, tokens).to(o_M.dtype)
     dg_M = (o_M * dy_M).sum(-1)
     do_M = dy_M * g_M[:, None].to(o_M.dtype)
@@ -202,7 +230,7 @@ def _moe_ffn_backward_op(
     )
     dx = torch.zeros_like(x).index_add_(0, tokens, dx_M.to(x.dtype))
     dtopw = torch.zeros(topw.numel(), dtype=topw.dtype, device=topw.device)
-    dtopw = dtopw.index_copy_(0, order, dg_M.to(topw.dtype)).reshape(topw.shape)
+    dtopw = dtopw.index_copy_(0, picks, dg_M.to(topw.dtype)).reshape(topw.shape)
     return (dx, dtopw, _weight_grads(x_M, da_M, sizes, w_gate),
             _weight_grads(x_M, db_M, sizes, w_up), _weight_grads(h_M, do_M, sizes, w_down))  # fmt: skip
 
@@ -224,23 +252,22 @@ def _weight_grads(
 @_moe_ffn_backward_op.register_fake
 def _(dy: torch.Tensor, x: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor,
       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-      *saved: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+      *saved: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
     return (torch.empty_like(x), torch.empty_like(topw), torch.empty_like(w_gate),
             torch.empty_like(w_up), torch.empty_like(w_down))  # fmt: skip
 
 
-def _setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> None:
-    ctx.save_for_backward(*inputs, *output[1:])  # type: ignore[attr-defined]
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    ctx.save_for_backward(*inputs[:6], *output[1:4])
+    ctx.capacity = inputs[6]
 
 
-def _backward(
-    ctx: object, dy: torch.Tensor, *unused: torch.Tensor | None
-) -> tuple[torch.Tensor | None, ...]:
-    x, topi, topw, w_gate, w_up, w_down, a, b, o = ctx.saved_tensors  # type: ignore[attr-defined]
+def _backward(ctx: Any, dy: torch.Tensor, *unused: torch.Tensor | None) -> tuple[Any, ...]:
+    x, topi, topw, w_gate, w_up, w_down, a, b, o = ctx.saved_tensors
     dx, dtopw, dg, du, dd = torch.ops.colfunc.moe_ffn_backward(
-        dy, x, topi, topw, w_gate, w_up, w_down, a, b, o
+        dy, x, topi, topw, w_gate, w_up, w_down, a, b, o, ctx.capacity
     )
-    return dx, None, dtopw, dg, du, dd
+    return dx, None, dtopw, dg, du, dd, None
 
 
 _moe_ffn_op.register_autograd(_backward, setup_context=_setup)
@@ -253,11 +280,15 @@ def moe_ffn(
     w_gate_EDF: torch.Tensor,
     w_up_EDF: torch.Tensor,
     w_down_EFD: torch.Tensor,
-) -> torch.Tensor:
+    capacity: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' SwiGLU feed-forward of each token, weighted by its routing weights and
-    summed over its ``K`` choices: ``[N, D]`` (see the module docstring). ``topi[N, K]`` holds
-    expert indices in ``[0, E)``; ``topw[N, K]`` their weights (any float dtype: the products
-    are taken in it and summed in ``x``'s)."""
+    summed over its ``K`` choices: ``[N, D]`` (see the module docstring); and how many choices
+    each expert ran (``[E]``, int64). ``topi[N, K]`` holds expert indices in ``[0, E)``;
+    ``topw[N, K]`` their weights (any float dtype: the products are taken in it and summed in
+    ``x``'s). ``capacity`` (a number > 0): each expert runs at most ``ceil(capacity * N * K /
+    E)`` choices, by priority (every first choice before any second, then token order); the
+    others are dropped (they add nothing). None: dropless."""
     E = w_gate_EDF.shape[0]
     if topi_NK.dim() != 2 or topi_NK.shape != topw_NK.shape or topi_NK.shape[0] != x_ND.shape[0]:
         raise ValueError(
@@ -271,6 +302,13 @@ def moe_ffn(
             f"moe_ffn: expert weights must be gate/up [E, D, F] and down [E, F, D] with D = {D}, "
             f"got {shapes}"
         )
-    out = torch.ops.colfunc.moe_ffn(x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
-    y: torch.Tensor = out[0]  # (the others are what the backward pass reads)
-    return y
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int | float) or not capacity > 0
+    ):
+        raise ValueError(
+            f"moe_ffn: capacity must be None (dropless) or a number > 0, got {capacity!r}"
+        )
+    out = torch.ops.colfunc.moe_ffn(
+        x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD, float(capacity or 0.0)
+    )
+    return out[0], out[4]  # (the others are what the backward pass reads)

@@ -24,24 +24,27 @@ P = Partial()
 
 
 @rule(torch.ops.colfunc.moe_ffn.default)
-def moe_ffn(x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec) -> OpSharding:
-    # outputs: y [N, D], and kept for the backward pass the gate and up products [M, F] and the
-    # experts' outputs [M, D] (M = N * K rows, sorted by expert)
+def moe_ffn(
+    x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec, capacity: float = 0.0
+) -> OpSharding:
+    # outputs: y [N, D]; kept for the backward pass the gate and up products [M, F] and the
+    # experts' outputs [M, D] (M = N * K rows, sorted by expert); each expert's count of rows
+    # (a rank's own tokens' counts: summed over the ranks of a data-parallel split)
     S0, S1 = Shard(0), Shard(1)
     options: list[Option] = [
-        ((R, R, R, R), (R, R, R, R, R, R)),
-        ((S0, S0, S0, S0), (S0, S0, S0, R, R, R)),
-        ((P, S1, S1, P), (R, R, R, Shard(2), Shard(2), Shard(1))),
+        ((R, R, R, R, R), (R, R, R, R, R, R)),
+        ((S0, S0, S0, S0, P), (S0, S0, S0, R, R, R)),
+        ((P, S1, S1, P, R), (R, R, R, Shard(2), Shard(2), Shard(1))),
     ]
     M, F = topi.numel, wg.shape[2]
-    sizes = (x.numel, M * F, M * F, M * x.shape[1])
+    sizes = (x.numel, M * F, M * F, M * x.shape[1], wg.shape[0])
     return pick([x, topi, topw, wg, wu, wd], options, out_numel=sizes)
 
 
 @rule(torch.ops.colfunc.moe_ffn_backward.default)
 def moe_ffn_backward(
     dy: Spec, x: Spec, topi: Spec, topw: Spec, wg: Spec, wu: Spec, wd: Spec,
-    a: Spec, b: Spec, o: Spec,
+    a: Spec, b: Spec, o: Spec, capacity: float = 0.0,
 ) -> OpSharding:  # fmt: skip
     S0, S1 = Shard(0), Shard(1)
     options: list[Option] = [
