@@ -129,8 +129,8 @@ def grouped_part(reps: int = 7) -> None:
     times: dict[str, list[float]] = {"grouped": [], "masked": []}
     for _ in range(reps):
         t0 = time.perf_counter()
-        order, counts = ops.moe.routed(topi, E)
-        ops.grouped_matmul(x.index_select(0, order // K), w, counts)
+        _, tokens, sizes, _ = ops.moe.routed(topi, E)
+        ops.grouped_matmul(x.index_select(0, tokens), w, sizes)
         times["grouped"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         _masked(x, topi, w)
