@@ -290,7 +290,7 @@ def test_penalties_follow_their_definitions() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": 0}, "top_p"),

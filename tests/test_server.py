@@ -144,7 +144,7 @@ def test_completions_and_chat_through_the_openai_client(served, folder) -> None:
     "body, param",
     [
         ({"model": "nope", "prompt": "x"}, "model"),
-        ({"model": NAME, "prompt": "x", "max_tokens": 0}, None),
+        ({"model": NAME, "prompt": "x", "max_tokens": -1}, None),
         ({"model": NAME, "prompt": "x " * 400}, "prompt"),
         ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
         ({"model": NAME, "prompt": "x", "top_p": 3}, None),
@@ -165,9 +165,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("completions", {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-        ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
         ("chat/completions", {"messages": []}, "messages"),
@@ -186,8 +184,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
 )  # fmt: skip
 def test_what_the_server_would_ignore_is_refused_by_name(served, path, body, param) -> None:
     """Fields the server does not compute come back as a 400 naming them, never as an answer
-    that silently left them out (lm-eval's echo, for one, would score every choice alike);
-    their neutral values pass."""
+    that silently left them out; their neutral values pass."""
     r = httpx.post(f"{served.url}/v1/{path}", json={"model": NAME, **body}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -390,3 +387,69 @@ def test_serve_tp2_gives_the_tokens_of_one_device(folder) -> None:
         assert server.proc.wait(timeout=30) == 0
     finally:
         server.kill()
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(served, folder) -> None:
+    """lm-eval's loglikelihood requests: ``echo`` with ``logprobs`` and ``max_tokens`` 0 (and 1),
+    the prompts as token lists: each choice's text is its prompt, its logprobs the prompt's
+    tokens' (the first None), equal to ``transformers``' log-softmax at each position (1e-4),
+    with the text offsets of the tokens; vLLM's ``prompt_logprobs`` gives the same numbers."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+    body = {"model": NAME, "prompt": prompts, "echo": True, "logprobs": 1, "temperature": 0}
+    for max_tokens in (0, 1):
+        r = httpx.post(served.url + "/v1/completions", json={**body, "max_tokens": max_tokens},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 2
+        for ids, c in zip(prompts, choices):
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+            want = [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+            got = c["logprobs"]["token_logprobs"]
+            assert got[0] is None and len(got) == len(ids) + max_tokens
+            assert max(abs(a - b) for a, b in zip(got[1 : len(ids)], want)) < 1e-4
+            tokens = c["logprobs"]["tokens"]
+            assert c["text"].startswith("".join(tokens[: len(ids)]))
+            offsets = c["logprobs"]["text_offset"]
+            assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            assert all(len(top) == 1 for top in c["logprobs"]["top_logprobs"][1:])
+    r = httpx.post(
+        served.url + "/v1/completions",
+        json={"model": NAME, "prompt": prompts[0], "prompt_logprobs": 2, "max_tokens": 1},
+        timeout=60,
+    )
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(prompts[0])
+    ids = prompts[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    for i, row in enumerate(rows[1:]):
+        assert abs(row[str(ids[i + 1])]["logprob"] - float(lp[i, ids[i + 1]])) < 1e-4
+        assert sorted(e["rank"] for e in row.values() if e["rank"] is not None) == [1, 2]
+
+
+def test_streamed_logprobs_and_echo_equal_the_whole_answer(served) -> None:
+    """A streamed completion's chunks carry the logprobs of their tokens (and with ``echo`` the
+    prompt's first): put together, the non-streamed answer's."""
+    body = {"model": NAME, "prompt": "def f(x):", "logprobs": 2, "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True, "echo": True}  # fmt: skip
+    whole = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    text, lps = "", None
+    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            text += c["text"]
+            if c["logprobs"] is not None:
+                lps = c["logprobs"] if lps is None else {k: lps[k] + c["logprobs"][k] for k in lps}
+    assert text == whole["text"]
+    assert lps is not None
+    assert lps["tokens"] == whole["logprobs"]["tokens"]
+    assert lps["token_logprobs"] == whole["logprobs"]["token_logprobs"]
+    assert lps["text_offset"] == whole["logprobs"]["text_offset"]

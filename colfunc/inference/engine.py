@@ -93,6 +93,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's
+    # {"token", "logprob", "top"} as CompletionOutput.logprobs gives them
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +104,16 @@ class _Request:
     prompt: list[int]
     seqs: list[Sequence]
     forks: list[Sequence]  # waiting for the first completion's prompt to be computed
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+def _logprob(logits_V: torch.Tensor, token: int, k: int) -> dict[str, Any]:
+    """``token``'s logprob under ``logits`` (their log-softmax, in fp64) and the ``k`` most
+    likely tokens'."""
+    lp_V = torch.log_softmax(logits_V.double(), dim=-1)
+    top = torch.topk(lp_V, min(k, lp_V.numel()))
+    top_k = dict(zip(top.indices.tolist(), top.values.tolist()))
+    return {"token": token, "logprob": float(lp_V[token]), "top": top_k}
 
 
 def _token_ids(name: str, value: int | Seq[int] | None) -> tuple[int, ...]:
@@ -314,7 +327,10 @@ class Engine:
             g = torch.Generator(device=self.cache["k"].device)
             g.manual_seed(seed * 1_000_003 + i)  # each completion its own stream
             seqs.append(Sequence(rid, i, list(ids), params, g))
-        self.requests[rid] = _Request(rid, ids, seqs, seqs[1:])
+        scored: list[dict[str, Any] | None] | None = None
+        if params.prompt_logprobs is not None:
+            scored = [None]  # (the first prompt token: nothing predicts it)
+        self.requests[rid] = _Request(rid, ids, seqs, seqs[1:], scored)
         self.scheduler.add(seqs[0])
         return rid
 
@@ -369,6 +385,8 @@ class Engine:
         slots: list[int] = []
         rows: list[int] = []
         sampled: list[Sequence] = []
+        scored_rows: list[int] = []  # rows whose logits score a prompt token
+        scored: list[tuple[Sequence, int]] = []
         token_slots: list[int | None] = []  # each token's adapter (None: the base)
         M = max(len(seq.blocks) for seq, _ in work.items)
         tables = torch.zeros(len(work.items), M, dtype=torch.int32)
@@ -383,6 +401,11 @@ class Engine:
             if lo + n == seq.num_tokens:
                 rows.append(len(tokens) - 1)
                 sampled.append(seq)
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                first = len(tokens) - n  # this chunk's positions that predict a prompt token
+                for p in range(lo, min(lo + n, len(seq.prompt) - 1)):
+                    scored_rows.append(first + p - lo)
+                    scored.append((seq, p + 1))
         device = self.cache["k"].device
         batch = nn.PagedBatch(
             positions=torch.tensor(positions, device=device),
@@ -404,7 +427,7 @@ class Engine:
                 batch,
                 self._sharded_cache(),
                 self.cfg,
-                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(rows + scored_rows, dtype=torch.long, device=device),
             )
         if isinstance(logits_SV, ShardedTensor):  # split over the vocabulary: every rank samples
             logits_SV = logits_SV.full_tensor()  # the same tokens from the whole logits
@@ -415,6 +438,13 @@ class Engine:
             seq.computed += n
             self.scheduler.register_full(seq)
         touched: dict[str, _Request] = {}
+        for row, (seq, at) in enumerate(scored, start=len(rows)):
+            req = self.requests[seq.request_id]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) == at:
+                k = seq.params.prompt_logprobs or 0
+                req.prompt_logprobs.append(
+                    _logprob(logits_SV[row, : self.vocab], seq.prompt[at], k)
+                )
         for row, seq in enumerate(sampled):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
@@ -438,17 +468,13 @@ class Engine:
 
     def _append(self, seq: Sequence, logits_V: torch.Tensor) -> None:
         p = seq.params
+        if p.max_tokens == 0:  # (the prompt scored: nothing to generate)
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            return
         token = next_token(logits_V, p, seq.prompt, seq.output, seq.generator)
         if p.logprobs is not None:
-            lp_V = torch.log_softmax(logits_V.double(), dim=-1)
-            top = torch.topk(lp_V, min(p.logprobs, lp_V.numel()))
-            seq.logprobs.append(
-                {
-                    "token": token,
-                    "logprob": float(lp_V[token]),
-                    "top": dict(zip(top.indices.tolist(), top.values.tolist())),
-                }
-            )
+            seq.logprobs.append(_logprob(logits_V, token, p.logprobs))
         seq.output.append(token)
         if self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output)
@@ -474,7 +500,8 @@ class Engine:
             for seq in req.seqs
         ]
         finished = all(seq.finish_reason is not None for seq in req.seqs)
-        return RequestOutput(req.request_id, list(req.prompt), outs, finished)
+        scored = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+        return RequestOutput(req.request_id, list(req.prompt), outs, finished, scored)
 
     def generate(
         self,

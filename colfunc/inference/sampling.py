@@ -45,8 +45,10 @@ class SamplingParams:
     one's probability. ``stop`` strings end a completion and are cut from its text;
     ``stop_token_ids`` (and the model's end-of-sequence token unless ``ignore_eos``) end it and
     stay in its token ids. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
-    likely tokens'. ``lora`` names the adapter (``Engine.add_lora``) the request runs with; None:
-    the base model.
+    likely tokens'; ``prompt_logprobs=N`` the same for every prompt token after the first (the
+    whole prompt is then computed, none of it taken from the prefix cache). ``max_tokens=0``
+    generates nothing (with ``prompt_logprobs``: the prompt is scored). ``lora`` names the
+    adapter (``Engine.add_lora``) the request runs with; None: the base model.
 
     Example:
         >>> SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=1)
@@ -66,11 +68,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     lora: str | None = None
 
     def __post_init__(self) -> None:
         _int("n", self.n, 1)
-        _int("max_tokens", self.max_tokens, 1)
+        _int("max_tokens", self.max_tokens, 0)
         _number("temperature", self.temperature, 0.0)
         _int("top_k", self.top_k, 0)
         _number("top_p", self.top_p, 0.0, 1.0)
@@ -95,6 +98,8 @@ class SamplingParams:
             _int("stop_token_ids[...]", t, 0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise TypeError(
                 f"SamplingParams: lora must be an adapter's name or None, got {self.lora!r}"

@@ -140,7 +140,10 @@ class Scheduler:
             seq.keys.append(block_hash(parent, tokens[j * size : (j + 1) * size]))
 
     def _cached_prefix(self, seq: Sequence) -> None:
-        # the last token is always computed, so that its logits exist
+        # the last token is always computed, so that its logits exist; a prompt whose tokens'
+        # logprobs are asked for is computed whole
+        if seq.params.prompt_logprobs is not None:
+            return
         full = (seq.num_tokens - 1) // self.allocator.block_size
         self._keys(seq, full)
         for key in seq.keys[:full]:

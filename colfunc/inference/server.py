@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from colfunc.inference.engine import Engine, RequestOutput
+from colfunc.inference.logprobs import completion_logprobs, logprob_block, vllm_prompt_logprobs
 from colfunc.inference.sampling import SamplingParams
 
 __all__ = ["EngineLoop", "QueueFull", "apply", "build_app", "follow"]
@@ -272,9 +273,7 @@ def _refuse_unbuilt(req: _Sampling) -> None:
     """A 400 naming the first field whose value this server would otherwise ignore: what a
     client asks for and does not get must not come back as a plausible answer."""
     unbuilt: list[tuple[str, bool]] = [
-        ("echo", bool(getattr(req, "echo", False))),
         ("suffix", getattr(req, "suffix", None) is not None),
-        ("prompt_logprobs", getattr(req, "prompt_logprobs", None) is not None),
         ("best_of", req.best_of is not None and req.best_of != req.n),
         ("logit_bias", bool(req.logit_bias)),
         ("response_format", (req.response_format or {}).get("type", "text") != "text"),
@@ -392,6 +391,12 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         if loop.failure is not None:
             raise RuntimeError(f"the engine stopped: {loop.failure!r}")
         params = _params(req, logprobs)
+        scored = [getattr(req, "prompt_logprobs", None)]  # (vLLM's field)
+        if getattr(req, "echo", False) and logprobs is not None:  # the prompt's logprobs echoed
+            scored.append(logprobs)
+        if any(k is not None for k in scored):
+            top = max(k for k in scored if k is not None)
+            params = dataclasses.replace(params, prompt_logprobs=top)
         if req.model != model_name:  # an adapter's name: its requests run through it
             params = dataclasses.replace(params, lora=req.model)
         try:
@@ -423,22 +428,15 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
             if not finished:
                 loop.abort(rid)  # the client went away, or the server is stopping
 
+    def dec(ids: list[int]) -> str:
+        return engine.tokenizer.decode(ids) if engine.tokenizer is not None else str(ids)
+
     def usage(prompt: list[int], out: RequestOutput) -> dict[str, int]:
         done = sum(len(o.token_ids) for o in out.outputs)
         return {
             "prompt_tokens": len(prompt),
             "completion_tokens": done,
             "total_tokens": len(prompt) + done,
-        }
-
-    def logprob_block(o: Any) -> dict[str, Any] | None:
-        if o.logprobs is None:
-            return None
-        dec = engine.tokenizer.decode if engine.tokenizer is not None else str
-        return {
-            "tokens": [dec([e["token"]]) for e in o.logprobs],
-            "token_logprobs": [e["logprob"] for e in o.logprobs],
-            "top_logprobs": [{dec([t]): v for t, v in e["top"].items()} for e in o.logprobs],
         }
 
     async def respond(
@@ -462,8 +460,13 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                         "finish_reason": o.finish_reason,
                     }
                 else:
-                    choice = {"index": o.index, "text": o.text, "logprobs": logprob_block(o)}
+                    echo = bool(getattr(req, "echo", False))
+                    lead = dec(last.prompt_token_ids) if echo else ""
+                    choice = {"index": o.index, "text": lead + o.text}
+                    choice["logprobs"] = completion_logprobs(last, o, dec, lead, echo=echo)
                     choice["finish_reason"] = o.finish_reason
+                    if getattr(req, "prompt_logprobs", None) is not None:
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(last, dec)
                 choices.append(choice)
             body = {"id": rid, "object": kind, "created": created, "model": model_name}
             return {**body, "choices": choices, "usage": usage(ids, last)}
@@ -479,9 +482,22 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                         {**head, "choices": [{"index": i, "delta": delta, "finish_reason": None}]}
                     )
             last = None
+            echo = not chat and bool(getattr(req, "echo", False))
+            tokens_sent = [0] * params.n  # the tokens whose logprobs have gone out
             async for out in outputs(request, rid, q):
-                last = out
                 for o in out.outputs:
+                    if echo and last is None:  # the prompt first, with its logprobs
+                        lead = dec(out.prompt_token_ids)
+                        block = None
+                        if o.logprobs is not None and out.prompt_logprobs is not None:
+                            block = logprob_block(out.prompt_logprobs, dec, out.prompt_token_ids)
+                        c = {
+                            "index": o.index,
+                            "text": lead,
+                            "logprobs": block,
+                            "finish_reason": None,
+                        }
+                        yield _sse({**head, "choices": [c]})
                     text = _visible(o.text, o.finish_reason is not None, params)
                     new, sent[o.index] = text[len(sent[o.index]) :], text
                     if not new and o.finish_reason is None:
@@ -493,9 +509,19 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                             "finish_reason": o.finish_reason,
                         }
                     else:
-                        c = {"index": o.index, "text": new, "logprobs": None}
+                        lp = None
+                        if o.logprobs is not None:
+                            done = len(o.logprobs)
+                            lead = (dec(out.prompt_token_ids) if echo else "") + text[
+                                : len(text) - len(new)
+                            ]
+                            new_lp = o.logprobs[tokens_sent[o.index] : done]
+                            lp = logprob_block(new_lp, dec, offset=len(lead))
+                            tokens_sent[o.index] = done
+                        c = {"index": o.index, "text": new, "logprobs": lp}
                         c["finish_reason"] = o.finish_reason
                     yield _sse({**head, "choices": [c]})
+                last = out
             if last is not None and (req.stream_options or {}).get("include_usage"):
                 yield _sse({**head, "choices": [], "usage": usage(ids, last)})
             yield "data: [DONE]\n\n"
