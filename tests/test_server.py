@@ -167,7 +167,8 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
     [
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
-        ("completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+        ("completions", {"prompt": "x", "logit_bias": {"five": 100}}, "logit_bias"),
+        ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
         ("chat/completions", {"messages": []}, "messages"),
         (
             "chat/completions",
@@ -453,3 +454,41 @@ def test_streamed_logprobs_and_echo_equal_the_whole_answer(served) -> None:
     assert lps["tokens"] == whole["logprobs"]["tokens"]
     assert lps["token_logprobs"] == whole["logprobs"]["token_logprobs"]
     assert lps["text_offset"] == whole["logprobs"]["text_offset"]
+
+
+def test_logit_bias_chat_logprobs_and_tokenize(served) -> None:
+    """``logit_bias`` moves the greedy choice (+100 forces a token, -100 bans the greedy one);
+    chat returns its tokens' logprobs (and streams them, the same); ``/tokenize`` and
+    ``/detokenize`` round-trip a prompt, and count the tokens of chat messages."""
+    client = _client(served)
+    plain = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=4, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    first = plain.choices[0].logprobs.tokens[0]
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": first}, timeout=30).json()["tokens"]
+    forced = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=4, temperature=0,
+                                       logit_bias={"7": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    tok = httpx.post(served.url + "/tokenize", json={"prompt": forced.choices[0].text}, timeout=30)
+    assert tok.json()["tokens"] == [7, 7, 7, 7]
+    banned = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=1, temperature=0,
+                                       logit_bias={str(ids[0]): -100})  # fmt: skip
+    assert banned.choices[0].text != first
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-9 for c in content)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            stream=True)  # fmt: skip
+    streamed = [x for ch in stream if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    r = httpx.post(served.url + "/tokenize", json={"prompt": "def load(self):"}, timeout=30).json()
+    back = httpx.post(served.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30)
+    assert back.json()["prompt"] == "def load(self):" and r["count"] == len(r["tokens"])
+    counted = httpx.post(served.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert counted["count"] == chat.usage.prompt_tokens
+    bad = httpx.post(served.url + "/detokenize", json={"tokens": [10**6]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -317,6 +317,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine: params must be SamplingParams, got {type(params).__name__}")
         self.adapters.slot(params.lora)  # (an adapter that is not loaded: refused by name)
+        past = [t for t, _ in params.logit_bias if t >= self.vocab]
+        if past:
+            raise ValueError(
+                f"Engine: logit_bias names token {past[0]}, past the vocabulary ({self.vocab})"
+            )
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:

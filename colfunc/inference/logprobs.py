@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["completion_logprobs", "logprob_block", "merged", "vllm_prompt_logprobs"]
+__all__ = [
+    "chat_logprobs",
+    "completion_logprobs",
+    "logprob_block",
+    "merged",
+    "vllm_prompt_logprobs",
+]
 
 Decode = Callable[[list[int]], str]
 
@@ -89,3 +95,22 @@ def vllm_prompt_logprobs(out: Any, dec: Decode) -> list[Any] | None:
             }
         rows.append(row)
     return rows
+
+
+def chat_logprobs(entries: Sequence[dict[str, Any]], dec: Decode) -> dict[str, Any]:
+    """The chat API's logprobs: for each token its text, logprob and UTF-8 bytes, and the most
+    likely tokens' (``top_logprobs``)."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = dec([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **one(int(e["token"]), e["logprob"]),
+                "top_logprobs": [one(int(t), v) for t, v in e["top"].items()],
+            }
+            for e in entries
+        ]
+    }

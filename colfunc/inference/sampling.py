@@ -44,7 +44,8 @@ class SamplingParams:
     ``top_p=1`` keep every token; ``min_p`` drops tokens below that fraction of the most likely
     one's probability. ``stop`` strings end a completion and are cut from its text;
     ``stop_token_ids`` (and the model's end-of-sequence token unless ``ignore_eos``) end it and
-    stay in its token ids. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
+    stay in its token ids. ``logit_bias`` (token id -> a number in [-100, 100], a dict or pairs)
+    is added to those tokens' logits before sampling, as OpenAI's. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
     likely tokens'; ``prompt_logprobs=N`` the same for every prompt token after the first (the
     whole prompt is then computed, none of it taken from the prefix cache). ``max_tokens=0``
     generates nothing (with ``prompt_logprobs``: the prompt is scored). ``lora`` names the
@@ -69,6 +70,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     lora: str | None = None
 
     def __post_init__(self) -> None:
@@ -100,6 +102,16 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0)
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        for pair in pairs:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise TypeError(
+                    f"SamplingParams: logit_bias maps token ids to numbers, got {bias!r}"
+                )
+            _int("logit_bias token id", pair[0], 0)
+            _number(f"logit_bias[{pair[0]}]", pair[1], -100.0, 100.0)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise TypeError(
                 f"SamplingParams: lora must be an adapter's name or None, got {self.lora!r}"
@@ -113,6 +125,12 @@ class SamplingParams:
 def _penalised(
     logits_V: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
 ) -> torch.Tensor:
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits_V.device)
+        bias = torch.tensor(
+            [b for _, b in p.logit_bias], dtype=logits_V.dtype, device=logits_V.device
+        )
+        logits_V = logits_V.clone().index_add_(0, ids, bias)
     if p.repetition_penalty != 1.0 and (prompt or output):
         seen = torch.tensor(sorted({*prompt, *output}), device=logits_V.device)
         x = logits_V[seen]

@@ -21,16 +21,33 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import fastapi
 import prometheus_client
-import pydantic
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from colfunc.inference.engine import Engine, RequestOutput
-from colfunc.inference.logprobs import completion_logprobs, logprob_block, vllm_prompt_logprobs
+from colfunc.inference.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    logprob_block,
+    vllm_prompt_logprobs,
+)
+from colfunc.inference.openai_api import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Sampling,
+    TokenizeRequest,
+    error,
+    params_of,
+    prompt_list,
+    refuse_unbuilt,
+    visible,
+)
 from colfunc.inference.sampling import SamplingParams
 
 __all__ = ["EngineLoop", "QueueFull", "apply", "build_app", "follow"]
@@ -223,134 +240,6 @@ def follow(engine: Engine, commands: queue.SimpleQueue[Any]) -> None:
 # --- the OpenAI API ---------------------------------------------------------------------------
 
 
-class _Sampling(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    # fields of the OpenAI API this server does not compute yet: refused by name when they
-    # would change the answer (see _refuse_unbuilt), never silently ignored
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    prompt_logprobs: int | None = None
-
-
-def _prompt_list(prompt: Any) -> list[Any]:
-    """The prompts of a completions request: one string or token list, or a list of either."""
-    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-        return [prompt]
-    return list(prompt)
-
-
-def _refuse_unbuilt(req: _Sampling) -> None:
-    """A 400 naming the first field whose value this server would otherwise ignore: what a
-    client asks for and does not get must not come back as a plausible answer."""
-    unbuilt: list[tuple[str, bool]] = [
-        ("suffix", getattr(req, "suffix", None) is not None),
-        ("best_of", req.best_of is not None and req.best_of != req.n),
-        ("logit_bias", bool(req.logit_bias)),
-        ("response_format", (req.response_format or {}).get("type", "text") != "text"),
-        ("tools", bool(req.tools)),
-        ("functions", bool(req.functions)),
-        ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-        ("function_call", req.function_call not in (None, "none", "auto")),
-    ]
-    for field, asked in unbuilt:
-        if asked:
-            raise _BadRequest(
-                f"{field}={getattr(req, field)!r} is not supported by this server: it would be "
-                f"ignored, so the request is refused; leave {field} out",
-                field,
-            )
-
-
-class _Message(pydantic.BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[_Message]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-class _BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def _error(status: int, message: str, kind: str, param: str | None = None, code: Any = None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-def _params(req: _Sampling, logprobs: int | None) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    try:
-        return SamplingParams(
-            n=req.n,
-            max_tokens=16 if max_tokens is None else max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            seed=req.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
-    except (TypeError, ValueError) as e:
-        raise _BadRequest(str(e).removeprefix("SamplingParams: ")) from e
-
-
-def _visible(text: str, finished: bool, params: SamplingParams) -> str:
-    """What of a completion's text may be sent yet: a possible start of a stop string, or a
-    character still being decoded, is held back until the completion ends."""
-    if finished:
-        return text
-    hold = max((len(s) - 1 for s in params.stop), default=0)
-    end = len(text) - hold
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    return text[: max(end, 0)]
-
-
 def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     """The FastAPI app serving ``loop``'s engine as ``model_name``."""
 
@@ -366,43 +255,49 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     async def invalid(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _error(
+        return error(
             400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error", where
         )
 
-    @app.exception_handler(_BadRequest)
-    async def bad(request: fastapi.Request, exc: _BadRequest) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error", exc.param, exc.code)
+    @app.exception_handler(BadRequest)
+    async def bad(request: fastapi.Request, exc: BadRequest) -> JSONResponse:
+        return error(400, str(exc), "invalid_request_error", exc.param, exc.code)
 
     @app.exception_handler(QueueFull)
     async def full(request: fastapi.Request, exc: QueueFull) -> JSONResponse:
-        return _error(503, f"the server is busy: {exc}; retry later", "server_error")
+        return error(503, f"the server is busy: {exc}; retry later", "server_error")
 
-    def start(req: _Sampling, prompt: str | list[int], logprobs: int | None):
+    def start(req: Sampling, prompt: str | list[int], logprobs: int | None):
         served = [model_name, *engine.loras]
         if req.model not in served:
-            raise _BadRequest(
+            raise BadRequest(
                 f"the model {req.model!r} does not exist; this server serves "
                 f"{', '.join(map(repr, served))}",
                 "model",
                 "model_not_found",
             )
-        _refuse_unbuilt(req)
+        refuse_unbuilt(req)
         if loop.failure is not None:
             raise RuntimeError(f"the engine stopped: {loop.failure!r}")
-        params = _params(req, logprobs)
+        params = params_of(req, logprobs)
         scored = [getattr(req, "prompt_logprobs", None)]  # (vLLM's field)
         if getattr(req, "echo", False) and logprobs is not None:  # the prompt's logprobs echoed
             scored.append(logprobs)
         if any(k is not None for k in scored):
             top = max(k for k in scored if k is not None)
             params = dataclasses.replace(params, prompt_logprobs=top)
+        past = [t for t, _ in params.logit_bias if t >= engine.vocab]
+        if past:
+            raise BadRequest(
+                f"logit_bias names token {past[0]}, past the vocabulary ({engine.vocab})",
+                "logit_bias",
+            )
         if req.model != model_name:  # an adapter's name: its requests run through it
             params = dataclasses.replace(params, lora=req.model)
         try:
             ids = engine.encode_prompt(prompt)
         except ValueError as e:
-            raise _BadRequest(str(e).removeprefix("Engine: "), "prompt") from e
+            raise BadRequest(str(e).removeprefix("Engine: "), "prompt") from e
         rid, q = loop.submit(ids, params)
         return rid, q, ids, params
 
@@ -440,7 +335,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         }
 
     async def respond(
-        request: fastapi.Request, req: _Sampling, prompt: Any, logprobs: int | None, chat: bool
+        request: fastapi.Request, req: Sampling, prompt: Any, logprobs: int | None, chat: bool
     ) -> Any:
         rid, q, ids, params = start(req, prompt, logprobs)
         created = int(time.time())
@@ -457,6 +352,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                     choice: dict[str, Any] = {
                         "index": o.index,
                         "message": {"role": "assistant", "content": o.text},
+                        "logprobs": None if o.logprobs is None else chat_logprobs(o.logprobs, dec),
                         "finish_reason": o.finish_reason,
                     }
                 else:
@@ -498,7 +394,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                             "finish_reason": None,
                         }
                         yield _sse({**head, "choices": [c]})
-                    text = _visible(o.text, o.finish_reason is not None, params)
+                    text = visible(o.text, o.finish_reason is not None, params)
                     new, sent[o.index] = text[len(sent[o.index]) :], text
                     if not new and o.finish_reason is None:
                         continue
@@ -508,6 +404,11 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
                             "delta": {"content": new},
                             "finish_reason": o.finish_reason,
                         }
+                        if o.logprobs is not None:
+                            done = len(o.logprobs)
+                            fresh = o.logprobs[tokens_sent[o.index] : done]
+                            c["logprobs"] = chat_logprobs(fresh, dec)
+                            tokens_sent[o.index] = done
                     else:
                         lp = None
                         if o.logprobs is not None:
@@ -530,11 +431,11 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request, req: CompletionRequest) -> Any:
-        prompts = _prompt_list(req.prompt)
+        prompts = prompt_list(req.prompt)
         if len(prompts) == 1:
             return await respond(request, req, prompts[0], req.logprobs, chat=False)
         if req.stream:
-            raise _BadRequest(
+            raise BadRequest(
                 "stream=true with several prompts is not supported; send one request per "
                 "prompt, or stream=false",
                 "stream",
@@ -544,9 +445,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
             try:
                 encoded.append(engine.encode_prompt(p))
             except ValueError as e:
-                raise _BadRequest(
-                    f"prompt[{i}]: {str(e).removeprefix('Engine: ')}", "prompt"
-                ) from e
+                raise BadRequest(f"prompt[{i}]: {str(e).removeprefix('Engine: ')}", "prompt") from e
         bodies = await asyncio.gather(
             *(respond(request, req, ids, req.logprobs, chat=False) for ids in encoded)
         )
@@ -564,12 +463,39 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: fastapi.Request, req: ChatRequest) -> Any:
         if engine.tokenizer is None:
-            raise _BadRequest("this model has no tokenizer, so it cannot take chat messages")
+            raise BadRequest("this model has no tokenizer, so it cannot take chat messages")
         if not req.messages:
-            raise _BadRequest("messages is empty; give at least one message", "messages")
+            raise BadRequest("messages is empty; give at least one message", "messages")
         text = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await respond(request, req, text, top, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: a prompt's (or chat messages') token ids and their count."""
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give one of prompt or messages", "prompt")
+        prompt: str | list[int]
+        if body.messages is not None:
+            if engine.tokenizer is None:
+                raise BadRequest("this model has no tokenizer, so no chat template", "messages")
+            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        else:
+            assert body.prompt is not None
+            prompt = body.prompt
+        try:
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt)
+        except ValueError as e:
+            raise BadRequest(str(e).removeprefix("Engine: "), "prompt") from e
+        return {"count": len(ids), "max_model_len": engine.cfg.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab]
+        if bad:
+            raise BadRequest(f"token {bad[0]} is not in the vocabulary ({engine.vocab})", "tokens")
+        return {"prompt": await asyncio.to_thread(dec, list(body.tokens))}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

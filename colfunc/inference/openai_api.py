@@ -1,0 +1,178 @@
+"""The OpenAI API's requests as the server reads them: the pydantic models of the completions
+and chat requests, the fields refused by name, and the sampling parameters a request asks for
+(see :mod:`colfunc.inference.server`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+from fastapi.responses import JSONResponse
+
+from colfunc.inference.sampling import SamplingParams
+
+__all__ = [
+    "BadRequest",
+    "ChatRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "Sampling",
+    "TokenizeRequest",
+    "error",
+    "params_of",
+    "prompt_list",
+    "refuse_unbuilt",
+    "visible",
+]
+
+
+class Sampling(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    # fields of the OpenAI API this server does not compute yet: refused by name when they
+    # would change the answer (see refuse_unbuilt), never silently ignored
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+
+def prompt_list(prompt: Any) -> list[Any]:
+    """The prompts of a completions request: one string or token list, or a list of either."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def refuse_unbuilt(req: Sampling) -> None:
+    """A 400 naming the first field whose value this server would otherwise ignore: what a
+    client asks for and does not get must not come back as a plausible answer."""
+    unbuilt: list[tuple[str, bool]] = [
+        ("suffix", getattr(req, "suffix", None) is not None),
+        ("best_of", req.best_of is not None and req.best_of != req.n),
+        ("response_format", (req.response_format or {}).get("type", "text") != "text"),
+        ("tools", bool(req.tools)),
+        ("functions", bool(req.functions)),
+        ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+        ("function_call", req.function_call not in (None, "none", "auto")),
+    ]
+    for field, asked in unbuilt:
+        if asked:
+            raise BadRequest(
+                f"{field}={getattr(req, field)!r} is not supported by this server: it would be "
+                f"ignored, so the request is refused; leave {field} out",
+                field,
+            )
+
+
+class _Message(pydantic.BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class TokenizeRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[_Message] | None = None
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class ChatRequest(Sampling):
+    messages: list[_Message]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, code: Any = None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _token_id(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise BadRequest(
+            f"logit_bias keys are token ids (as strings), got {key!r}", "logit_bias"
+        ) from None
+
+
+def params_of(req: Sampling, logprobs: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            logit_bias=tuple((_token_id(t), b) for t, b in (req.logit_bias or {}).items()),
+        )
+    except (TypeError, ValueError) as e:
+        raise BadRequest(str(e).removeprefix("SamplingParams: ")) from e
+
+
+def visible(text: str, finished: bool, params: SamplingParams) -> str:
+    """What of a completion's text may be sent yet: a possible start of a stop string, or a
+    character still being decoded, is held back until the completion ends."""
+    if finished:
+        return text
+    hold = max((len(s) - 1 for s in params.stop), default=0)
+    end = len(text) - hold
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return text[: max(end, 0)]
