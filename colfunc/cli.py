@@ -302,10 +302,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("give one of --run DIR or --hf DIR")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    least = {"max-waiting": (args.max_waiting, 0), "tp": (args.tp, 1)}
+    for flag, (value, low) in {**least, "max-request-bytes": (args.max_request_bytes, 1)}.items():
+        if value < low:
+            raise ValueError(f"--{flag} must be >= {low}, got {value}")
     kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.kv_memory is not None:
         kw["kv_memory"] = args.kv_memory
@@ -363,7 +363,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if "error" in ready:
             raise ready["error"]
         loop = ready["loop"]
-    app = build_app(loop, name)
+    app = build_app(loop, name, args.max_request_bytes)
     # the C++ decode attention is built (once) now, not while the first request waits
     import torch
 
@@ -520,6 +520,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB (default: fit, at most 2GiB)")
     p.add_argument("--max-waiting", type=int, default=256, help="queue before 503 (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="413 past it (4 MiB)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
     p.add_argument(
         "--lora",

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -492,3 +493,77 @@ def test_logit_bias_chat_logprobs_and_tokenize(served) -> None:
     assert counted["count"] == chat.usage.prompt_tokens
     bad = httpx.post(served.url + "/detokenize", json={"tokens": [10**6]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_a_huge_body_gets_413_at_once_and_health_answers_meanwhile(served) -> None:
+    """A 10 MB body is refused by its Content-Length, before it is read (413 within 1 s), and
+    ``/health`` answers within 100 ms while it is sent."""
+    import concurrent.futures
+
+    body = b'{"model": "' + NAME.encode() + b'", "prompt": "' + b"x" * (10 * 2**20) + b'"}'
+
+    def send() -> tuple[int, float]:
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(served.url + "/v1/completions", content=body, timeout=30,
+                           headers={"content-type": "application/json"})  # fmt: skip
+            return r.status_code, time.monotonic() - t0
+        except httpx.TransportError:  # (the server may close before the upload ends)
+            return 413, time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(send)
+        t0 = time.monotonic()
+        health = httpx.get(served.url + "/health", timeout=5)
+        assert health.status_code == 200 and time.monotonic() - t0 < 0.1
+        status, took = sent.result()
+    assert status == 413 and took < 1.0
+    small = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "x",
+                                                             "max_tokens": 1}, timeout=30)  # fmt: skip
+    assert small.status_code == 200
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_blocks(served, monkeypatch) -> None:
+    """A non-streaming request whose client gives up after 0.3 s is aborted (its blocks free
+    within 1 s), having generated only part of what it asked for (each engine step slowed to
+    10 ms, as a larger model's would take, so that it is still running when the client goes)."""
+    step = served.loop.engine.step
+
+    def slow() -> Any:
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(served.loop.engine, "step", slow)
+
+    def generated() -> float:
+        text = httpx.get(served.url + "/metrics", timeout=30).text
+        line = next(
+            ln for ln in text.splitlines() if ln.startswith("colfunc_generation_tokens_total")
+        )
+        return float(line.split()[-1])
+
+    before = generated()
+    body = {"model": NAME, "prompt": "class A:", "max_tokens": 120, "n": 4, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=0.3)
+    left = time.monotonic()
+    stats = served.idle(within=5.0)
+    assert time.monotonic() - left < 1.0
+    assert stats["blocks_used"] == 0 and stats["running"] == 0
+    assert generated() - before < 4 * 120
+
+
+def test_chat_content_parts_are_joined_and_images_refused(served) -> None:
+    client = _client(served)
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    whole = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hello there"}], **GREEDY
+    )
+    split = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": parts}], **GREEDY
+    )
+    assert split.choices[0].message.content == whole.choices[0].message.content
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=30,
+                   json={"model": NAME, "messages": [{"role": "user", "content": image}]})  # fmt: skip
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]

@@ -95,7 +95,23 @@ def refuse_unbuilt(req: Sampling) -> None:
 
 class _Message(pydantic.BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    # a string, or OpenAI's content parts (text parts only: an image is refused by name)
+    content: str | list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as the chat template takes it, its text parts joined."""
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(
+                    f"messages: a content part of type {part.get('type')!r} is not supported by "
+                    "this server (text parts only)",
+                    "messages",
+                )
+            texts.append(part["text"])
+        return {"role": self.role, "content": "".join(texts)}
 
 
 class TokenizeRequest(pydantic.BaseModel):

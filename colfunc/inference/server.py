@@ -240,8 +240,38 @@ def follow(engine: Engine, commands: queue.SimpleQueue[Any]) -> None:
 # --- the OpenAI API ---------------------------------------------------------------------------
 
 
-def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
-    """The FastAPI app serving ``loop``'s engine as ``model_name``."""
+class _BodyLimit:
+    """ASGI middleware: a request whose Content-Length is over ``limit`` gets 413 before its
+    body is read (a plain ASGI wrapper, which leaves the app's view of a client's disconnect
+    as it is)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.limit:
+                refused = error(
+                    413,
+                    f"the request body has {int(size)} bytes, over this server's limit of "
+                    f"{self.limit} (--max-request-bytes)",
+                    "invalid_request_error",
+                )
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+DISCONNECT_CHECK_S = 0.25  # how often a request's client is checked to be still there
+MAX_REQUEST_BYTES = 4 * 2**20  # the default limit on a request's body
+
+
+def build_app(
+    loop: EngineLoop, model_name: str, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> fastapi.FastAPI:
+    """The FastAPI app serving ``loop``'s engine as ``model_name``. A request whose body is
+    over ``max_request_bytes`` gets 413 before its body is read."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -250,6 +280,8 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
 
     app = fastapi.FastAPI(title="colfunc", lifespan=lifespan)
     engine = loop.engine
+
+    app.add_middleware(_BodyLimit, limit=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
@@ -267,7 +299,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     async def full(request: fastapi.Request, exc: QueueFull) -> JSONResponse:
         return error(503, f"the server is busy: {exc}; retry later", "server_error")
 
-    def start(req: Sampling, prompt: str | list[int], logprobs: int | None):
+    async def start(req: Sampling, prompt: str | list[int], logprobs: int | None):
         served = [model_name, *engine.loras]
         if req.model not in served:
             raise BadRequest(
@@ -295,7 +327,8 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         if req.model != model_name:  # an adapter's name: its requests run through it
             params = dataclasses.replace(params, lora=req.model)
         try:
-            ids = engine.encode_prompt(prompt)
+            # (tokenized off the event loop: a long prompt does not hold up other requests)
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         except ValueError as e:
             raise BadRequest(str(e).removeprefix("Engine: "), "prompt") from e
         rid, q = loop.submit(ids, params)
@@ -305,13 +338,19 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         request: fastapi.Request, rid: str, q: asyncio.Queue[Any]
     ) -> AsyncIterator[RequestOutput]:
         finished = False
+        checked = time.monotonic()
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(q.get(), timeout=1.0)
+                    out = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    out = None
+                # (checked on a clock: a request whose tokens keep coming is checked too)
+                if time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if out is None:
                     continue
                 if isinstance(out, BaseException):
                     raise RuntimeError(f"the engine stopped: {out!r}")
@@ -337,7 +376,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
     async def respond(
         request: fastapi.Request, req: Sampling, prompt: Any, logprobs: int | None, chat: bool
     ) -> Any:
-        rid, q, ids, params = start(req, prompt, logprobs)
+        rid, q, ids, params = await start(req, prompt, logprobs)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if not req.stream:
@@ -466,7 +505,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
             raise BadRequest("this model has no tokenizer, so it cannot take chat messages")
         if not req.messages:
             raise BadRequest("messages is empty; give at least one message", "messages")
-        text = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        text = engine.tokenizer.apply_chat_template([m.as_dict() for m in req.messages])
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await respond(request, req, text, top, chat=True)
 
@@ -479,7 +518,7 @@ def build_app(loop: EngineLoop, model_name: str) -> fastapi.FastAPI:
         if body.messages is not None:
             if engine.tokenizer is None:
                 raise BadRequest("this model has no tokenizer, so no chat template", "messages")
-            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            prompt = engine.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
         else:
             assert body.prompt is not None
             prompt = body.prompt
