@@ -167,7 +167,8 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
     "path, body, param",
     [
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-        ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ("completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
         ("completions", {"prompt": "x", "logit_bias": {"five": 100}}, "logit_bias"),
         ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
         ("chat/completions", {"messages": []}, "messages"),
@@ -567,3 +568,18 @@ def test_chat_content_parts_are_joined_and_images_refused(served) -> None:
     r = httpx.post(served.url + "/v1/chat/completions", timeout=30,
                    json={"model": NAME, "messages": [{"role": "user", "content": image}]})  # fmt: skip
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+
+
+def test_best_of_returns_the_candidates_of_highest_summed_logprob(served, folder) -> None:
+    """``best_of=4, n=2``: four candidates drawn as the engine draws them for ``n=4`` with the
+    same seed, the two whose tokens' logprobs sum highest returned (in that order), without
+    logprobs unless asked."""
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 6, "temperature": 1.0,
+            "seed": 3, "best_of": 4, "n": 2, "ignore_eos": True}  # fmt: skip
+    got = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    direct = engines.from_hf(folder)
+    p = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, logprobs=0, ignore_eos=True)
+    (out,) = direct.generate(["def f(x):"], p)
+    ranked = sorted(out.outputs, key=lambda o: -sum(e["logprob"] for e in o.logprobs))
+    assert [c["text"] for c in got] == [o.text for o in ranked[:2]]
+    assert [c["index"] for c in got] == [0, 1] and all(c["logprobs"] is None for c in got)

@@ -77,7 +77,7 @@ def refuse_unbuilt(req: Sampling) -> None:
     client asks for and does not get must not come back as a plausible answer."""
     unbuilt: list[tuple[str, bool]] = [
         ("suffix", getattr(req, "suffix", None) is not None),
-        ("best_of", req.best_of is not None and req.best_of != req.n),
+        ("best_of", req.best_of is not None and req.best_of != req.n and req.stream),
         ("response_format", (req.response_format or {}).get("type", "text") != "text"),
         ("tools", bool(req.tools)),
         ("functions", bool(req.functions)),

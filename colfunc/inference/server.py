@@ -312,6 +312,12 @@ def build_app(
         if loop.failure is not None:
             raise RuntimeError(f"the engine stopped: {loop.failure!r}")
         params = params_of(req, logprobs)
+        best_of = req.best_of if req.best_of is not None else req.n
+        if best_of < req.n:
+            raise BadRequest(f"best_of={best_of} must be at least n={req.n}", "best_of")
+        if best_of > req.n:  # candidates, ranked by their tokens' summed logprobs
+            wanted = logprobs if logprobs is not None else 0
+            params = dataclasses.replace(params, n=best_of, logprobs=wanted)
         scored = [getattr(req, "prompt_logprobs", None)]  # (vLLM's field)
         if getattr(req, "echo", False) and logprobs is not None:  # the prompt's logprobs echoed
             scored.append(logprobs)
@@ -386,7 +392,7 @@ def build_app(
             if last is None or not last.finished:
                 return Response(status_code=499)
             choices = []
-            for o in last.outputs:
+            for o in _best(last.outputs, req.n, keep_logprobs=logprobs is not None):
                 if chat:
                     choice: dict[str, Any] = {
                         "index": o.index,
@@ -555,6 +561,19 @@ def build_app(
         return Response(data, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _best(outs: list[Any], n: int, keep_logprobs: bool) -> list[Any]:
+    """The ``n`` completions of the highest summed logprob of their tokens (``best_of``), in
+    that order and numbered 0..n-1; all of them, as they are, where there are no more than
+    ``n``. Their logprobs are dropped where the request did not ask for them."""
+    if len(outs) <= n:
+        return outs
+    ranked = sorted(outs, key=lambda o: -sum(e["logprob"] for e in o.logprobs or ()))[:n]
+    return [
+        dataclasses.replace(o, index=i, logprobs=o.logprobs if keep_logprobs else None)
+        for i, o in enumerate(ranked)
+    ]
 
 
 def _sse(payload: dict[str, Any]) -> str:
