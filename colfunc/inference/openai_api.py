@@ -55,6 +55,18 @@ class Sampling(pydantic.BaseModel):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's extra sampling fields that would change the answer: refused too, by name
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(Sampling):
@@ -72,6 +84,15 @@ def prompt_list(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+_VLLM_GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
 def refuse_unbuilt(req: Sampling) -> None:
     """A 400 naming the first field whose value this server would otherwise ignore: what a
     client asks for and does not get must not come back as a plausible answer."""
@@ -83,6 +104,13 @@ def refuse_unbuilt(req: Sampling) -> None:
         ("functions", bool(req.functions)),
         ("tool_choice", req.tool_choice not in (None, "none", "auto")),
         ("function_call", req.function_call not in (None, "none", "auto")),
+        *((f, getattr(req, f) is not None) for f in _VLLM_GUIDED),
+        ("min_tokens", req.min_tokens != 0),
+        ("allowed_token_ids", req.allowed_token_ids is not None),
+        ("bad_words", bool(req.bad_words)),
+        ("use_beam_search", req.use_beam_search),
+        ("include_stop_str_in_output", req.include_stop_str_in_output),
+        ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None),
     ]
     for field, asked in unbuilt:
         if asked:
