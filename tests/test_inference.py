@@ -384,3 +384,27 @@ def test_several_end_of_sequence_ids_each_stop_as_transformers_does(tmp_path) ->
 def test_bad_end_of_sequence_ids_are_refused(eos) -> None:
     with pytest.raises(TypeError, match="eos_token_id must be an id >= 0"):
         _engine(_hf_model("gpt"), eos_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from colfunc.inference.tokenizers import load_hf_tokenizer
+
+    path = tmp_path_factory.mktemp("bpe")
+    cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>")
+    return load_hf_tokenizer(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 319), max_size=40))
+def test_incremental_detokenizing_equals_decoding_everything(bpe_tokenizer, ids) -> None:
+    """Token by token, the incremental text equals the tokenizer's decode of all the tokens so
+    far, for a byte-level BPE and for bytes; windows that end inside a character are completed
+    later, not lost."""
+    from colfunc.inference.tokenizers import ByteTokenizer, Detokenized, detokenize
+
+    for tok, seq in ((bpe_tokenizer, ids), (ByteTokenizer(), [t % 256 for t in ids])):
+        at = Detokenized()
+        for n in range(1, len(seq) + 1):
+            text, at = detokenize(tok, seq[:n], at)
+            assert text == tok.decode(seq[:n])

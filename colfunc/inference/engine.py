@@ -26,7 +26,7 @@ from colfunc.inference.adapters import AdapterSlots, Rows, rows_of
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
-from colfunc.inference.tokenizers import ByteTokenizer, Tokenizer
+from colfunc.inference.tokenizers import ByteTokenizer, Detokenized, Tokenizer, detokenize
 from colfunc.sharding import Mesh, ShardedTensor, from_local
 from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece
@@ -481,8 +481,9 @@ class Engine:
         if p.logprobs is not None:
             seq.logprobs.append(_logprob(logits_V, token, p.logprobs))
         seq.output.append(token)
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output)
+        if self.tokenizer is not None:  # (decoding only the new tokens, with some context)
+            at = seq.detokenized if seq.detokenized is not None else Detokenized()
+            seq.text, seq.detokenized = detokenize(self.tokenizer, seq.output, at)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
         elif p.stop and any(s in seq.text for s in p.stop):

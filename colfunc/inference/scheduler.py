@@ -48,6 +48,7 @@ class Sequence:
     long_regime: bool = False
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     text: str = ""
+    detokenized: Any = None  # how far its text is decoded (colfunc.inference.tokenizers)
     finish_reason: str | None = None
 
     @property

@@ -7,11 +7,18 @@ only, with its chat template when it has one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from colfunc import data
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_hf_tokenizer"]
+__all__ = [
+    "ByteTokenizer",
+    "Detokenized",
+    "HFTokenizer",
+    "Tokenizer",
+    "detokenize",
+    "load_hf_tokenizer",
+]
 
 
 class Tokenizer(Protocol):
@@ -25,6 +32,29 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class Detokenized(NamedTuple):
+    """Where the incremental decoding of a sequence's tokens stands: the text of its tokens
+    up to ``read`` (complete characters), and the token from which the next window is decoded
+    (``prefix``: a few tokens of context before ``read``)."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+
+
+def detokenize(tokenizer: Tokenizer, ids: list[int], at: Detokenized) -> tuple[str, Detokenized]:
+    """The text of ``ids`` (equal to ``tokenizer.decode(ids)``), decoding only the tokens past
+    ``at`` with a little context (as vLLM and text-generation-inference do): a stream of tokens
+    costs each one two short decodes, not a decode of everything so far. A window that ends in
+    an incomplete character (U+FFFD) is held until it completes, and returned as it stands."""
+    before = tokenizer.decode(ids[at.prefix : at.read])
+    window = tokenizer.decode(ids[at.prefix :])
+    if len(window) > len(before) and not window.endswith("\ufffd"):
+        done = Detokenized(at.text + window[len(before) :], at.read, len(ids))
+        return done.text, done
+    return at.text + window[len(before) :], at
 
 
 class ByteTokenizer:
