@@ -169,7 +169,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
         ("completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
-        ("completions", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
+        ("completions", {"prompt": "x", "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
         ("completions", {"prompt": "x", "min_tokens": 3}, "min_tokens"),
         ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ("completions", {"prompt": "x", "logit_bias": {"five": 100}}, "logit_bias"),
@@ -177,7 +177,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
         ("chat/completions", {"messages": []}, "messages"),
         (
             "chat/completions",
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
             "response_format",
         ),
         (

@@ -23,6 +23,7 @@ import torch
 
 from colfunc import core, models, nn
 from colfunc.inference.adapters import AdapterSlots, Rows, rows_of
+from colfunc.inference.grammar import Guide, compile_structure
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
@@ -327,11 +328,19 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"Engine: request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else next(self._default_seed)
+        compiled = None
+        if params.structure is not None:  # (compiled once per structure and tokenizer)
+            if self.tokenizer is None:
+                raise ValueError("Engine: structured outputs need a tokenizer")
+            stop = self.eos_token_ids
+            compiled = compile_structure(params.structure, self.tokenizer, self.vocab, stop)
         seqs = []
         for i in range(params.n):
             g = torch.Generator(device=self.cache["k"].device)
             g.manual_seed(seed * 1_000_003 + i)  # each completion its own stream
             seqs.append(Sequence(rid, i, list(ids), params, g))
+            if compiled is not None:
+                seqs[-1].guide = Guide(compiled, self.vocab)
         scored: list[dict[str, Any] | None] | None = None
         if params.prompt_logprobs is not None:
             scored = [None]  # (the first prompt token: nothing predicts it)
@@ -477,14 +486,20 @@ class Engine:
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
             return
-        token = next_token(logits_V, p, seq.prompt, seq.output, seq.generator)
+        allowed_V = logits_V if seq.guide is None else seq.guide.mask(logits_V)
+        token = next_token(allowed_V, p, seq.prompt, seq.output, seq.generator)
+        complete = seq.guide is not None and seq.guide.accept(token)
         if p.logprobs is not None:
             seq.logprobs.append(_logprob(logits_V, token, p.logprobs))
         seq.output.append(token)
         if self.tokenizer is not None:  # (decoding only the new tokens, with some context)
             at = seq.detokenized if seq.detokenized is not None else Detokenized()
             seq.text, seq.detokenized = detokenize(self.tokenizer, seq.output, at)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if (
+            complete
+            or token in p.stop_token_ids
+            or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
             seq.finish_reason = "stop"
         elif p.stop and any(s in seq.text for s in p.stop):
             cut = min(seq.text.find(s) for s in p.stop if s in seq.text)

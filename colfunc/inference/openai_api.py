@@ -9,6 +9,7 @@ from typing import Any, Literal
 import pydantic
 from fastapi.responses import JSONResponse
 
+from colfunc.inference.grammar import Structure
 from colfunc.inference.sampling import SamplingParams
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "params_of",
     "prompt_list",
     "refuse_unbuilt",
+    "structure_of",
     "visible",
 ]
 
@@ -84,13 +86,7 @@ def prompt_list(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
-_VLLM_GUIDED = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
+_VLLM_GUIDED = ("guided_grammar", "structured_outputs")  # (the other guided_* are built)
 
 
 def refuse_unbuilt(req: Sampling) -> None:
@@ -99,7 +95,6 @@ def refuse_unbuilt(req: Sampling) -> None:
     unbuilt: list[tuple[str, bool]] = [
         ("suffix", getattr(req, "suffix", None) is not None),
         ("best_of", req.best_of is not None and req.best_of != req.n and req.stream),
-        ("response_format", (req.response_format or {}).get("type", "text") != "text"),
         ("tools", bool(req.tools)),
         ("functions", bool(req.functions)),
         ("tool_choice", req.tool_choice not in (None, "none", "auto")),
@@ -183,6 +178,42 @@ def _token_id(key: str) -> int:
         ) from None
 
 
+def structure_of(req: Sampling) -> Structure | None:
+    """The structure a request confines its output to: OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), or vLLM's ``guided_json``, ``guided_regex`` or
+    ``guided_choice``; at most one of them."""
+    asked: list[tuple[str, Any]] = []
+    rf = req.response_format or {}
+    kind = rf.get("type", "text")
+    if kind == "json_object":
+        asked.append(("response_format", lambda: Structure("json_object")))
+    elif kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        asked.append(("response_format", lambda: Structure.json_schema(schema)))
+    elif kind != "text":
+        raise BadRequest(
+            f"response_format type {kind!r} is not supported: text, json_object or json_schema",
+            "response_format",
+        )
+    if req.guided_json is not None:
+        asked.append(("guided_json", lambda: Structure.json_schema(req.guided_json)))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", lambda: Structure("regex", req.guided_regex)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", lambda: Structure.choice(req.guided_choice)))
+    if len(asked) > 1:
+        names = ", ".join(n for n, _ in asked)
+        raise BadRequest(f"give one structure, not several ({names})", asked[1][0])
+    if not asked:
+        return None
+    field, make = asked[0]
+    try:
+        structure: Structure = make()
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"{field}: {str(e).removeprefix('Structure: ')}", field) from e
+    return structure
+
+
 def params_of(req: Sampling, logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = (
@@ -205,6 +236,7 @@ def params_of(req: Sampling, logprobs: int | None) -> SamplingParams:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             logit_bias=tuple((_token_id(t), b) for t, b in (req.logit_bias or {}).items()),
+            structure=structure_of(req),
         )
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e).removeprefix("SamplingParams: ")) from e

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from colfunc.inference.grammar import Structure
+
 __all__ = ["SamplingParams", "next_token"]
 
 
@@ -45,7 +47,9 @@ class SamplingParams:
     one's probability. ``stop`` strings end a completion and are cut from its text;
     ``stop_token_ids`` (and the model's end-of-sequence token unless ``ignore_eos``) end it and
     stay in its token ids. ``logit_bias`` (token id -> a number in [-100, 100], a dict or pairs)
-    is added to those tokens' logits before sampling, as OpenAI's. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
+    is added to those tokens' logits before sampling, as OpenAI's. ``structure``
+    (:class:`~colfunc.inference.grammar.Structure`: a JSON schema, any JSON object, a regex or a
+    choice) confines each completion to it, the other tokens masked before sampling. ``logprobs=N`` reports each sampled token's logprob and the ``N`` most
     likely tokens'; ``prompt_logprobs=N`` the same for every prompt token after the first (the
     whole prompt is then computed, none of it taken from the prefix cache). ``max_tokens=0``
     generates nothing (with ``prompt_logprobs``: the prompt is scored). ``lora`` names the
@@ -71,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structure: Structure | None = None
     lora: str | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +117,11 @@ class SamplingParams:
             _int("logit_bias token id", pair[0], 0)
             _number(f"logit_bias[{pair[0]}]", pair[1], -100.0, 100.0)
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if self.structure is not None and not isinstance(self.structure, Structure):
+            raise TypeError(
+                f"SamplingParams: structure must be a colfunc.inference.grammar.Structure, got "
+                f"{self.structure!r}"
+            )
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise TypeError(
                 f"SamplingParams: lora must be an adapter's name or None, got {self.lora!r}"

@@ -49,6 +49,7 @@ class Sequence:
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     text: str = ""
     detokenized: Any = None  # how far its text is decoded (colfunc.inference.tokenizers)
+    guide: Any = None  # its grammar's matcher, for a structured output (colfunc.inference.grammar)
     finish_reason: str | None = None
 
     @property
