@@ -183,8 +183,8 @@ def test_bad_requests_get_400_with_an_openai_error_body(served, body, param) -> 
         (
             "chat/completions",
             {"messages": [{"role": "user", "content": "hi"}],
-             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-            "tools",
+             "functions": [{"name": "f", "parameters": {}}]},
+            "functions",
         ),
     ],
 )  # fmt: skip

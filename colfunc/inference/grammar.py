@@ -22,15 +22,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "Guide", "Structure", "compile_structure"]
+__all__ = ["KINDS", "TOOL_CLOSE", "TOOL_OPEN", "Guide", "Structure", "compile_structure"]
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "tool_calls")
+# a tool call's tags (the Hermes/Qwen format; colfunc.inference.tools)
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclasses.dataclass(frozen=True)
 class Structure:
     """What a completion must be: ``kind`` one of :data:`KINDS` and its ``spec`` as text (the
-    schema's JSON, the regular expression, the choices as a JSON list; none for a JSON object).
+    schema's JSON, the regular expression, the choices as a JSON list, the functions
+    ``[{"name", "parameters"}]`` of a tool call as a JSON list; none for a JSON object).
     Checked when it is made."""
 
     kind: str
@@ -55,6 +58,16 @@ class Structure:
                 raise ValueError(
                     f"Structure: the regex {self.spec!r} does not compile ({e})"
                 ) from None
+        elif self.kind == "tool_calls":
+            fns = json.loads(self.spec) if self.spec else None
+            if not isinstance(fns, list) or not fns or not all(
+                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(
+                    f.get("parameters"), dict) for f in fns
+            ):  # fmt: skip
+                raise ValueError(
+                    f"Structure: tool_calls takes a list of {{'name', 'parameters'}}, got "
+                    f"{self.spec!r}"
+                )
         elif self.kind == "choice":
             choices = json.loads(self.spec) if self.spec else None
             if (
@@ -118,6 +131,8 @@ class _Compiler:
                 grammar = c.compile_builtin_json_grammar()
             elif structure.kind == "regex":
                 grammar = c.compile_regex(structure.spec)
+            elif structure.kind == "tool_calls":
+                grammar = c.compile_grammar(_tool_call_grammar(json.loads(structure.spec)))
             else:
                 choices = json.loads(structure.spec)
                 grammar = c.compile_regex("|".join(re.escape(x) for x in choices))
@@ -125,6 +140,31 @@ class _Compiler:
                 self.grammars.clear()
             self.grammars[structure] = grammar
         return self.grammars[structure]
+
+
+def _tool_call_grammar(fns: list[dict[str, Any]]) -> Any:
+    """One call of any of ``fns``: the tags around ``{"name": <its name>, "arguments": <its
+    parameters' schema>}``."""
+    xgr = _xgrammar()
+    calls = [
+        xgr.Grammar.from_json_schema(
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            ),
+            any_whitespace=False,
+        )
+        for f in fns
+    ]
+    return xgr.Grammar.concat(
+        xgr.Grammar.from_regex(re.escape(TOOL_OPEN + "\n")),
+        xgr.Grammar.union(*calls),
+        xgr.Grammar.from_regex(re.escape("\n" + TOOL_CLOSE)),
+    )
 
 
 def compile_structure(

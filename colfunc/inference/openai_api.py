@@ -4,6 +4,8 @@ and chat requests, the fields refused by name, and the sampling parameters a req
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
 import pydantic
@@ -95,9 +97,7 @@ def refuse_unbuilt(req: Sampling) -> None:
     unbuilt: list[tuple[str, bool]] = [
         ("suffix", getattr(req, "suffix", None) is not None),
         ("best_of", req.best_of is not None and req.best_of != req.n and req.stream),
-        ("tools", bool(req.tools)),
         ("functions", bool(req.functions)),
-        ("tool_choice", req.tool_choice not in (None, "none", "auto")),
         ("function_call", req.function_call not in (None, "none", "auto")),
         *((f, getattr(req, f) is not None) for f in _VLLM_GUIDED),
         ("min_tokens", req.min_tokens != 0),
@@ -118,13 +118,25 @@ def refuse_unbuilt(req: Sampling) -> None:
 
 class _Message(pydantic.BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # a string, or OpenAI's content parts (text parts only: an image is refused by name)
-    content: str | list[dict[str, Any]]
+    # a string, or OpenAI's content parts (text parts only: an image is refused by name); an
+    # assistant's message of tool calls may have none
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it, its text parts joined."""
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it, its text parts joined (and its tool calls,
+        their arguments as objects, or the call a tool's message answers)."""
+        extra: dict[str, Any] = {}
+        if self.tool_calls:
+            extra["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            extra["name"] = self.name
+        if self.content is None or isinstance(self.content, str):
+            return {"role": self.role, "content": self.content or "", **extra}
         texts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -134,7 +146,15 @@ class _Message(pydantic.BaseModel):
                     "messages",
                 )
             texts.append(part["text"])
-        return {"role": self.role, "content": "".join(texts)}
+        return {"role": self.role, "content": "".join(texts), **extra}
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):  # (templates render the arguments' object)
+        with contextlib.suppress(json.JSONDecodeError):
+            fn["arguments"] = json.loads(fn["arguments"])
+    return {**call, "function": fn}
 
 
 class TokenizeRequest(pydantic.BaseModel):

@@ -31,7 +31,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> str: ...
 
 
 class Detokenized(NamedTuple):
@@ -69,8 +71,11 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Messages as ``role: content`` lines, ending with ``assistant:`` (no template here)."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> str:
+        """Messages as ``role: content`` lines, ending with ``assistant:`` (no template here;
+        tools are given as a system message, see :mod:`colfunc.inference.tools`)."""
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
@@ -89,10 +94,18 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the request's tools."""
+        return "tools" in str(getattr(self.tok, "chat_template", None) or "")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> str:
         if getattr(self.tok, "chat_template", None):
             return str(
-                self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                self.tok.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
             )
         return ByteTokenizer.apply_chat_template(ByteTokenizer(), messages)
 

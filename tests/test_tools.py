@@ -1,0 +1,114 @@
+"""Tool calling through the server, with the openai client: ``tool_choice="required"`` and a
+named function always give a call that parses, to a declared function, with arguments valid for
+its schema (a random model's free choices confined by the grammar); streamed, the calls come
+whole at the end and equal the non-streamed ones; ``"none"`` and ``"auto"`` answer in text (a
+call written in it parsed out); a tool's result goes back as a message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from test_server import NAME, TEMPLATE, Served  # noqa: E402
+
+import colfunc as cf  # noqa: E402
+from colfunc.inference import tools  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+     "parameters": {"type": "object", "properties": {
+         "city": {"enum": ["Paris", "Oslo", "Lima"]},
+         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+         "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A tiny GPT-2 whose context holds the tools' system message (its template renders no
+    tools, so the server lists them in one)."""
+    path = tmp_path_factory.mktemp("tools")
+    fast = cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>", chat_template=TEMPLATE)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=len(fast), n_positions=1024,
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+    )  # fmt: skip
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    return path
+
+
+def _valid(call) -> None:  # type: ignore[no-untyped-def]
+    assert call.type == "function" and call.function.name in SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_and_named_tool_choices_always_give_valid_calls(folder) -> None:
+    served = Served(folder)
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+        ask = [{"role": "user", "content": "weather in Oslo?"}]
+        for seed in range(12):
+            r = client.chat.completions.create(
+                model=NAME, messages=ask, tools=TOOLS, tool_choice="required", temperature=1.0,
+                seed=seed, max_tokens=200,
+            )  # fmt: skip
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            _valid(choice.message.tool_calls[0])
+        named = {"type": "function", "function": {"name": "add"}}
+        r = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, tool_choice=named,
+                                           temperature=1.0, seed=3, max_tokens=200)  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add"
+        _valid(call)
+        # streamed: the same call, whole, at the end
+        stream = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS,
+                                                tool_choice=named, temperature=1.0, seed=3,
+                                                max_tokens=200, stream=True)  # fmt: skip
+        got = [d for ch in stream if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in got] == [
+            (call.function.name, call.function.arguments)
+        ]
+        # a tool's result goes back, and "none" answers in text
+        history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "add",
+             "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "42"}]  # fmt: skip
+        r = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS,
+                                           tool_choice="none", temperature=0, max_tokens=5)  # fmt: skip
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
+            client.chat.completions.create(
+                model=NAME, messages=ask, tools=TOOLS, max_tokens=5,
+                tool_choice={"type": "function", "function": {"name": "nope"}},
+            )  # fmt: skip
+    finally:
+        served.stop()
+
+
+def test_calls_written_in_text_are_parsed_out() -> None:
+    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = tools.parse(text)
+    assert content == "Sure." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert tools.parse("<tool_call>not json</tool_call> hi") == (
+        "<tool_call>not json</tool_call> hi",
+        [],
+    )
+    with pytest.raises(ValueError, match="function names repeat"):
+        tools.functions([TOOLS[0], TOOLS[0]])
