@@ -112,3 +112,43 @@ def test_lm_eval_through_the_server_equals_its_hf_backend(folder, tmp_path, monk
     gen = zip(ours["samples"]["colfunc_tiny_gen"], theirs["samples"]["colfunc_tiny_gen"])
     for a, b in gen:
         assert a["resps"] == b["resps"]
+
+
+def test_lm_eval_chat_generations_through_the_server_equal_its_hf_backend(
+    folder, tmp_path, monkeypatch
+) -> None:
+    """``local-chat-completions`` (the folder's chat template applied by the server) on the
+    ``generate_until`` task gives the generations of the ``hf`` backend applying the same
+    template."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root = _tasks(tmp_path)
+
+    def run(model: str, args: str) -> dict:
+        return lm_eval.simple_evaluate(
+            model=model, model_args=args, tasks=["colfunc_tiny_gen"],
+            task_manager=TaskManager(include_path=str(root)), log_samples=True, batch_size=1,
+            apply_chat_template=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+            fewshot_random_seed=0,
+        )  # fmt: skip
+
+    served = Served(folder)
+    try:
+        ours = run(
+            "local-chat-completions",
+            f"model={NAME},base_url={served.url}/v1/chat/completions,num_concurrent=1,"
+            "max_retries=1",
+        )
+    finally:
+        served.stop()
+    theirs = run("hf", f"pretrained={folder},dtype=float32,device=cpu,max_length=128")
+    pairs = zip(ours["samples"]["colfunc_tiny_gen"], theirs["samples"]["colfunc_tiny_gen"])
+    texts = []
+    for a, b in pairs:
+        assert a["resps"] == b["resps"]
+        texts.append(a["resps"][0][0])
+    assert sum(len(t) for t in texts) > 0, texts  # (something was generated)
+    assert ours["results"]["colfunc_tiny_gen"] == theirs["results"]["colfunc_tiny_gen"]
