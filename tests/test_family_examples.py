@@ -5,7 +5,8 @@ with ``save_pretrained``; the example config names the folder (``COLFUNC_HF_MODE
 as ``colfunc train`` loads it, shrunk by ``--set`` overrides, and trained for a few steps with its
 own ``parallel`` section (threads). The first validation loss equals ``transformers``' loss on the
 same tokens (so the folder's weights and tokenizer were read as they are), and training lowers
-the training loss.
+the training loss. Each folder is also served over HTTP (the app ``colfunc serve --hf`` runs):
+the openai client's greedy completions, streamed or not, are the engine's own.
 """
 
 from __future__ import annotations
@@ -113,3 +114,34 @@ def test_the_family_example_fine_tunes_a_local_folder(example, tmp_path, monkeyp
     want = cf.testing.hf_validation_loss(folder, cfg.data.batch_size, 32)
     assert val[0] == pytest.approx(want, abs=1e-4)
     assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_family_is_served_over_http(example, tmp_path) -> None:
+    """``colfunc serve --hf``'s app on each family's folder: the openai client's greedy
+    completion (text in, text out, through the folder's tokenizer) equals the engine's own, and
+    a streamed one equals it too."""
+    import openai
+    from test_server import NAME, Served
+
+    from colfunc import engines
+    from colfunc.inference import SamplingParams
+
+    config_class, extra = EXAMPLES[example]
+    folder = _folder(tmp_path / "model", config_class, extra)
+    want = (
+        engines.from_hf(folder)
+        .generate(["def main():"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
+    served = Served(folder)
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=NAME, prompt="def main():", max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+        assert client.completions.create(**kw).choices[0].text == want
+        stream = client.completions.create(**kw, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    finally:
+        served.stop()
