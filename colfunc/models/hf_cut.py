@@ -222,6 +222,21 @@ class _Slot(torch.nn.Module):
         return (out,) if box["tuple"] else out
 
 
+def _slotted(
+    model: Any, path: str, n: int, returns_tuple: bool, arch: str
+) -> tuple[Any, dict[str, Any]]:
+    """``model`` with its ``n`` decoder layers (at ``path``) replaced by :class:`_Slot`
+    stand-ins sharing one box: the real layers and the box."""
+    box: dict[str, Any] = {
+        "mode": "record", "calls": [], "last": n - 1, "tuple": returns_tuple, "arch": arch,
+    }  # fmt: skip
+    parent, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    real = getattr(owner, leaf)
+    setattr(owner, leaf, torch.nn.ModuleList([_Slot(i, box) for i in range(n)]))
+    return real, box
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     import transformers
@@ -370,20 +385,7 @@ def config_of(hf: Any) -> Config:
         if not nm.startswith(prefix) and nm not in aliases
     )
     # the probe: what each layer is called with, on meta tensors
-    box: dict[str, Any] = {
-        "mode": "record",
-        "calls": [],
-        "last": n - 1,
-        "tuple": False,
-        "arch": arch,
-    }
-    parent, _, leaf = path.rpartition(".")
-    real = getattr(model.get_submodule(parent) if parent else model, leaf)
-    setattr(
-        model.get_submodule(parent) if parent else model,
-        leaf,
-        torch.nn.ModuleList([_Slot(i, box) for i in range(n)]),
-    )
+    real, box = _slotted(model, path, n, False, arch)
     ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
     with _probing(arch, "its forward"), contextlib.suppress(Stop):
         model(input_ids=ids, use_cache=False)
@@ -439,18 +441,9 @@ class Runtime:
 
     def __init__(self, cfg: Config, device: torch.device) -> None:
         self.model = _buffers_to(copy.deepcopy(cfg.template), device)
-        parent, _, leaf = cfg.layers.rpartition(".")
-        owner = self.model.get_submodule(parent) if parent else self.model
-        self.layers = getattr(owner, leaf)
-        n = cfg.n_layer
-        self.box: dict[str, Any] = {
-            "mode": "record",
-            "calls": [],
-            "last": n - 1,
-            "tuple": cfg.returns_tuple,
-            "arch": cfg.architecture,
-        }
-        setattr(owner, leaf, torch.nn.ModuleList([_Slot(i, self.box) for i in range(n)]))
+        self.layers, self.box = _slotted(
+            self.model, cfg.layers, cfg.n_layer, cfg.returns_tuple, cfg.architecture
+        )
         self.training: bool | None = None
 
     def mode(self, training: bool) -> None:

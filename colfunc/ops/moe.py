@@ -124,17 +124,16 @@ def routed(
     order, as Switch Transformer and GShard rank them): each one's index into ``topi.reshape(-1)``
     and its token; each expert's number of them; and as a tensor, how many each expert runs.
     ``capacity > 0``: an expert runs at most ``ceil(capacity * N * K / E)`` choices, the rest
-    (the lowest in priority) are dropped: they follow every expert's rows, past ``sum(sizes)``."""
+    (the lowest in priority) are dropped: ``picks`` and ``tokens`` leave them out."""
     N, K = topi_NK.shape
     flat = topi_NK.t().reshape(-1)  # choice-major: q = j * N + t
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts)
-    if capacity > 0:  # the dropped choices moved to the end, past every expert's rows
+    if capacity > 0:  # each expert's choices past its capacity dropped
         cap = math.ceil(capacity * N * K / n_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
-        kept = rank < cap
-        order = torch.cat([order[kept], order[~kept]])
+        order = order[rank < cap]
         counts = counts.clamp(max=cap)
     tokens = order % N
     return tokens * K + order // N, tokens, counts.tolist(), counts
@@ -153,8 +152,6 @@ def _moe_plain(
     expert output, rows sorted by expert (M = N * K, less the dropped); and each expert's
     count of rows."""
     picks, tokens, sizes, counts = routed(topi_NK, w_gate_EDF.shape[0], capacity)
-    kept = sum(sizes)
-    picks, tokens = picks[:kept], tokens[:kept]
     x_MD = x_ND.index_select(0, tokens)
     a_MF = _grouped(x_MD, w_gate_EDF, sizes)
     b_MF = _grouped(x_MD, w_up_EDF, sizes)
@@ -162,7 +159,7 @@ def _moe_plain(
     y_MD = o_MD * topw_NK.reshape(-1).index_select(0, picks)[:, None].to(o_MD.dtype)
     y_ND = torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
     # (kept for the backward pass at the full N * K rows, the dropped ones zero: a fixed shape)
-    pad = topi_NK.numel() - kept
+    pad = topi_NK.numel() - picks.numel()
     a_MF, b_MF, o_MD = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
                         for t in (a_MF, b_MF, o_MD))  # fmt: skip
     return y_ND, a_MF, b_MF, o_MD, counts
@@ -212,8 +209,8 @@ def _moe_ffn_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the gradients of the forward's products (kept from the forward pass), written out
     picks, tokens, sizes, _ = routed(topi, w_gate.shape[0], capacity)
-    kept = sum(sizes)
-    picks, tokens, a_M, b_M, o_M = picks[:kept], tokens[:kept], a_M[:kept], b_M[:kept], o_M[:kept]
+    kept = picks.numel()  # (the kept products: the dropped rows past them are zeros)
+    a_M, b_M, o_M = a_M[:kept], b_M[:kept], o_M[:kept]
     x_M = x.index_select(0, tokens)
     sig = torch.sigmoid(a_M)
     s_M = a_M * sig
