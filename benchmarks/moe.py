@@ -14,13 +14,19 @@ grouped matmul against a loop over experts.
 - ``grouped``: ``ops.grouped_matmul`` (rows sorted by expert, one matmul per expert's block)
   against the loop over experts that selects each expert's rows by a mask, on 2048 tokens x 2
   choices, 8 experts, 256 -> 512; the median time ratio loop/grouped (goal: above 1).
+- ``ep``: expert parallelism on gloo, ``n`` = 2 and 4 ranks on one axis: the same Mixtral
+  (2 layers) trained with the axis as the batch axis (every rank every expert: ep=1, data
+  parallel) and as the expert axis (ep=n), steps interleaved in one launch; the median step time
+  ratio ep1/ep_n, and the bytes rank 0 sends per step by op (ledger), the ``all_to_all_v`` bytes
+  against the closed form from each rank's routed counts (:mod:`colfunc.sharding.rules.moe`).
 
-    python benchmarks/moe.py [--parts step,block,grouped] [--steps 5]
+    python benchmarks/moe.py [--parts step,block,grouped,ep] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Any
@@ -140,6 +146,64 @@ def grouped_part(reps: int = 7) -> None:
           f"(grouped {1e3 * statistics.median(times['grouped']):.1f} ms)")  # fmt: skip
 
 
+EP_SIZE = {**SIZE, "num_hidden_layers": 2}
+
+
+def _ep_rank(n: int, steps: int, mesh: cf.Mesh) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**EP_SIZE))
+    cfg, params = hf.from_hf(model)
+    loss, opt = models.mixtral.loss(cfg), optim.adamw(**HYPER)
+    built = {  # one axis "x": the batch axis (every rank every expert), or the expert axis
+        "ep1": cf.shard(cf.train_step(loss, opt), mesh, batch_axis="x"),
+        f"ep{n}": cf.shard(cf.train_step(loss, opt), mesh, batch_axis=None, expert_axis="x"),
+    }
+    states = {k: s.init(params) for k, s in built.items()}
+    g = torch.Generator().manual_seed(4)
+    times: dict[str, list[float]] = {k: [] for k in built}
+    sent: dict[str, dict[Any, int]] = {}
+    counts = torch.zeros(0)
+    for i in range(steps + 1):
+        ids = torch.randint(0, EP_SIZE["vocab_size"], (8, 128), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        if i == steps:  # each rank's routed counts for the last step, for the closed form
+            sown = cf.core.Sown()
+            with cf.core.context(sown):
+                built[f"ep{n}"].evaluate(states[f"ep{n}"], batch)
+            mine = torch.stack([v.to_local() for v in sown.values["expert_counts"]])
+            counts = cf.sharding.comm.all_gather(mine[None], "x", 0)  # [ranks, layers, E]
+        for k, step in built.items():
+            cf.sharding.comm.all_reduce(torch.zeros(1), "x")  # (start together)
+            with cf.sharding.recording(mesh) as led:
+                t0 = time.perf_counter()
+                states[k], _ = step(states[k], batch)
+                t = time.perf_counter() - t0
+            if i:
+                times[k].append(t)
+            sent[k] = led.as_dict()
+    me, per = mesh.axis_index("x"), EP_SIZE["num_local_experts"] // n
+    mine_e = slice(me * per, (me + 1) * per)
+    s = int(counts[me].sum()) - int(counts[me][:, mine_e].sum())  # rows out, all layers
+    r = int(counts[:, :, mine_e].sum()) - int(counts[me][:, mine_e].sum())  # rows in
+    formula = (s + r + 2 * s + r) * EP_SIZE["hidden_size"] * 4
+    return {"times": times, "sent": sent, "formula": formula}
+
+
+def ep_part(steps: int) -> None:
+    for n in (2, 4):
+        out = cf.launch(functools.partial(_ep_rank, n, steps), mesh={"x": n}, backend="gloo")
+        t = out[0]["times"]
+        ratio = [a / b for a, b in zip(t["ep1"], t[f"ep{n}"])]
+        ok = all(o["sent"][f"ep{n}"].get(("all_to_all_v", "x"), -1) == o["formula"] for o in out)
+        by_op = {
+            k: ", ".join(f"{op} {b / 2**20:.2f} MiB" for (op, _), b in sorted(v.items()))
+            for k, v in out[0]["sent"].items()
+        }
+        print(f"ep: {n} gloo ranks, ep1/ep{n} step time (median of {steps}) "
+              f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}); rank 0 sends "
+              f"{by_op}; all_to_all_v bytes = closed form on every rank: {ok}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,block,grouped")
@@ -153,6 +217,8 @@ def main() -> None:
         block_part()
     if "step" in args.parts:
         step_part(args.steps)
+    if "ep" in args.parts:
+        ep_part(args.steps)
 
 
 if __name__ == "__main__":

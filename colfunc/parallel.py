@@ -4,6 +4,8 @@
 
     parallel = dict(
         data=2,                                        # data-parallel ranks ("dp")
+        expert=2,                                      # experts split over "ep" (a mixture of
+                                                       # experts; "ep" splits the batch too)
         tensor=dict(size=2, sequence_parallel=True),   # or tensor=2 ("tp", the model's tp_plan);
                                                        # dict(mode="2d", size=4), "2.5d" with
                                                        # depth=, "3d" (colfunc.transforms.grid)
@@ -38,6 +40,11 @@ q², ``depth=`` d, over ``tp_dep`` x ``tp_row`` x ``tp_col``) or ``"3d"`` (N = q
 ``tp_y`` x ``tp_x``), with the model's plan for the mode (``model.tp_plans[MODE]``). ColossalAI's
 ``dict(mode='2.5d', depth=1, size=4)`` reads the same.
 
+``expert=N`` splits a mixture of experts' experts over an ``ep`` axis of ``N`` ranks
+(``shard(expert_axis="ep")``); each of them routes a share of the batch of its own, so the global
+batch splits over ``data * expert`` ranks. It composes with ``data``, ``tensor`` (1d), ``amp`` and
+``remat``.
+
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
 zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
 
@@ -60,6 +67,7 @@ __all__ = ["ParallelConfig", "build", "model_plan", "parse"]
 
 _KEYS = (
     "data",
+    "expert",
     "tensor",
     "sequence",
     "pipeline",
@@ -79,6 +87,7 @@ class ParallelConfig:
     """A validated ``parallel`` section (see the module docs)."""
 
     data: int = 1
+    expert: int = 1
     tensor: int = 1
     tensor_mode: str = "1d"
     tensor_depth: int | None = None
@@ -102,10 +111,19 @@ class ParallelConfig:
                 f"parallel: timeout must be a number of seconds > 0 (how long a collective waits "
                 f"for its group before failing with an error naming the rank), got {t!r}"
             )
-        for name in ("data", "tensor"):
+        for name in ("data", "expert", "tensor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
+        if self.expert > 1:
+            others = [k for k in ("pipeline", "zero", "offload") if getattr(self, k) is not None]
+            others += ["sequence"] if self.long_sequence or self.sequence_parallel else []
+            others += ["a 2d/2.5d/3d tensor mode"] if self.tensor_mode != "1d" else []
+            if others:
+                raise ValueError(
+                    f"parallel: expert={self.expert} composes with data, tensor (1d), amp and "
+                    f"remat, not with {others[0]}; remove one of them"
+                )
         self._check_tensor_mode()
         self._check_sequence()
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
@@ -202,10 +220,11 @@ class ParallelConfig:
         """ValueError unless ``batch_size`` (the global batch) splits over the data-parallel
         ranks and each rank's share into the pipeline's microbatches: a run checks it before
         it makes its folder, rather than failing at its first step."""
-        dp = self.data
+        dp = self.data * self.expert  # (each expert-parallel rank routes tokens of its own)
         if batch_size % dp:
+            what = f"data={self.data} x expert={self.expert}" if self.expert > 1 else f"data={dp}"
             raise ValueError(
-                f"data.batch_size={batch_size} is not divisible by parallel data={dp} (each "
+                f"data.batch_size={batch_size} is not divisible by parallel {what} (each "
                 f"data-parallel rank takes an equal share); use a multiple of {dp}"
             )
         m = int(self.pipeline.get("microbatches", self.stages)) if self.pipeline else 1
@@ -227,10 +246,10 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        """``{"dp": data, "pp": stages, "sp": sequence, "tp": tensor}``; ``pp`` and ``tp`` only
-        when above 1, ``sp`` (or ``sp_ring`` and ``sp_ulysses``) with a long-context mode; the
+        """``{"dp": data, "ep": expert, "pp": stages, "sp": sequence, "tp": tensor}``; ``ep``,
+        ``pp`` and ``tp`` only when above 1, ``sp`` (or ``sp_ring`` and ``sp_ulysses``) with a long-context mode; the
         tensor mode's axes in place of ``tp`` for 2D, 2.5D and 3D."""
-        shape = {"dp": self.data, "pp": self.stages}
+        shape = {"dp": self.data, "ep": self.expert, "pp": self.stages}
         if self.long_sequence and self.sequence_mode == "usp":
             u = self.sequence_ulysses
             if u is None:
@@ -283,7 +302,9 @@ def _parse(section: dict[str, Any]) -> ParallelConfig:
     if unknown:
         raise ValueError(f"parallel has unknown key {unknown[0]!r}; the keys are {list(_KEYS)}")
     kw: dict[str, Any] = {
-        k: section[k] for k in ("data", "pipeline", "remat", "backend", "timeout") if k in section
+        k: section[k]
+        for k in ("data", "expert", "pipeline", "remat", "backend", "timeout")
+        if k in section
     }
     tensor = section.get("tensor", 1)
     if isinstance(tensor, dict):
@@ -401,7 +422,7 @@ def build(step: Step, mesh: Mesh | None, pc: ParallelConfig, plan: dict[str, Any
     rank (or ``mesh=None``) places nothing: offload, amp and remat only."""
     from colfunc.transforms import amp, offload, remat
 
-    one_rank = pc.data == 1 and pc.tensor == 1 and pc.zero is None
+    one_rank = pc.data == 1 and pc.expert == 1 and pc.tensor == 1 and pc.zero is None
     if mesh is not None and not (pc.offload is not None and one_rank):
         step = _placed(step, mesh, pc, plan)
     if pc.offload is not None:  # over data, 1d tensor and zero only (parse refuses the rest)
@@ -428,7 +449,9 @@ def _placed(step: Step, mesh: Mesh, pc: ParallelConfig, plan: dict[str, Any] | N
     if pc.tensor_mode != "1d":
         step = shard(step, mesh, plan=plan, tensor_mode=pc.tensor_mode)
     else:
-        step = shard(step, mesh, plan=plan if pc.tensor > 1 else None, sequence_parallel=sp)
+        ep = "ep" if pc.expert > 1 else None
+        plan = plan if pc.tensor > 1 else None
+        step = shard(step, mesh, plan=plan, sequence_parallel=sp, expert_axis=ep)
     if pc.zero is not None:
         step = zero(step, pc.zero, prefetch=pc.zero_prefetch)
     return step

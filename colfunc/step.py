@@ -392,7 +392,8 @@ class Step:
             raise TypeError(
                 f"a Step takes the TrainState from step.init(params), got {type(state).__name__}"
             )
-        with core.context(core.StepRun(self.overlap_update)) as run:
+        sown = core.Sown()  # what the model reports (sow): expert counts
+        with core.context(core.StepRun(self.overlap_update)) as run, core.context(sown):
             try:
                 loss, grads = self.forward_backward(state.params, batch, state.extra)
                 grads = self.sync(grads)
@@ -400,7 +401,7 @@ class Step:
             finally:
                 run.complete()
         new_state = new_state._replace(step=state.step + 1, extra=dict(new_state.extra))
-        return self.finish(new_state), {"loss": loss, **info}
+        return self.finish(new_state), {"loss": loss, **info, **sown.stacked()}
 
     def evaluate(self, state: TrainState, batch: PyTree) -> dict[str, Any]:
         """The forward-only step: ``{"loss": loss}`` on ``batch``, no gradient, no update.

@@ -252,6 +252,7 @@ _TENSORBOARD_TAGS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
+    "expert_imbalance": "train/expert_imbalance",
 }
 
 
@@ -301,13 +302,19 @@ class _Log:
 def _interval_record(
     step: int, metrics: dict[str, Any], losses: list[torch.Tensor], tokens: int, seconds: float
 ) -> dict[str, Any]:
-    return {
+    record = {
         "step": step,
         "loss": float(torch.stack(losses).mean()),
         "lr": metrics["lr"],
         "grad_norm": float(metrics["grad_norm"]),
         "tokens_per_s": round(len(losses) * tokens / seconds, 1),
     }
+    counts = metrics.get("expert_counts")  # a mixture of experts: the last step's, per layer
+    if counts is not None:
+        record["expert_counts"] = counts.tolist()
+        per_layer = counts.double()  # (the busiest expert over the mean, in the worst layer)
+        record["expert_imbalance"] = float((per_layer.amax(1) / per_layer.mean(1)).max())
+    return record
 
 
 def _open_run(run_dir: Path, state: TrainState | None) -> list[dict[str, Any]]:

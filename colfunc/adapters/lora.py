@@ -495,6 +495,7 @@ def _wrap(loss_fn: Callable[..., Any], adapted: Adapted) -> Any:
             divisors=inner.divisors,
             sequence_dims=inner.sequence_dims,
             batch_sequence_dims=inner.batch_sequence_dims,
+            expert_dims=inner.expert_dims,
             xs=None if xs is None else (lambda p, b: xs(adapted.attach_top(p), b)),
         )
         wrapped.lora = adapted  # type: ignore[attr-defined]

@@ -47,6 +47,9 @@ frame                 pushed by                                    read by      
                                                                    each layer's chunks)
 ``DryRun``            :func:`colfunc.memory.predict`               ``offload`` (its state, pool and update:     call
                                                                    meta tensors, no kernels)
+``Sown``              ``Step.__call__`` (around its pieces)        :func:`sow` (model code: expert counts);     call
+                                                                   ``shard`` and the data-parallel layer make
+                                                                   each value whole and sum it over the batch
 ``Trace``             the user, around a step                      the pipeline runner (records its actions)    call
 ===================== ============================================ ============================================ =====
 """
@@ -61,6 +64,7 @@ from colfunc.core.frames import (
     NormReduction,
     PositionsInterceptor,
     ScanInterceptor,
+    Sown,
     SplitBackward,
     SplitSequence,
     StepRun,
@@ -70,6 +74,7 @@ from colfunc.core.frames import (
     loss_scale,
     positions,
     sequence_split,
+    sow,
 )
 from colfunc.core.partition import P, Plan
 from colfunc.core.scan import Layered, ScanBlock, layered, num_layers, scan_layers
@@ -89,6 +94,7 @@ __all__ = [
     "PositionsInterceptor",
     "ScanBlock",
     "ScanInterceptor",
+    "Sown",
     "SplitBackward",
     "SplitSequence",
     "StepRun",
@@ -104,4 +110,5 @@ __all__ = [
     "positions",
     "scan_layers",
     "sequence_split",
+    "sow",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from colfunc import torch_private
 from colfunc.core.stack import _STACK, _implements, innermost
 
 PyTree = Any
@@ -243,6 +244,9 @@ class LayerGrads:
     by (data parallelism's ``1/n`` of an average): :func:`loss_scale` includes it, so the
     backward pass is seeded with it and no pass over the gradients divides them afterwards.
 
+    ``wants``: the paths of the leaves to take (None: every differentiated one); expert
+    parallelism reduces its experts' gradients over other axes than the rest, apart.
+
     ``early(paths, n)``, called by a scan over ``n`` layers of the tracked leaves ``paths``,
     names the layers whose gradients the receiver wants the moment they exist (the default:
     all). Each of those gets a node of its own in the backward pass; the others are handed over
@@ -256,9 +260,11 @@ class LayerGrads:
         on_layer: Callable[[int, dict[str, Any], Mapping[str, torch.Tensor]], None],
         scale: float = 1.0,
         early: Callable[[tuple[str, ...], int], Collection[int]] | None = None,
+        wants: Collection[str] | None = None,
     ) -> None:
         if not scale > 0:
             raise ValueError(f"LayerGrads: scale must be > 0, got {scale!r}")
+        self.wants = None if wants is None else frozenset(wants)
         self.on_layer = on_layer
         self.scale = float(scale)
         self.early = early
@@ -266,8 +272,14 @@ class LayerGrads:
         self.handed: dict[str, torch.Tensor] = {}
 
     def track(self, leaves: Mapping[str, torch.Tensor]) -> None:
-        """Name the differentiated leaves (path -> tensor) whose layers' gradients to take."""
-        self.paths = {id(x): path for path, x in leaves.items() if x.requires_grad}
+        """Name the differentiated leaves (path -> tensor) whose layers' gradients to take
+        (those of ``wants``, when the receiver named some: the others' gradients are left to
+        the backward pass)."""
+        self.paths = {
+            id(x): path
+            for path, x in leaves.items()
+            if x.requires_grad and (self.wants is None or path in self.wants)
+        }
 
     def close(self) -> None:
         """Forget the receiver and what was handed. A receiver that keeps this frame (a bound
@@ -294,3 +306,36 @@ class WidenGrads:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+
+
+class Sown:
+    """A frame that collects what model code reports with :func:`sow` while a training step's
+    forward pass runs: per name, the values in call order (one per layer, for a report inside
+    :func:`scan_layers`), for the step's metrics. The transforms that split the batch make each
+    value whole and sum it over their ranks (:meth:`map`), so a reported value is a *sum*, such
+    as how many tokens each expert ran."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[torch.Tensor]] = {}
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], stacked: bool = False) -> None:
+        """Replace every value collected so far by ``fn`` of it (in name, then call order);
+        ``stacked``: ``fn`` of each name's values stacked (one call per name: a collective)."""
+        if not stacked:
+            self.values = {k: [fn(v) for v in vs] for k, vs in self.values.items()}
+            return
+        self.values = {k: list(fn(torch.stack(vs)).unbind()) for k, vs in self.values.items() if vs}
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """Per name, the values stacked in call order (``[calls, *shape]``)."""
+        return {k: torch.stack(vs) for k, vs in self.values.items() if vs}
+
+
+def sow(name: str, value: torch.Tensor) -> None:
+    """Report ``value`` (a sum, such as a count) under ``name`` to the training step's metrics
+    (flax's ``sow``): nothing outside a step, and nothing while autograd recomputes a forward
+    pass inside the backward pass (remat), so each value is reported once per step and call."""
+    frame = innermost(Sown)
+    if frame is None or torch_private.in_backward():
+        return
+    frame.values.setdefault(name, []).append(value.detach())

@@ -227,6 +227,7 @@ class Layered:
         sequence_dims: Mapping[str, int] | None = None,
         batch_sequence_dims: Mapping[str, int] | None = None,
         xs: Callable[[PyTree, PyTree], PyTree] | None = None,
+        expert_dims: Mapping[str, int] | None = None,
     ) -> None:
         for label, fn in (("pre", pre), ("block", block), ("post", post)):
             if not callable(fn):
@@ -252,6 +253,14 @@ class Layered:
                     f"got {path!r}: {dim!r}"
                 )
         self.batch_sequence_dims = bdims
+        edims = dict(expert_dims or {})
+        for path, dim in edims.items():
+            if not isinstance(path, str) or isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(
+                    f"layered: expert_dims maps parameter paths (str) to their expert dim (int), "
+                    f"got {path!r}: {dim!r}"
+                )
+        self.expert_dims = edims
 
     def __call__(self, params: PyTree, batch: PyTree) -> torch.Tensor:
         if self.xs is None:
@@ -295,6 +304,7 @@ def layered(
     sequence_dims: Mapping[str, int] | None = None,
     batch_sequence_dims: Mapping[str, int] | None = None,
     xs: Callable[[PyTree, PyTree], PyTree] | None = None,
+    expert_dims: Mapping[str, int] | None = None,
 ) -> Layered:
     """A loss function ``(params, batch) -> loss`` made of three pure parts.
 
@@ -320,6 +330,10 @@ def layered(
     (per-layer auxiliary losses, say). Under ``pipeline`` each stage takes its layers' rows of
     ``xs``, and the ``ys`` so far travel with the carry to the last stage.
 
+    ``expert_dims`` maps the paths of a mixture of experts' stacked expert weights to their
+    expert dim (``{"blocks.mlp.experts.w_gate": 1, ...}``): ``shard(expert_axis=...)`` splits
+    them there.
+
     Example:
         >>> loss = cf.layered(pre, block, post, sequence_dims={"h": 1})  # carry {"h", "cond"}
     """
@@ -332,4 +346,5 @@ def layered(
         sequence_dims=sequence_dims,
         batch_sequence_dims=batch_sequence_dims,
         xs=xs,
+        expert_dims=expert_dims,
     )

@@ -448,4 +448,7 @@ def loss(cfg: Config) -> Layered:
         divisors=divisors,
         sequence_dims={"h": 1},
         xs=xs,
+        expert_dims={f"blocks.mlp.experts.{w}": 1 for w in ("w_gate", "w_up", "w_down")}
+        if cfg.n_experts
+        else None,
     )

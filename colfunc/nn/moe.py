@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from colfunc import ops
+from colfunc import core, ops
 from colfunc.nn.dense import linear
 from colfunc.nn.feedforward import gated
 
@@ -84,6 +84,7 @@ def sparse_mlp(
         x_ND, r.topi, r.topw, ex["w_gate"], ex["w_up"], ex["w_down"], capacity_factor
     )
     r = r._replace(counts=counts)
+    core.sow("expert_counts", counts)  # (the step's metrics: each expert's choices, per layer)
     if "shared" in p:  # Qwen2-MoE: an expert every token runs, behind a sigmoid gate
         gate_N1 = torch.sigmoid(linear(x_ND, p["shared_gate"]))
         y_ND = y_ND + gate_N1 * gated(x_ND, p["shared"], torch.nn.functional.silu)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from colfunc import torch_private
 from colfunc.kernels import checks
 
-__all__ = ["grouped_matmul", "moe_ffn", "routed"]
+__all__ = ["experts_backward", "experts_forward", "grouped_matmul", "moe_ffn", "routed"]
 
 
 def _counts_list(counts: torch.Tensor | Sequence[int], n_rows: int, n_experts: int) -> list[int]:
@@ -153,16 +153,48 @@ def _moe_plain(
     count of rows."""
     picks, tokens, sizes, counts = routed(topi_NK, w_gate_EDF.shape[0], capacity)
     x_MD = x_ND.index_select(0, tokens)
-    a_MF = _grouped(x_MD, w_gate_EDF, sizes)
-    b_MF = _grouped(x_MD, w_up_EDF, sizes)
-    o_MD = _grouped(F.silu(a_MF) * b_MF, w_down_EFD, sizes)
-    y_MD = o_MD * topw_NK.reshape(-1).index_select(0, picks)[:, None].to(o_MD.dtype)
-    y_ND = torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
+    a_MF, b_MF, o_MD = experts_forward(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)
+    y_ND = weighted_sum(o_MD, x_ND, topw_NK, picks, tokens)
     # (kept for the backward pass at the full N * K rows, the dropped ones zero: a fixed shape)
-    pad = topi_NK.numel() - picks.numel()
-    a_MF, b_MF, o_MD = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-                        for t in (a_MF, b_MF, o_MD))  # fmt: skip
+    a_MF, b_MF, o_MD = (padded(t, topi_NK.numel()) for t in (a_MF, b_MF, o_MD))
     return y_ND, a_MF, b_MF, o_MD, counts
+
+
+def weighted_sum(
+    o_MD: torch.Tensor, x_ND: torch.Tensor, topw_NK: torch.Tensor, picks: torch.Tensor,
+    tokens: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Each token's kept choices' expert outputs ``o`` weighted by their routing weights and
+    summed (in ``x``'s dtype): ``[N, D]``."""
+    y_MD = o_MD * topw_NK.reshape(-1).index_select(0, picks)[:, None].to(o_MD.dtype)
+    return torch.zeros_like(x_ND).index_add_(0, tokens, y_MD.to(x_ND.dtype))
+
+
+def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows``."""
+    pad = rows - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def output_grads(
+    dy_ND: torch.Tensor, topw_NK: torch.Tensor, picks: torch.Tensor, tokens: torch.Tensor,
+    o_MD: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """From the tokens' output gradient, each kept choice's routing-weight gradient and its
+    expert output's gradient (in the experts' dtype)."""
+    g_M = topw_NK.reshape(-1).index_select(0, picks)
+    dy_MD = dy_ND.index_select(0, tokens).to(o_MD.dtype)
+    return (o_MD * dy_MD).sum(-1), dy_MD * g_M[:, None].to(o_MD.dtype)
+
+
+def input_grads(
+    dx_MD: torch.Tensor, dg_M: torch.Tensor, x_ND: torch.Tensor, topw_NK: torch.Tensor,
+    picks: torch.Tensor, tokens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The tokens' input gradient (each choice's rows summed) and the routing weights'."""
+    dx = torch.zeros_like(x_ND).index_add_(0, tokens, dx_MD.to(x_ND.dtype))
+    dtopw = torch.zeros(topw_NK.numel(), dtype=topw_NK.dtype, device=topw_NK.device)
+    return dx, dtopw.index_copy_(0, picks, dg_M.to(topw_NK.dtype)).reshape(topw_NK.shape)
 
 
 @torch.library.custom_op("colfunc::moe_ffn", mutates_args=())
@@ -211,25 +243,52 @@ def _moe_ffn_backward_op(
     picks, tokens, sizes, _ = routed(topi, w_gate.shape[0], capacity)
     kept = picks.numel()  # (the kept products: the dropped rows past them are zeros)
     a_M, b_M, o_M = a_M[:kept], b_M[:kept], o_M[:kept]
+    dg_M, do_M = output_grads(dy, topw, picks, tokens, o_M)
     x_M = x.index_select(0, tokens)
-    sig = torch.sigmoid(a_M)
-    s_M = a_M * sig
-    h_M = s_M * b_M
-    g_M = topw.reshape(-1).index_select(0, picks)
-    dy_M = dy.index_select(0, tokens).to(o_M.dtype)
-    dg_M = (o_M * dy_M).sum(-1)
-    do_M = dy_M * g_M[:, None].to(o_M.dtype)
-    dh_M = _grouped(do_M, w_down.transpose(1, 2), sizes)
-    db_M = dh_M * s_M
-    da_M = dh_M * b_M * sig * (1 + a_M * (1 - sig))
-    dx_M = _grouped(da_M, w_gate.transpose(1, 2), sizes) + _grouped(
-        db_M, w_up.transpose(1, 2), sizes
+    dx_M, dwg, dwu, dwd = experts_backward(x_M, do_M, w_gate, w_up, w_down, sizes, a_M, b_M)
+    dx, dtopw = input_grads(dx_M, dg_M, x, topw, picks, tokens)
+    return dx, dtopw, dwg, dwu, dwd
+
+
+def experts_forward(
+    x_MD: torch.Tensor,
+    w_gate_EDF: torch.Tensor,
+    w_up_EDF: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+    sizes: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' SwiGLU of rows sorted by expert (``sizes[e]`` rows of expert ``e``): the
+    gate and up products and each row's output."""
+    a_MF = _grouped(x_MD, w_gate_EDF, sizes)
+    b_MF = _grouped(x_MD, w_up_EDF, sizes)
+    return a_MF, b_MF, _grouped(F.silu(a_MF) * b_MF, w_down_EFD, sizes)
+
+
+def experts_backward(
+    x_MD: torch.Tensor,
+    do_MD: torch.Tensor,
+    w_gate_EDF: torch.Tensor,
+    w_up_EDF: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+    sizes: list[int],
+    a_MF: torch.Tensor,
+    b_MF: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`experts_forward`'s backward, written out: from the rows' output gradients
+    ``do`` (and the gate and up products it kept), the rows' input gradients and each expert's
+    weight gradients."""
+    sig = torch.sigmoid(a_MF)
+    s_MF = a_MF * sig
+    h_MF = s_MF * b_MF
+    dh_MF = _grouped(do_MD, w_down_EFD.transpose(1, 2), sizes)
+    db_MF = dh_MF * s_MF
+    da_MF = dh_MF * b_MF * sig * (1 + a_MF * (1 - sig))
+    dx_MD = _grouped(da_MF, w_gate_EDF.transpose(1, 2), sizes) + _grouped(
+        db_MF, w_up_EDF.transpose(1, 2), sizes
     )
-    dx = torch.zeros_like(x).index_add_(0, tokens, dx_M.to(x.dtype))
-    dtopw = torch.zeros(topw.numel(), dtype=topw.dtype, device=topw.device)
-    dtopw = dtopw.index_copy_(0, picks, dg_M.to(topw.dtype)).reshape(topw.shape)
-    return (dx, dtopw, _weight_grads(x_M, da_M, sizes, w_gate),
-            _weight_grads(x_M, db_M, sizes, w_up), _weight_grads(h_M, do_M, sizes, w_down))  # fmt: skip
+    return (dx_MD, _weight_grads(x_MD, da_MF, sizes, w_gate_EDF),
+            _weight_grads(x_MD, db_MF, sizes, w_up_EDF),
+            _weight_grads(h_MF, do_MD, sizes, w_down_EFD))  # fmt: skip
 
 
 def _weight_grads(

@@ -18,6 +18,7 @@ forward                            backward
 ``all_gather(dim)``                ``reduce_scatter(sum, dim)``
 ``reduce_scatter(sum|avg, dim)``   ``all_gather(dim)`` (divided by n for avg)
 ``all_to_all(split, concat)``      ``all_to_all(concat, split)``
+``all_to_all_v(send, recv)``       ``all_to_all_v(recv, send)``
 ``ppermute(perm)``                 ``ppermute`` by the inverse permutation
 ``broadcast(src)``                 sum of the grads into ``src``, zeros elsewhere
 ``reduce(dst)``                    ``broadcast(dst)`` of the grad
@@ -37,6 +38,7 @@ import torch
 from colfunc import torch_private
 from colfunc.sharding.ledger import ring_bytes
 from colfunc.sharding.mesh import Axes, Mesh, current_mesh
+from colfunc.sharding.p2p import recv, send
 from colfunc.sharding.world import Call, combine
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_async",
     "all_to_all",
+    "all_to_all_v",
     "broadcast",
     "ppermute",
     "ppermute_async",
@@ -65,7 +68,10 @@ def _record(mesh: Mesh, call: Call, x: torch.Tensor) -> None:
     if led.enabled:
         index = call.group.index(mesh.rank)
         nbytes = x.numel() * x.element_size()
-        if call.op == "all_gather":
+        if call.op == "all_to_all_v":  # the rows sent to the others, exactly
+            sent = sum(c for j, c in enumerate(call.sizes[0]) if j != index)
+            nbytes = sent * _row_bytes(x)
+        elif call.op == "all_gather":
             nbytes *= n
         sends = True
         if call.op == "broadcast":
@@ -75,7 +81,17 @@ def _record(mesh: Mesh, call: Call, x: torch.Tensor) -> None:
         elif call.op == "ppermute":
             sends = any(s == index != d for s, d in call.perm)
         axis: Any = call.axis[0] if len(call.axis) == 1 else call.axis
-        led.record(call.op, axis, ring_bytes(call.op, nbytes, n, sends=sends))
+        if call.op != "all_to_all_v":
+            nbytes = ring_bytes(call.op, nbytes, n, sends=sends)
+        led.record(call.op, axis, nbytes)
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    """The bytes of one row (along dim 0) of ``x``."""
+    n = 1
+    for d in x.shape[1:]:
+        n *= d
+    return n * x.element_size()
 
 
 def _world(mesh: Mesh, call: Call, x: torch.Tensor) -> Any:
@@ -212,6 +228,27 @@ class _AllToAll(_Collective):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         gx = all_to_all(g, ctx.axes, ctx.concat_dim, ctx.split_dim, ctx.mesh)
+        return gx, None, None, None, None
+
+
+class _AllToAllV(_Collective):
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        mesh: Mesh,
+        axes: tuple[str, ...],
+        send: tuple[int, ...],
+        recv: tuple[int, ...],
+    ) -> torch.Tensor:
+        return _run(mesh, _group_call(mesh, "all_to_all_v", axes, sizes=(send, recv)), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.axes, ctx.send, ctx.recv = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        gx = _AllToAllV.apply(g.contiguous(), ctx.mesh, ctx.axes, ctx.recv, ctx.send)
         return gx, None, None, None, None
 
 
@@ -406,6 +443,54 @@ def all_to_all(
     return _AllToAll.apply(x, mesh, axes, split_dim, concat_dim)
 
 
+def all_to_all_v(
+    x: torch.Tensor,
+    axis: Axes,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """The all-to-all of rows in sizes of each rank's choosing (MPI's ``alltoallv``): the first
+    ``send_sizes[0]`` rows of ``x`` (along dim 0) go to group member 0, the next
+    ``send_sizes[1]`` to member 1, and so on; the result is the rows received, concatenated in
+    sender order. ``recv_sizes[j]`` is how many rows member ``j`` sends this rank; when None it
+    is learned first, by an ``all_to_all`` of the sizes (one int64 per member). The other dims
+    must agree across the group. Expert parallelism sends each token to its experts' ranks with
+    it. The ledger counts the rows this rank sends to the others, exactly (op ``all_to_all_v``).
+    """
+    mesh, axes = _prepare(x, axis, mesh, "all_to_all_v")
+    n = mesh.axis_size(axes)
+    if x.dim() == 0:
+        raise ValueError("all_to_all_v: x must have at least one dim (its rows are sent)")
+    send = _sizes(send_sizes, n, axis, "send_sizes")
+    if sum(send) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all_v: send_sizes {list(send)} add up to {sum(send)} rows, but x has "
+            f"{x.shape[0]} (shape {tuple(x.shape)})"
+        )
+    if recv_sizes is None:
+        got = all_to_all(torch.tensor(send, dtype=torch.int64, device=x.device), axes, 0, 0, mesh)
+        recv = tuple(int(c) for c in got.tolist())
+    else:
+        recv = _sizes(recv_sizes, n, axis, "recv_sizes")
+    return _AllToAllV.apply(x, mesh, axes, send, recv)
+
+
+def _sizes(sizes: Any, n: int, axis: Axes, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(c) for c in sizes)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"all_to_all_v: {what} must be a sequence of {n} row counts; got {sizes!r}"
+        ) from None
+    if len(out) != n or any(c < 0 for c in out):
+        raise ValueError(
+            f"all_to_all_v: {what} must hold {n} counts >= 0 (one per member of axis "
+            f"{axis!r}); got {list(out)}"
+        )
+    return out
+
+
 def _perm_pairs(perm: Any, n: int, axis: Axes, name: str) -> tuple[tuple[int, int], ...]:
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
@@ -475,70 +560,3 @@ def reduce(x: torch.Tensor, axis: Axes, dst: int = 0, mesh: Mesh | None = None) 
     mesh, axes = _prepare(x, axis, mesh, "reduce")
     _group_index(dst, mesh.axis_size(axes), axis, "reduce", "dst")
     return _Reduce.apply(x, mesh, axes, dst)
-
-
-# --- point to point (not differentiable: a pipeline schedule drives its own backward) ----------
-
-
-def _peer(mesh: Mesh, axes: tuple[str, ...], index: Any, name: str, what: str) -> int:
-    group = mesh.group_ranks(axes)
-    if mesh.world is None:
-        raise RuntimeError(
-            f"{name} on {mesh!r}: this mesh has no backend world; run the code under "
-            "colfunc.sharding.launch(fn, mesh=...)"
-        )
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(group):
-        raise ValueError(
-            f"{name}: {what}={index!r} is not a group index in [0, {len(group)}) of axis {axes!r}"
-        )
-    if group[index] == mesh.rank:
-        raise ValueError(f"{name}: {what}={index} is this rank itself; keep the tensor instead")
-    return group[index]
-
-
-def _tag(tag: Any, name: str) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"{name}: tag must be an int >= 0, got {tag!r}")
-    return tag
-
-
-def send(x: torch.Tensor, axis: Axes, dst: int, *, tag: int = 0, mesh: Mesh | None = None) -> Any:
-    """Send ``x`` to group index ``dst`` of ``axis`` without waiting for the receiver.
-
-    Returns a request whose ``wait()`` returns once ``x`` may be modified again (on the threads
-    backend at once: the message is a copy). The receiver calls :func:`recv` with the same
-    ``tag``; messages between two ranks are matched by tag, so each (sender, receiver, tag) is
-    used once at a time. The ledger counts the tensor's bytes as op ``"send"``.
-    """
-    mesh, axes = _prepare(x, axis, mesh, "send")
-    peer = _peer(mesh, axes, dst, "send", "dst")
-    tag = _tag(tag, "send")
-    if mesh.ledger.enabled:
-        mesh.ledger.record(
-            "send", axes[0] if len(axes) == 1 else axes, x.numel() * x.element_size()
-        )
-    return mesh.world.send(mesh.rank, peer, x.detach(), tag)
-
-
-def recv(
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    axis: Axes,
-    src: int,
-    *,
-    tag: int = 0,
-    device: torch.device | str | None = None,
-    mesh: Mesh | None = None,
-) -> Any:
-    """Start receiving the tensor that group index ``src`` of ``axis`` sends with ``tag``.
-
-    Returns a request whose ``wait()`` returns the tensor, a new one. Posting the receive early
-    lets the transfer run while this rank computes. ``shape`` and ``dtype`` must be those sent:
-    a different one raises on the threads backend (``CollectiveMismatchError`` naming both ranks)
-    and is undefined on the others.
-    """
-    mesh = mesh if mesh is not None else current_mesh()
-    axes = mesh.axes(axis)
-    peer = _peer(mesh, axes, src, "recv", "src")
-    shape = tuple(int(n) for n in shape)
-    return mesh.world.recv(mesh.rank, peer, shape, dtype, _tag(tag, "recv"), device)

@@ -9,6 +9,7 @@ all_gather        ``(n-1)/n * S``, S = the gathered (output) tensor: each rank f
 reduce_scatter    ``(n-1)/n * S``, S = the input tensor (n chunks, n-1 of them sent).
 all_reduce        ``2 * (n-1)/n * S`` (a reduce_scatter then an all_gather), floored.
 all_to_all        ``(n-1)/n * S``, S = the input: every chunk but the one kept goes out.
+all_to_all_v      the bytes of the rows sent to the other members (each rank's own sizes).
 broadcast         ``S`` on every rank but the one just before ``src`` on the ring: the
                   pipelined chain broadcast src -> src+1 -> ... (total (n-1) * S).
 reduce            ``S`` on every rank but ``dst``: the chain reduce towards dst, each rank

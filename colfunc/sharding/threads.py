@@ -95,8 +95,9 @@ class ThreadWorld:
 
         xs = [rnd.calls[r][1] for r in call.group]
         xs = [t if t.device == x.device else t.to(x.device) for t in xs]
+        sends = [rnd.calls[r][0].sizes[0] for r in call.group]
         try:
-            return combine(call, xs, call.group.index(rank))
+            return combine(call, xs, call.group.index(rank), sends)
         finally:
             # no reference to another rank's input outlives the round on this thread, nor one
             # to this rank's in the round: each input is freed when its own rank drops it, so
@@ -325,7 +326,8 @@ class _Receive:
 def _mismatch(
     key: tuple[int, ...], calls: Mapping[int, tuple[Call, torch.Tensor]]
 ) -> _Error | None:
-    sigs = {(c, tuple(x.shape), x.dtype) for c, x in calls.values()}
+    # (all_to_all_v's rows differ from rank to rank: only the shape of a row must agree)
+    sigs = {(c, tuple(x.shape[c.op == "all_to_all_v" :]), x.dtype) for c, x in calls.values()}
     if len(sigs) == 1:
         return None
     lines = "; ".join(f"rank {r} called {c.describe(x)}" for r, (c, x) in sorted(calls.items()))

@@ -156,6 +156,11 @@ class TorchWorld:
             _all_gather_single(out, x.contiguous(), group=pg)
             d = call.dim
             return out.view(n, *x.shape).movedim(0, d).flatten(d, d + 1) if d else out
+        if op == "all_to_all_v":
+            send, recv = call.sizes
+            out = x.new_empty((sum(recv), *x.shape[1:]))
+            dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg)
+            return out
         if op in ("reduce_scatter", "all_to_all"):
             d = call.dim if op == "reduce_scatter" else call.split_dim
             c = x.shape[d] // n

@@ -26,6 +26,7 @@ _ARGS = {
     "all_gather": ("dim",),
     "reduce_scatter": ("reduce", "dim"),
     "all_to_all": ("split_dim", "concat_dim"),
+    "all_to_all_v": (),
     "ppermute": ("perm",),
     "broadcast": ("root",),
 }
@@ -38,8 +39,10 @@ class Call:
     ``group`` is the ordered tuple of global ranks (group index = position); ``reduce`` is
     ``"sum"|"max"|"min"`` (``avg`` is a sum divided in ``comm``); ``dim``, ``split_dim`` and
     ``concat_dim`` are non-negative tensor dims; ``perm`` holds ``(src_index, dst_index)`` pairs;
-    ``root`` is the group index of broadcast's source or reduce's destination. Fields an op does
-    not use keep their defaults, so two calls agree exactly when they are equal.
+    ``root`` is the group index of broadcast's source or reduce's destination; ``sizes`` is
+    ``all_to_all_v``'s ``(send, recv)`` row counts per member, which differ from rank to rank and
+    so take no part in comparing calls. Fields an op does not use keep their defaults, so two
+    calls agree exactly when they are equal.
     """
 
     op: str
@@ -51,6 +54,9 @@ class Call:
     concat_dim: int = 0
     perm: tuple[tuple[int, int], ...] = ()
     root: int = 0
+    sizes: tuple[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
+        default=((), ()), compare=False
+    )
 
     def describe(self, x: torch.Tensor | None = None) -> str:
         """``all_gather(axis='tp', dim=0, shape=(2, 3), dtype=float32)``, for error messages."""
@@ -58,7 +64,11 @@ class Call:
         args = [f"axis={axis!r}"]
         for f in _ARGS.get(self.op, ()):
             args.append(f"{'op' if f == 'reduce' else f}={getattr(self, f)!r}")
-        if x is not None:
+        if x is not None and self.op == "all_to_all_v":  # (the rows differ from rank to rank)
+            args.append(
+                f"row shape={tuple(x.shape[1:])}, dtype={str(x.dtype).removeprefix('torch.')}"
+            )
+        elif x is not None:
             args.append(f"shape={tuple(x.shape)}, dtype={str(x.dtype).removeprefix('torch.')}")
         return f"{self.op}({', '.join(args)})"
 
@@ -108,8 +118,14 @@ def _pieces(xs: Sequence[torch.Tensor], dim: int, start: int, size: int) -> list
         return [x.narrow(dim, start, size) for x in xs]
 
 
-def combine(call: Call, xs: Sequence[torch.Tensor], index: int) -> torch.Tensor:
-    """The result of ``call`` on group member ``index``, from every member's input in group order.
+def combine(
+    call: Call,
+    xs: Sequence[torch.Tensor],
+    index: int,
+    sends: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """The result of ``call`` on group member ``index``, from every member's input in group order
+    (and for ``all_to_all_v`` every member's send sizes, its own call's for a group of one).
 
     The plain definition of each collective, reducing in group order (so the result does not
     depend on timing); the threads backend runs it, and ``comm`` runs it for groups of one.
@@ -139,6 +155,13 @@ def combine(call: Call, xs: Sequence[torch.Tensor], index: int) -> torch.Tensor:
     if op == "all_to_all":
         c = xs[0].shape[call.split_dim] // n
         return torch.cat(_pieces(xs, call.split_dim, index * c, c), call.concat_dim)
+    if op == "all_to_all_v":
+        sends = sends if sends is not None else [call.sizes[0]]
+        rows = []
+        for x, sent in zip(xs, sends):
+            start = sum(sent[:index])
+            rows.extend(_pieces([x], 0, start, sent[index]))
+        return torch.cat(rows).clone(memory_format=torch.contiguous_format)
     if op == "ppermute":
         for s, d in call.perm:
             if d == index:

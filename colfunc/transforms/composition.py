@@ -95,6 +95,14 @@ class Composition:
                     f"composes with shard (data and 1D tensor parallel), zero (stages 0-3), amp, "
                     f"remat and optimizer wrappers (optim.accumulate)"
                 )
+        sh = self.shard
+        if sh is not None and sh.expert_axis is not None:
+            others = [n for n in ("pipeline", "zero", "offload") if getattr(self, n) is not None]
+            if others:
+                raise ValueError(
+                    f"shard: expert_axis={sh.expert_axis!r} composes with data and 1D tensor "
+                    f"parallelism, amp, remat and frozen parameters; not with {others[0]}"
+                )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh
             if self.zero.axis not in mesh.axis_names:

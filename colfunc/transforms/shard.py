@@ -224,6 +224,7 @@ class ShardConfig:
     bucket_mb: float = 25.0
     overlap: bool = True
     tensor_mode: str = "1d"
+    expert_axis: str | None = None
 
     def __post_init__(self) -> None:
         mesh = self.mesh
@@ -255,6 +256,7 @@ class ShardConfig:
             raise ValueError(f"shard: bucket_mb must be a number > 0 (megabytes), got {b!r}")
         self._check_tensor_mode(mode)
         object.__setattr__(self, "plan", _check_plan(self.plan, mesh))
+        self._check_expert_axis(mode)
         if mode in LONG_MODES:
             layout = SequenceLayout.make(mode, mesh, self.sequence_axis)
             clash = sorted(set(layout.axes) & ({self.batch_axis} | _plan_axes(self.plan)))
@@ -268,6 +270,28 @@ class ShardConfig:
                 f"shard: sequence_axis={self.sequence_axis!r} is for the long-context modes "
                 f"{LONG_MODES}; sequence_parallel={self.sequence_parallel!r} uses the "
                 "tensor-parallel axis"
+            )
+
+    def _check_expert_axis(self, sequence_mode: str | None) -> None:
+        ep = self.expert_axis
+        if ep is None:
+            return
+        mesh = self.mesh
+        if not isinstance(ep, str) or ep not in mesh.axis_names:
+            raise ValueError(
+                f"shard: expert_axis {ep!r} is not a mesh axis; mesh axes are {mesh.axis_names} "
+                "(add one, e.g. mesh={'dp': 2, 'ep': 2})"
+            )
+        if ep == self.batch_axis or ep in _plan_axes(self.plan):
+            what = "the batch axis" if ep == self.batch_axis else "an axis of the plan"
+            raise ValueError(
+                f"shard: expert_axis {ep!r} is also {what}; give expert parallelism an axis of "
+                "its own (it splits the batch too, beside the data-parallel axis)"
+            )
+        if self.tensor_mode != "1d" or sequence_mode is not None:
+            raise ValueError(
+                f"shard: expert_axis composes with data and 1D tensor parallelism; not with "
+                f"tensor_mode={self.tensor_mode!r} or sequence_parallel={self.sequence_parallel!r}"
             )
 
     def _check_tensor_mode(self, sequence_mode: str | None) -> None:
@@ -321,6 +345,18 @@ class ShardConfig:
         return a if a is not None and self.mesh.axis_size(a) > 1 else None
 
     @property
+    def expert_ranks(self) -> str | None:
+        """The expert axis when it has more than one rank (None: every rank all experts)."""
+        a = self.expert_axis
+        return a if a is not None and self.mesh.axis_size(a) > 1 else None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: the data-parallel axis and the expert axis (each
+        rank of which routes tokens of its own), those with more than one rank."""
+        return tuple(a for a in (self.data_axis, self.expert_ranks) if a is not None)
+
+    @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
 
@@ -339,6 +375,7 @@ def shard(
     bucket_mb: float = 25.0,
     overlap: bool = True,
     tensor_mode: str = "1d",
+    expert_axis: str | None = None,
 ) -> Step:
     """Data parallel over ``batch_axis`` and tensor parallel by ``plan``; see the module docs.
 
@@ -358,6 +395,13 @@ def shard(
     weights through the mode's matmul; ``plan`` is then the model's plan for the mode
     (``gpt.tp_plans["2d"]``). See :mod:`colfunc.transforms.grid`.
 
+    ``expert_axis``: expert parallelism for a mixture of experts (a model whose loss names its
+    ``expert_dims``): each expert weight is split over this axis on its expert dim, and the axis
+    splits the batch too (beside ``batch_axis``): each rank routes its own tokens, sends them to
+    their experts' ranks and receives the outputs (see :mod:`colfunc.sharding.rules.moe`). The
+    experts' gradients are then complete over the axis and are averaged over ``batch_axis``
+    only; every other gradient over both.
+
     Example:
         >>> def main(mesh):
         ...     s = cf.shard(cf.train_step(gpt.loss(cfg), optim.adamw(3e-4)), mesh, gpt.tp_plan)
@@ -374,8 +418,50 @@ def shard(
         bucket_mb=bucket_mb,
         overlap=overlap,
         tensor_mode=tensor_mode,
+        expert_axis=expert_axis,
     )
     return apply_transform(step, "shard", config)
+
+
+def _expert_dims(loss_fn: Any, axis: str | None) -> dict[str, int]:
+    """The model's expert weights and their expert dims, when ``axis`` splits them."""
+    if axis is None:
+        return {}
+    dims = dict(getattr(loss_fn, "expert_dims", None) or {})
+    if not dims:
+        raise ValueError(
+            f"shard: expert_axis={axis!r}, but {getattr(loss_fn, 'name', 'the model')} has no "
+            "experts (its loss names no expert_dims); drop expert_axis"
+        )
+    return dims
+
+
+def _with_experts(
+    plan: dict[str, P], experts: dict[str, int], axis: str | None, params: PyTree, mesh: Mesh
+) -> Plan:
+    """``plan`` with each expert weight also split over ``axis`` on its expert dim."""
+    assert axis is not None
+    n = mesh.axis_size(axis)
+    shapes = {p: tuple(x.shape) for p, x in tree.flatten_with_paths(params)[0]}
+    entries: dict[str, P] = {}
+    for path, dim in experts.items():
+        if path not in shapes:
+            continue  # (a frozen or absent leaf of another config)
+        count = shapes[path][dim]
+        if count % n:
+            raise ValueError(
+                f"shard: the {count} experts of {path} do not split evenly over expert_axis "
+                f"{axis!r} of size {n}; use an expert axis size that divides {count}"
+            )
+        base = next((s for pat, s in plan.items() if tree.match(pat, path)), P())
+        dims: list[Any] = list(base) + [None] * max(0, dim + 1 - len(base))
+        have = dims[dim]
+        dims[dim] = (
+            axis if have is None else (axis, *(have if isinstance(have, tuple) else (have,)))
+        )
+        entries[path] = P(*dims)
+    optional: frozenset[str] = getattr(plan, "optional", frozenset())
+    return Plan({**entries, **plan}, optional)
 
 
 def _plan_axes(plan: dict[str, P]) -> set[str]:
@@ -423,7 +509,8 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
     # their norms add up; otherwise the update runs on the local pieces of sharded tensors
     chunked = comp.zero is not None and comp.zero.stage >= 1
     long_seq = cfg.sequence_layout
-    sharded = bool(plan_) or long_seq is not None
+    experts = _expert_dims(step.loss_fn, cfg.expert_axis)
+    sharded = bool(plan_) or long_seq is not None or bool(experts)
     update = local_update(step.update, mesh) if sharded and not chunked else step.update
     # plain data parallelism keeps its stacked weights in matmul order in its flat buffers (see
     # matmul_order); elsewhere (sharded, chunked, offloaded, pipelined) they stay row-major
@@ -437,6 +524,8 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         # adapters (cf.lora) placed to match their weights
         sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
         plan = plan_ if adapted is None else adapted.plan(plan_, inner, cfg.tensor_mode, sizes)
+        if experts:
+            plan = _with_experts(plan, experts, cfg.expert_axis, inner, mesh)
         placed = place(inner, plan, mesh, sharded=split_acts, layout=grid_layout)
         return matmul_order(placed) if reorder else placed
 
@@ -475,6 +564,9 @@ def _build(step: Step, cfg: ShardConfig, comp: Composition) -> Step:
         with contextlib.ExitStack() as stack:
             frames(stack, long_frame)
             loss, grads = inner_fb(params, local_batch, extra)
+        sown = core.innermost(core.Sown)
+        if sown is not None:  # the model's reports, whole on every rank
+            sown.map(as_full)
         if reduction is None:  # gradients take their parameter's placements (a rule may leave
             # one Partial); the data-parallel layer does it where it reduces
             grads = tree.map(in_placement, grads, step.trainable_part(params))

@@ -1,11 +1,13 @@
-"""Reductions: sum, mean, amax/max (over dims or everything), max/min over one dim and top-k.
+"""Reductions: sum, mean, amax/max (over dims or everything), logsumexp, max/min over one dim
+and top-k.
 
 A split dim that is reduced leaves a Partial: each rank reduces its chunk, and the pieces
 combine by the reduction (sum for sum and mean, max for max). A split dim that is kept stays
 split (renumbered when dims are dropped). A Partial input passes through a reduction that
 commutes with it (sums and means of Partial sums or averages, max of Partial max); otherwise it
 is reduced first. ``max.dim`` and ``min.dim`` also return indices, which a chunk cannot know, so
-their reduced dim is gathered.
+their reduced dim is gathered; so is logsumexp's (a router's z-loss reduces over the experts,
+which no layout splits).
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def amax(x: Spec, dim: Any = (), keepdim: bool = False) -> OpSharding:
     dims = _dims(x, dim)
     ins, outs = _place(x, dims, keepdim, "max")
     return OpSharding(outputs=outs, inputs=[ins], compute=_amax_local(dims, keepdim))
+
+
+@rule(aten.logsumexp)
+def logsumexp(x: Spec, dim: Any, keepdim: bool = False) -> OpSharding:
+    ins, outs = _place(x, _dims(x, dim), keepdim, None)
+    return OpSharding(outputs=outs, inputs=[ins])
 
 
 @rule(aten.max.default)

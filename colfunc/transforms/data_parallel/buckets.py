@@ -23,6 +23,7 @@ import torch
 
 from colfunc import core, torch_private, tree
 from colfunc.sharding import Mesh, comm
+from colfunc.sharding.mesh import Axes
 from colfunc.transforms.data_parallel import grad_layout
 from colfunc.transforms.data_parallel.grad_layout import (
     BufferPool,
@@ -50,7 +51,7 @@ LOSS = "\x00loss"  # the path of the loss's slot in a buffer (no parameter's pat
 
 
 def all_reduce_buckets(
-    xs: list[torch.Tensor], axis: str, mesh: Mesh, op: str = "avg"
+    xs: list[torch.Tensor], axis: Axes, mesh: Mesh, op: str = "avg"
 ) -> list[torch.Tensor]:
     """``all_reduce`` of many tensors over ``axis`` now, in the buckets of :class:`PackedBuckets`."""
     buckets = PackedBuckets(mesh, axis, BUCKET_BYTES, op=op)
@@ -60,7 +61,7 @@ def all_reduce_buckets(
     return [got[k][0] for k in range(len(xs))]
 
 
-def all_reduce_tree(grads: PyTree, axis: str, mesh: Mesh) -> PyTree:
+def all_reduce_tree(grads: PyTree, axis: Axes, mesh: Mesh) -> PyTree:
     """Every gradient of ``grads`` averaged over ``axis`` (after the backward pass), local
     pieces of tensor-parallel ones included."""
     flat, treedef = tree.flatten_with_paths(grads)
@@ -85,7 +86,7 @@ class PackedBuckets:
     :class:`~colfunc.core.WidenGrads` names, as they would be if widened first.
     """
 
-    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int, op: str = "avg") -> None:
+    def __init__(self, mesh: Mesh, axis: Axes, bucket_bytes: int, op: str = "avg") -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
         self.limit = min(grad_layout.FIRST_BUCKET_BYTES, bucket_bytes)
         self.wide = _wide_dtype()
@@ -173,7 +174,8 @@ class GradBuckets:
     strided, its rows contiguous): no pass packs buckets and none copies results back. With
     ``early=False`` (``shard(overlap=False)``) every bucket starts in :meth:`finish`: the same
     buffers and the same sums, after the backward pass. The buffers come from ``pool`` when one is
-    given.
+    given. With ``only_own`` the frame takes the layers' gradients of ``params``' leaves only,
+    leaving the others' (experts, reduced over other axes) to the backward pass.
 
     A layer scanned twice contributes twice, and a stacked parameter also used outside the scan
     has that part reduced at the end: what arrives after its bucket has started is reduced apart
@@ -183,7 +185,7 @@ class GradBuckets:
     def __init__(
         self,
         mesh: Mesh,
-        axis: str,
+        axis: Axes,
         bucket_bytes: int,
         params: PyTree,
         op: str = "avg",
@@ -191,6 +193,7 @@ class GradBuckets:
         carry_loss: bool = False,
         pool: BufferPool | None = None,
         early: bool = True,
+        only_own: bool = False,
     ) -> None:
         self.mesh, self.axis, self.bucket_bytes, self.op = mesh, axis, bucket_bytes, op
         # an average seeds the backward pass with 1/n (the frame's scale: see
@@ -202,10 +205,13 @@ class GradBuckets:
         self.reduce = "sum" if op == "avg" else op
         self.early = early  # start buckets as they fill (False: all of them in finish)
         self.pool = pool  # where the flat buffers come from (None: fresh ones every step)
-        self.frame = core.LayerGrads(
-            self.on_layer, scale=1.0 / n if average else 1.0, early=self.early_layers
-        )
         self.flat, self.treedef = tree.flatten_with_paths(params)
+        self.frame = core.LayerGrads(
+            self.on_layer,
+            scale=1.0 / n if average else 1.0,
+            early=self.early_layers,
+            wants=[p for p, _ in self.flat] if only_own else None,
+        )
         self.placed = dict(self.flat)
         self.local = {path: local_piece(p) for path, p in self.flat}
         # carry_loss: one more element, in the last bucket of the gradients' dtype, reduces the

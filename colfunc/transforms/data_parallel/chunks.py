@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from colfunc.sharding import Mesh, ShardedTensor, comm, from_local
+from colfunc.sharding.mesh import Axes
 from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece, rewrap
 
@@ -140,7 +141,7 @@ def gather_flat(chunks: list[torch.Tensor], axis: str, mesh: Mesh) -> list[torch
 
 
 def reduce_scatter_flat(
-    flats: list[torch.Tensor], axis: str, mesh: Mesh, op: str
+    flats: list[torch.Tensor], axis: Axes, mesh: Mesh, op: str
 ) -> list[torch.Tensor]:
     """This rank's chunk of each 1-D tensor (length a multiple of N), reduced; one call per dtype."""
     n = mesh.axis_size(axis)

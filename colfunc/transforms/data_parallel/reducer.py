@@ -15,7 +15,9 @@ built, as data:
   (the same buckets, started after the backward pass: ``shard(overlap=False)``) or ``"sync"``
   (a pipeline beneath hands its microbatches' sums to the step's ``sync``);
 - per leaf, :meth:`Reduction.leaf`: the mesh axes it is reduced over and how (none for a frozen
-  leaf, which gets no buffer, no bytes on the wire and no optimizer state).
+  leaf, which gets no buffer, no bytes on the wire and no optimizer state; under expert
+  parallelism an expert weight, split over the expert axis, is reduced over the data-parallel
+  axis only: its gradient holds every expert-axis rank's tokens already).
 
 :meth:`Reduction.wrap` is the data-parallel layer of the step, applied by
 :class:`~colfunc.transforms.composition.Composition` right above ``zero`` (and ``shard``);
@@ -32,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, comm, current_mesh
+from colfunc.sharding import Mesh, ShardedTensor, comm, current_mesh
+from colfunc.sharding.placement import Shard
 from colfunc.step import Step
 from colfunc.transforms.data_parallel.buckets import (
     BUCKET_BYTES,
@@ -51,7 +54,7 @@ from colfunc.transforms.data_parallel.chunks import (
 from colfunc.transforms.data_parallel.grad_layout import BufferPool
 from colfunc.transforms.data_parallel.layer_gather import LayerGather
 from colfunc.transforms.data_parallel.scatter import ScatterBuckets
-from colfunc.transforms.local import as_full, in_placement, local_piece
+from colfunc.transforms.local import as_full, in_placement, local_piece, rewrap
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
@@ -59,13 +62,19 @@ if TYPE_CHECKING:
 
 __all__ = ["LeafReduction", "Reduction", "reduce_leaves", "split_batch"]
 
+
+def _names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
 PyTree = Any
 Mode = Literal["all_reduce", "reduce_scatter", "gather"]
 When = Literal["backward", "after", "sync"]
 
 
-def split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
-    """This rank's rows of every batch tensor, split over the data-parallel ``axis``."""
+def split_batch(batch: PyTree, axis: str | tuple[str, ...], mesh: Mesh) -> PyTree:
+    """This rank's rows of every batch tensor, split over the data-parallel ``axis`` (or
+    axes: the data-parallel and the expert axis, row-major)."""
     n, i = mesh.axis_size(axis), mesh.axis_index(axis)
 
     def split(path: str, x: Any) -> Any:
@@ -76,6 +85,7 @@ def split_batch(batch: PyTree, axis: str, mesh: Mesh) -> PyTree:
                 f"shard: batch entry {path!r} has {x.shape[0]} rows, not divisible by the "
                 f"{axis!r} axis size {n}; use a global batch size that is a multiple of {n}"
             )
+        # (split over several axes, the batch is cut into their product of pieces)
         return x.chunk(n, dim=0)[i]
 
     return tree.map_with_path(split, batch)
@@ -104,8 +114,11 @@ class Reduction:
     ``offload`` were given, decided once."""
 
     bound: Mesh | None  # the mesh shard bound (None: the current mesh, inside cf.launch)
-    split: str | None  # the axis the batch is split over (None: every rank the whole batch)
-    axis: str  # the axis the gradients are averaged over
+    # the axis (or axes) the batch is split over (None: every rank the whole batch)
+    split: str | tuple[str, ...] | None
+    axis: str | tuple[str, ...]  # the axis (or axes) the gradients are averaged over
+    # the expert axes among them: a leaf split over one is reduced over the others only
+    experts: tuple[str, ...] = ()
     mode: Mode
     when: When
     stage: int | None  # the ZeRO stage that chose the mode (None: data-parallel shard alone)
@@ -123,11 +136,15 @@ class Reduction:
     def of(cls, comp: Composition) -> Reduction | None:
         """The reduction ``comp`` implies (None: no data-parallel axis)."""
         sh, z, off = comp.shard, comp.zero, comp.offload
-        split = sh.data_axis if sh is not None else None
+        axes = sh.data_axes if sh is not None else ()
+        split: str | tuple[str, ...] | None = (
+            None if not axes else axes[0] if len(axes) == 1 else axes
+        )
         if z is None and split is None:
             return None
         axis = z.axis if z is not None else split
         assert axis is not None
+        experts = (sh.expert_ranks,) if sh is not None and sh.expert_ranks is not None else ()
         stage = z.stage if z is not None else None
         mode: Mode = (
             "gather" if stage == 3 else "reduce_scatter" if stage in (1, 2) else "all_reduce"
@@ -143,6 +160,7 @@ class Reduction:
             bound=comp.mesh,
             split=split,
             axis=axis,
+            experts=experts,
             mode=mode,
             when=when,
             stage=stage,
@@ -160,7 +178,8 @@ class Reduction:
     @property
     def mesh(self) -> Mesh:
         m = self.bound if self.bound is not None else current_mesh()
-        if self.axis not in m.axis_names:
+        missing = [a for a in _names(self.axis) if a not in m.axis_names]
+        if missing:
             raise ValueError(
                 f"zero: axis {self.axis!r} is not an axis of the mesh {m.shape}; pass axis= one "
                 f"of {m.axis_names}"
@@ -172,15 +191,61 @@ class Reduction:
         """ZeRO stages 1-2: whole parameters, gradients and optimizer states in chunks by rank."""
         return self.mode == "reduce_scatter"
 
-    def leaf(self, path: str, trained: bool) -> LeafReduction:
+    def leaf(self, path: str, trained: bool, param: Any = None) -> LeafReduction:
         """How the gradient of the parameter at ``path`` is reduced (``trained``: the step
-        trains it; a frozen leaf is reduced over no axis)."""
-        return LeafReduction((self.axis,) if trained else (), self.mode)
+        trains it; a frozen leaf is reduced over no axis; ``param``, the placed parameter: one
+        split over an expert axis is not reduced over it)."""
+        if not trained:
+            return LeafReduction((), self.mode)
+        return LeafReduction(
+            tuple(a for a in _names(self.axis) if a not in self._split_over(param)), self.mode
+        )
 
     def leaves(self, step: Step, params: PyTree) -> dict[str, LeafReduction]:
         """Per parameter path, its :class:`LeafReduction` under ``step``'s trainable set."""
         trained = set(tree.paths(step.trainable_part(params)))
-        return {p: self.leaf(p, p in trained) for p in tree.paths(params)}
+        return {p: self.leaf(p, p in trained, x) for p, x in tree.flatten_with_paths(params)[0]}
+
+    def _split_over(self, param: Any) -> tuple[str, ...]:
+        """The expert axes that split ``param`` (a ShardedTensor split on one of them)."""
+        if not self.experts or not isinstance(param, ShardedTensor):
+            return ()
+        names = param._mesh.axis_names
+        return tuple(
+            a for a, p in zip(names, param.placements) if a in self.experts and isinstance(p, Shard)
+        )
+
+    def _apart(self, trained: PyTree) -> tuple[PyTree, PyTree]:
+        """``trained`` cut in two: the leaves reduced over every axis, and the expert weights
+        (reduced over the axes that do not split them, :meth:`reduce_apart`)."""
+        if not self.experts:
+            return trained, None
+        apart = {p for p, x in tree.flatten_with_paths(trained)[0] if self._split_over(x)}
+        if not apart:
+            return trained, None
+        return tree.subset(trained, lambda p: p not in apart), tree.subset(
+            trained, apart.__contains__
+        )
+
+    def reduce_apart(self, grads: PyTree, params: PyTree) -> PyTree:
+        """The expert weights' gradients (seeded with the whole average's ``1/n``, as the
+        buckets' are) summed over the data-parallel axes that do not split them."""
+        m = self.mesh
+        flat, treedef = tree.flatten_with_paths(grads)
+        placed = dict(tree.flatten_with_paths(params)[0])
+        out = []
+        by_axes: dict[tuple[str, ...], list[int]] = {}
+        for k, (path, g) in enumerate(flat):
+            g = in_placement(g, placed[path])
+            out.append(g)
+            axes = self.leaf(path, True, placed[path]).axes
+            if axes and m.axis_size(axes) > 1:
+                by_axes.setdefault(axes, []).append(k)
+        for axes, ks in by_axes.items():
+            summed = all_reduce_buckets([local_piece(out[k]) for k in ks], axes, m, op="sum")
+            for k, r in zip(ks, summed):
+                out[k] = rewrap(out[k], r)
+        return tree.unflatten(treedef, out)
 
     @staticmethod
     def reduced(step: Step, params: PyTree) -> PyTree:
@@ -215,6 +280,16 @@ class Reduction:
         def forward_backward(
             params: PyTree, batch: PyTree, extra: dict[str, Any]
         ) -> tuple[torch.Tensor, PyTree]:
+            out = reduced_fb(params, batch, extra)
+            sown = core.innermost(core.Sown)
+            if sown is not None and self.split is not None:  # the model's reports (sums)
+                split, m = self.split, self.mesh
+                sown.map(lambda t: comm.all_reduce(t, split, "sum", m), stacked=True)
+            return out
+
+        def reduced_fb(
+            params: PyTree, batch: PyTree, extra: dict[str, Any]
+        ) -> tuple[torch.Tensor, PyTree]:
             m = self.mesh
             local = self.split_batch(batch)
             trained = self.reduced(step, params)
@@ -227,6 +302,7 @@ class Reduction:
                 grads = tree.map(in_placement, grads, self.reduced(step, whole))
                 return self.mean_loss(loss), self._scatter_rest(grads, m)
             buckets: GradBuckets | ScatterBuckets | None = None
+            trained, apart = self._apart(trained)
             if self._bucketed(n):
                 early = when == "backward"
                 buckets = GradBuckets(
@@ -237,6 +313,7 @@ class Reduction:
                     carry_loss=self.carry_loss,
                     pool=pool,
                     early=early,
+                    only_own=apart is not None,
                 )
             elif mode == "reduce_scatter" and when == "backward":
                 buckets = ScatterBuckets(m, self.axis, self.bucket_bytes, trained)
@@ -249,7 +326,15 @@ class Reduction:
                 mean = self.start_mean_loss(loss)  # in flight while the buckets are awaited
                 grads = buckets.finish(grads, params)
                 return mean(), grads
-            grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
+            if apart is not None:  # the experts' gradients: summed over the other axes
+                assert isinstance(buckets, GradBuckets)
+                expert = set(tree.paths(apart)).__contains__
+                own = tree.subset(grads, lambda p: not expert(p))
+                done = self.reduce_apart(tree.subset(grads, expert), apart)
+                own = finish_buckets(buckets, own, trained, loss=as_full(loss))
+                grads = tree.merge(tree.merge(grads, own), done)
+            else:
+                grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
                 return buckets.loss, grads
             return self.mean_loss(loss), grads

@@ -9,6 +9,7 @@ import torch
 
 from colfunc import core, tree
 from colfunc.sharding import Mesh, comm
+from colfunc.sharding.mesh import Axes
 from colfunc.transforms.data_parallel.buckets import PackedBuckets
 from colfunc.transforms.data_parallel.chunks import as_chunk, by_rank, is_stacked, padded
 from colfunc.transforms.data_parallel.grad_layout import first_bucket_bytes
@@ -27,7 +28,7 @@ class ScatterBuckets(PackedBuckets):
     chunk is) and a bucket is reduce-scattered, so each rank receives only its averaged chunks.
     """
 
-    def __init__(self, mesh: Mesh, axis: str, bucket_bytes: int, params: PyTree = None) -> None:
+    def __init__(self, mesh: Mesh, axis: Axes, bucket_bytes: int, params: PyTree = None) -> None:
         super().__init__(mesh, axis, bucket_bytes)
         if params is not None:  # the first bucket as data parallelism's (first_bucket_bytes)
             ts = [local_piece(p) for p in tree.tensors(params)]
