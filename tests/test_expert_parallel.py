@@ -9,9 +9,10 @@
   the counts are each rank's own, as without the split); the ledger's ``all_to_all_v`` bytes equal
   the closed form from the routed counts.
 - Training steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under ``shard(expert_axis="ep")``
-  equal one device (fp64 AdamW, 1e-9) for ep=2, ep=4, dp2 x ep2, ep2 x tp2, with amp and remat,
-  with frozen experts, on threads and gloo. The reference takes the load-balancing term per rank's
-  tokens, as data parallelism does.
+  equal one device (fp64 AdamW, 1e-9) for ep=2, ep=4, dp2 x ep2, ep2 x tp2, ZeRO 0-3, a 2-stage
+  pipeline (with dp and ZeRO-1 too), with amp and remat, with frozen experts, on threads and gloo;
+  every op placed by its rule. The reference takes the load-balancing term per rank's tokens (and
+  microbatch), as data parallelism does.
 - Bad input names the value: an expert axis that does not divide the experts, that is not a mesh
   axis, that is the batch axis, a model without experts, and compositions not carried out.
 """
@@ -234,6 +235,12 @@ CASES = {  # name -> (family, mesh, how, backend)
     "ep2_amp_remat": ("mixtral", {"ep": 2}, "amp_remat", "threads"),
     "ep2_frozen_experts": ("qwen2_moe", {"ep": 2}, "frozen", "threads"),
     "dp2_ep2_gloo": ("qwen3_moe", {"dp": 2, "ep": 2}, "plain", "gloo"),
+    "dp2_ep2_zero0": ("olmoe", {"dp": 2, "ep": 2}, "zero0", "threads"),
+    "dp2_ep2_zero1": ("mixtral", {"dp": 2, "ep": 2}, "zero1", "threads"),
+    "dp2_ep2_tp2_zero2": ("qwen3_moe", {"dp": 2, "ep": 2, "tp": 2}, "zero2", "threads"),
+    "dp2_ep2_zero3": ("qwen2_moe", {"dp": 2, "ep": 2}, "zero3", "threads"),
+    "ep2_pp2": ("mixtral", {"pp": 2, "ep": 2}, "pp", "threads"),
+    "dp2_ep2_pp2_zero1": ("olmoe", {"dp": 2, "pp": 2, "ep": 2}, "pp_zero1", "threads"),
 }
 
 
@@ -242,14 +249,18 @@ def _step_main(case: str, cfg: Any, params: Any, mesh: cf.Mesh) -> list[tuple[fl
 
     _, mesh_shape, how, _ = CASES[case]
     module = models.of_config(cfg).module
-    parts = mesh_shape.get("dp", 1) * mesh_shape["ep"]
+    micro = 2 if how.startswith("pp") else 1  # (each microbatch its own load-balancing term)
+    parts = mesh_shape.get("dp", 1) * mesh_shape["ep"] * micro
     batches = [_batch(10 + k, rows=2 * parts, length=8) for k in range(2)]
     opt = optim.adamw(1e-2, weight_decay=0.1)
     trainable = (lambda p: "experts" not in p) if how == "frozen" else None
     ref = cf.train_step(module.loss(cfg), opt, trainable=trainable)
     want = cf.train_step(_per_part(module.loss(cfg), parts), opt, trainable=trainable)
     plan = module.tp_plan if "tp" in mesh_shape else None
-    step = cf.shard(ref, mesh, plan=plan, expert_axis="ep")
+    inner = cf.pipeline(ref, 2, microbatches=2) if micro > 1 else ref
+    step = cf.shard(inner, mesh, plan=plan, expert_axis="ep")
+    if "zero" in how:
+        step = cf.zero(step, stage=int(how[-1]))
     if how == "amp_remat":
         step = cf.remat(cf.amp(step, "fp64"), "full")
     with strict():  # (every op placed by its rule: none gathered whole for want of one)
@@ -306,8 +317,12 @@ def test_bad_expert_axes_are_refused_by_name() -> None:
             cf.shard(step, mesh, batch_axis="ep", expert_axis="ep")
         with pytest.raises(ValueError, match=r"has no experts .*drop expert_axis"):
             cf.shard(dense, mesh, expert_axis="ep")
-        with pytest.raises(ValueError, match=r"expert_axis='ep' composes with .*; not with zero"):
-            cf.zero(cf.shard(step, mesh, expert_axis="ep"), stage=1)
+        with pytest.raises(ValueError, match=r"zero: axis 'ep' is the expert axis"):
+            cf.zero(cf.shard(step, mesh, expert_axis="ep"), stage=1, axis="ep")
+        with pytest.raises(
+            ValueError, match=r"expert_axis='ep' composes with .*; not with offload"
+        ):
+            cf.offload(cf.shard(step, mesh, expert_axis="ep"), "host", "2MiB")
 
     launch(main, mesh={"ep": 3})
 
@@ -371,8 +386,8 @@ def test_colfunc_train_with_expert_ranks_reproduces_the_data_parallel_run(tmp_pa
     ("section", "match"),
     [
         ({"expert": 0}, r"expert must be an int >= 1, got 0"),
-        ({"expert": 2, "zero": 2}, r"expert=2 composes with data, tensor \(1d\), amp and remat, not with zero"),
-        ({"expert": 2, "pipeline": 2}, r"not with pipeline"),
+        ({"expert": 2, "offload": {"policy": "host"}}, r"expert=2 composes with data, tensor \(1d\), zero, pipeline, amp and remat, not with offload"),
+        ({"expert": 2, "sequence": {"mode": "ring", "size": 2}}, r"not with sequence"),
     ],
 )  # fmt: skip
 def test_bad_expert_sections_are_named(section: dict[str, Any], match: str) -> None:

@@ -97,7 +97,7 @@ class Composition:
                 )
         sh = self.shard
         if sh is not None and sh.expert_axis is not None:
-            others = [n for n in ("pipeline", "zero", "offload") if getattr(self, n) is not None]
+            others = ["offload"] if self.offload is not None else []
             if others:
                 raise ValueError(
                     f"shard: expert_axis={sh.expert_axis!r} composes with data and 1D tensor "

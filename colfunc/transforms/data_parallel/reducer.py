@@ -145,6 +145,11 @@ class Reduction:
         axis = z.axis if z is not None else split
         assert axis is not None
         experts = (sh.expert_ranks,) if sh is not None and sh.expert_ranks is not None else ()
+        if z is not None and set(_names(z.axis)) & set(experts):
+            raise ValueError(
+                f"zero: axis {z.axis!r} is the expert axis; ZeRO cuts the data-parallel axis "
+                "(the experts are split over theirs already): zero(..., axis='dp')"
+            )
         stage = z.stage if z is not None else None
         mode: Mode = (
             "gather" if stage == 3 else "reduce_scatter" if stage in (1, 2) else "all_reduce"
@@ -153,7 +158,10 @@ class Reduction:
         when: When = "sync" if comp.pipeline is not None else "backward" if overlap else "after"
         host = off is not None and off.policy != "device"
         plain_shard = sh is None or (
-            not sh.plan and not sh.sequence_parallel and sh.tensor_mode == "1d"
+            not sh.plan
+            and not sh.sequence_parallel
+            and sh.tensor_mode == "1d"
+            and sh.expert_axis is None
         )
         buffered = mode == "all_reduce" and when != "sync" and not host
         return cls(
@@ -197,9 +205,16 @@ class Reduction:
         split over an expert axis is not reduced over it)."""
         if not trained:
             return LeafReduction((), self.mode)
-        return LeafReduction(
-            tuple(a for a in _names(self.axis) if a not in self._split_over(param)), self.mode
-        )
+        over = (*_names(self.axis), *self.extras)
+        return LeafReduction(tuple(a for a in over if a not in self._split_over(param)), self.mode)
+
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """The batch axes that ``mode``'s reduction (over ``axis``: ZeRO's) leaves out: the
+        expert axis beside ZeRO's data-parallel one, averaged over apart
+        (:meth:`over_extras`)."""
+        split = () if self.split is None else _names(self.split)
+        return tuple(a for a in split if a not in _names(self.axis))
 
     def leaves(self, step: Step, params: PyTree) -> dict[str, LeafReduction]:
         """Per parameter path, its :class:`LeafReduction` under ``step``'s trainable set."""
@@ -217,8 +232,9 @@ class Reduction:
 
     def _apart(self, trained: PyTree) -> tuple[PyTree, PyTree]:
         """``trained`` cut in two: the leaves reduced over every axis, and the expert weights
-        (reduced over the axes that do not split them, :meth:`reduce_apart`)."""
-        if not self.experts:
+        (reduced over the axes that do not split them, :meth:`reduce_apart`), where the
+        buckets' axes include an expert axis."""
+        if not set(self.experts) & set(_names(self.axis)):
             return trained, None
         apart = {p for p, x in tree.flatten_with_paths(trained)[0] if self._split_over(x)}
         if not apart:
@@ -280,7 +296,8 @@ class Reduction:
         def forward_backward(
             params: PyTree, batch: PyTree, extra: dict[str, Any]
         ) -> tuple[torch.Tensor, PyTree]:
-            out = reduced_fb(params, batch, extra)
+            loss, grads = reduced_fb(params, batch, extra)
+            out = loss, self.over_extras(grads, params, extra)
             sown = core.innermost(core.Sown)
             if sown is not None and self.split is not None:  # the model's reports (sums)
                 split, m = self.split, self.mesh
@@ -302,14 +319,14 @@ class Reduction:
                 grads = tree.map(in_placement, grads, self.reduced(step, whole))
                 return self.mean_loss(loss), self._scatter_rest(grads, m)
             buckets: GradBuckets | ScatterBuckets | None = None
-            trained, apart = self._apart(trained)
+            own, apart = self._apart(trained) if self._bucketed(n) else (trained, None)
             if self._bucketed(n):
                 early = when == "backward"
                 buckets = GradBuckets(
                     m,
                     self.axis,
                     self.bucket_bytes,
-                    trained,
+                    own,
                     carry_loss=self.carry_loss,
                     pool=pool,
                     early=early,
@@ -329,10 +346,10 @@ class Reduction:
             if apart is not None:  # the experts' gradients: summed over the other axes
                 assert isinstance(buckets, GradBuckets)
                 expert = set(tree.paths(apart)).__contains__
-                own = tree.subset(grads, lambda p: not expert(p))
                 done = self.reduce_apart(tree.subset(grads, expert), apart)
-                own = finish_buckets(buckets, own, trained, loss=as_full(loss))
-                grads = tree.merge(tree.merge(grads, own), done)
+                mine = tree.subset(grads, lambda p: not expert(p))
+                mine = finish_buckets(buckets, mine, own, loss=as_full(loss))
+                grads = tree.merge(tree.merge(grads, mine), done)
             else:
                 grads = finish_buckets(buckets, grads, trained, loss=as_full(loss))
             if buckets.loss is not None:
@@ -356,7 +373,7 @@ class Reduction:
             if self._bucketed(n) or (mode == "reduce_scatter" and when == "backward"):
                 return grads  # reduced in forward_backward
             if mode == "all_reduce":
-                return all_reduce_tree(grads, self.axis, m)
+                return self._all_reduce_after(grads, m)
             flat, treedef = tree.flatten_with_paths(grads)
             stacked = [is_stacked(p) for p, _ in flat]
             pieces = reduce_scatter_flat(
@@ -391,6 +408,43 @@ class Reduction:
         chunks = reduce_scatter_flat([padded(g, n) for _, g in flat], self.axis, m, "sum")
         blocks = {"blocks": grads["blocks"]} if "blocks" in grads else {}  # (all frozen: none)
         return {**tree.unflatten(treedef, chunks), **blocks}
+
+    def _all_reduce_after(self, grads: PyTree, m: Mesh) -> PyTree:
+        """Every gradient averaged over ``axis`` after the backward pass (a pipeline's sums);
+        an expert weight's (its grad split like it) over the axes that do not split it, then
+        divided by the expert ranks whose tokens it holds already."""
+        apart = {p for p, g in tree.flatten_with_paths(grads)[0] if self._split_over(g)}
+        if not apart:
+            return all_reduce_tree(grads, self.axis, m)
+        rest = all_reduce_tree(tree.subset(grads, lambda p: p not in apart), self.axis, m)
+        experts = tree.subset(grads, apart.__contains__)
+        split = {a for g in tree.leaves(experts) for a in self._split_over(g)}
+        others = tuple(a for a in _names(self.axis) if a not in split)
+        if others:
+            experts = all_reduce_tree(experts, others, m)
+        n = m.axis_size(tuple(split))
+        return tree.merge(tree.merge(grads, rest), tree.map(lambda g: g / n, experts))
+
+    def over_extras(self, grads: PyTree, params: PyTree, extra: dict[str, Any]) -> PyTree:
+        """``grads`` (reduced over ``axis`` by the mode, or still to be in ``sync``: this is
+        linear and commutes with it) averaged over :attr:`extras` too: an expert weight's
+        gradient, which holds every expert-axis rank's tokens already, divided by their number,
+        every other one all-reduced."""
+        m = self.mesh
+        extras = self.extras
+        if not extras or m.axis_size(extras) == 1:
+            return grads
+        n = m.axis_size(extras)
+        z = extra.get("zero")  # ZeRO-3 keeps its parameters as chunks: the templates say
+        placed = dict(tree.flatten_with_paths(z.metas if z is not None else params)[0])
+        flat, treedef = tree.flatten_with_paths(grads)
+        expert = [
+            bool(self._split_over(getattr(placed[p], "template", placed[p]))) for p, _ in flat
+        ]
+        rest = [g for (_, g), e in zip(flat, expert) if not e]
+        averaged = iter(all_reduce_buckets([local_piece(g) for g in rest], extras, m, op="avg"))
+        out = [g / n if e else rewrap(g, next(averaged)) for (_, g), e in zip(flat, expert)]
+        return tree.unflatten(treedef, out)
 
     # --- the same reduction on host rows (offload) -------------------------------------------
     def reduce_rows(self, xs: list[torch.Tensor]) -> None:
