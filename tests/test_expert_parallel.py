@@ -10,7 +10,8 @@
   the closed form from the routed counts.
 - Training steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under ``shard(expert_axis="ep")``
   equal one device (fp64 AdamW, 1e-9) for ep=2, ep=4, dp2 x ep2, ep2 x tp2, ZeRO 0-3, a 2-stage
-  pipeline (with dp and ZeRO-1 too), with amp and remat, with frozen experts, on threads and gloo;
+  pipeline (with dp and ZeRO-1 too), offload (alone, and with ZeRO-3: the experts homed on the
+  host with the rest), with amp and remat, with frozen experts, on threads and gloo;
   every op placed by its rule. The reference takes the load-balancing term per rank's tokens (and
   microbatch), as data parallelism does.
 - Bad input names the value: an expert axis that does not divide the experts, that is not a mesh
@@ -241,6 +242,9 @@ CASES = {  # name -> (family, mesh, how, backend)
     "dp2_ep2_zero3": ("qwen2_moe", {"dp": 2, "ep": 2}, "zero3", "threads"),
     "ep2_pp2": ("mixtral", {"pp": 2, "ep": 2}, "pp", "threads"),
     "dp2_ep2_pp2_zero1": ("olmoe", {"dp": 2, "pp": 2, "ep": 2}, "pp_zero1", "threads"),
+    "ep2_offload": ("mixtral", {"ep": 2}, "offload", "threads"),
+    "dp2_ep2_zero3_offload": ("qwen3_moe", {"dp": 2, "ep": 2}, "zero3_offload", "threads"),
+    "dp2_ep2_zero3_offload_auto": ("qwen2_moe", {"dp": 2, "ep": 2}, "zero3_auto", "threads"),
 }
 
 
@@ -259,8 +263,12 @@ def _step_main(case: str, cfg: Any, params: Any, mesh: cf.Mesh) -> list[tuple[fl
     plan = module.tp_plan if "tp" in mesh_shape else None
     inner = cf.pipeline(ref, 2, microbatches=2) if micro > 1 else ref
     step = cf.shard(inner, mesh, plan=plan, expert_axis="ep")
-    if "zero" in how:
+    if how.startswith("zero3_"):  # experts homed on the host with the rest, fetched per layer
+        step = cf.offload(cf.zero(step, 3), "host" if how.endswith("offload") else "auto", "2MiB")
+    elif "zero" in how:
         step = cf.zero(step, stage=int(how[-1]))
+    if how == "offload":
+        step = cf.offload(step, "host", "2MiB")
     if how == "amp_remat":
         step = cf.remat(cf.amp(step, "fp64"), "full")
     with strict():  # (every op placed by its rule: none gathered whole for want of one)
@@ -273,6 +281,28 @@ def test_expert_parallel_steps_equal_one_device(case: str) -> None:
     cfg, params, _ = _family(name)  # (made once: the rank threads share torch's generator)
     main = functools.partial(_step_main, case, cfg, params)
     for losses in launch(main, mesh=mesh_shape, backend=backend):
+        assert len(losses) == 2
+
+
+def test_lora_adapters_train_under_expert_parallelism() -> None:
+    """LoRA adapters on the attention and the shared expert, the experts frozen in their split:
+    dp2 x ep2 x tp2 equals one device (no load-balancing term, so the mean over the ranks is the
+    whole batch's loss)."""
+    from test_moe import _batch, _hf
+
+    cfg, params = hf.from_hf(_hf("qwen2_moe", seed=3))
+    assert cfg.router_aux_loss_coef == 0
+    params = tree.map(lambda x: x.double(), params)
+    module = models.of_config(cfg).module
+    batches = [_batch(10 + k, rows=8, length=8) for k in range(2)]
+    base = cf.train_step(module.loss(cfg), optim.adamw(1e-2, weight_decay=0.1))
+    ref = cf.lora(base, rank=4, targets=("blocks.attn.w*", "blocks.mlp.shared.w*"))
+
+    def main(mesh: cf.Mesh) -> list[tuple[float, float]]:
+        step = cf.shard(ref, mesh, plan=module.tp_plan, expert_axis="ep")
+        return cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-9)
+
+    for losses in launch(main, mesh={"dp": 2, "ep": 2, "tp": 2}):
         assert len(losses) == 2
 
 
@@ -319,12 +349,13 @@ def test_bad_expert_axes_are_refused_by_name() -> None:
             cf.shard(dense, mesh, expert_axis="ep")
         with pytest.raises(ValueError, match=r"zero: axis 'ep' is the expert axis"):
             cf.zero(cf.shard(step, mesh, expert_axis="ep"), stage=1, axis="ep")
-        with pytest.raises(
-            ValueError, match=r"expert_axis='ep' composes with .*; not with offload"
-        ):
-            cf.offload(cf.shard(step, mesh, expert_axis="ep"), "host", "2MiB")
+
+    def zero2(mesh: cf.Mesh) -> None:
+        with pytest.raises(ValueError, match=r"offload composes with ZeRO stages 0 and 3, not 2"):
+            cf.offload(cf.zero(cf.shard(step, mesh, expert_axis="ep"), 2), "host", "2MiB")
 
     launch(main, mesh={"ep": 3})
+    launch(zero2, mesh={"dp": 1, "ep": 2})
 
 
 # --- the config file's parallel section --------------------------------------------------------
@@ -386,7 +417,7 @@ def test_colfunc_train_with_expert_ranks_reproduces_the_data_parallel_run(tmp_pa
     ("section", "match"),
     [
         ({"expert": 0}, r"expert must be an int >= 1, got 0"),
-        ({"expert": 2, "offload": {"policy": "host"}}, r"expert=2 composes with data, tensor \(1d\), zero, pipeline, amp and remat, not with offload"),
+        ({"expert": 2, "zero": 2, "offload": {"policy": "host"}}, r"expert=2 with offload composes with zero stages 0 and 3, not 2"),
         ({"expert": 2, "sequence": {"mode": "ring", "size": 2}}, r"not with sequence"),
     ],
 )  # fmt: skip

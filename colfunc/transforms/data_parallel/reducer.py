@@ -447,21 +447,45 @@ class Reduction:
         return tree.unflatten(treedef, out)
 
     # --- the same reduction on host rows (offload) -------------------------------------------
-    def reduce_rows(self, xs: list[torch.Tensor]) -> None:
-        """Average the gradients ``xs`` (host rows, device-homed mirrors) over the axis, in
-        place. ZeRO-3's arrive summed over the ranks by the gathers' backward; ZeRO 1-2
-        reduce-scatter theirs in :meth:`scatter_rows`."""
+    def reduce_rows(self, xs: list[torch.Tensor], experts: list[bool] | None = None) -> None:
+        """Average the gradients ``xs`` (host rows, device-homed mirrors' pieces) over the
+        axis, in place. ZeRO-3's arrive summed over the ranks by the gathers' backward; ZeRO 1-2
+        reduce-scatter theirs in :meth:`scatter_rows`. ``experts`` flags the pieces of expert
+        weights split over an expert axis: not reduced over it, but divided by its size (they
+        hold its ranks' tokens already); the others are averaged over :attr:`extras` too."""
         m = self.mesh
         n = m.axis_size(self.axis)
-        if n == 1 or self.mode == "reduce_scatter":
+        flags = experts if experts is not None else [False] * len(xs)
+        if self.mode == "reduce_scatter" or (n == 1 and not any(flags) and not self.extras):
             return
         with torch.no_grad():
             if self.mode == "gather":
                 for x in xs:
                     x.div_(n)
-                return
-            for x, r in zip(xs, all_reduce_buckets(xs, self.axis, m), strict=True):
-                x.copy_(r)
+            else:
+                groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+                for x, e in zip(xs, flags):
+                    axes = tuple(a for a in _names(self.axis) if not (e and a in self.experts))
+                    groups.setdefault(axes, []).append(x)
+                for axes, group in groups.items():
+                    if axes and m.axis_size(axes) > 1:
+                        for x, r in zip(group, all_reduce_buckets(group, axes, m), strict=True):
+                            x.copy_(r)
+            if any(flags):
+                k = m.axis_size(self.experts)
+                for x, e in zip(xs, flags):
+                    if e:
+                        x.div_(k)
+            rest = [x for x, e in zip(xs, flags) if not e]
+            if self.extras and m.axis_size(self.extras) > 1 and rest:
+                averaged = all_reduce_buckets(rest, self.extras, m, op="avg")
+                for x, r in zip(rest, averaged, strict=True):
+                    x.copy_(r)
+
+    def expert_flags(self, templates: list[Any]) -> list[bool]:
+        """Per placed parameter (its ShardedTensor template, or None), whether an expert axis
+        splits it."""
+        return [bool(self._split_over(t)) for t in templates]
 
     def scatter_rows(self, xs: list[torch.Tensor], stacked: list[bool]) -> list[torch.Tensor]:
         """This rank's averaged chunks of whole gradients ``xs`` (ZeRO 1-2 on host rows)."""

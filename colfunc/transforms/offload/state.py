@@ -146,6 +146,15 @@ class OffloadState:
         homed = [m.grad for m in self.pool.mirrors.values()]
         return [g for g in self.grads if g is not None] + homed
 
+    def grad_pieces(self) -> tuple[list[torch.Tensor], list[int]]:
+        """:meth:`grad_rows` with each device-homed mirror cut into its pieces, and the leaf
+        each belongs to (expert parallelism reduces expert weights apart)."""
+        rows = [(g, k) for k, g in enumerate(self.grads) if g is not None]
+        for c, m in self.pool.mirrors.items():
+            for p in self.layout.chunks[c].pieces:
+                rows.append((m.grad[p.offset : p.offset + p.numel], p.leaf))
+        return [g for g, _ in rows], [k for _, k in rows]
+
     def trained_grads(self) -> PyTree:
         """The host gradients as a tree: every leaf's, or the trainable leaves' only."""
         if not self.frozen:

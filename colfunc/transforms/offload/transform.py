@@ -234,7 +234,13 @@ def _build(
                 state.zero_unwritten()
                 if scale != 1.0:  # amp's loss scale, undone where the gradients live
                     state.unscale(scale)
-                if dp is not None:  # the same reduction, on the host rows
+                if dp is not None and dp.experts:  # expert weights reduced apart
+                    rows, of_leaf = state.grad_pieces()
+                    z = extra["zero"] if gathers else None
+                    tmpl = [mt.template for mt in tree.leaves(z.metas)] if z else state.templates
+                    with DevicePool.host():
+                        dp.reduce_rows(rows, [dp.expert_flags(tmpl)[k] for k in of_leaf])
+                elif dp is not None:  # the same reduction, on the host rows
                     with DevicePool.host():
                         dp.reduce_rows(state.grad_rows())
         if record:
