@@ -175,6 +175,7 @@ def _ep_rank(n: int, steps: int, mesh: cf.Mesh) -> dict[str, Any]:
         for k, step in built.items():
             cf.sharding.comm.all_reduce(torch.zeros(1), "x")  # (start together)
             with cf.sharding.recording(mesh) as led:
+                led.reset()
                 t0 = time.perf_counter()
                 states[k], _ = step(states[k], batch)
                 t = time.perf_counter() - t0
