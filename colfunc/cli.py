@@ -296,6 +296,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from colfunc.inference import Engine
     from colfunc.inference.engine import KVMemoryError
     from colfunc.inference.server import EngineLoop, build_app, follow
+    from colfunc.inference.speculative import Ngram
     from colfunc.sharding import launch
 
     if (args.run is None) == (args.hf is None):
@@ -309,6 +310,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.kv_memory is not None:
         kw["kv_memory"] = args.kv_memory
+    if args.speculative_ngram:  # (a ValueError names a bad count)
+        kw["speculative"] = Ngram(args.speculative_ngram)
     loras = engines.parse_loras(args.lora or [], args.tp)
     if loras:
         kw["max_loras"] = len(loras)
@@ -515,10 +518,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--model-name", help="the model's name in the API (default: the folder's)")
-    p.add_argument(
-        "--max-num-seqs", type=int, default=256, help="sequences per step (default: 256)"
-    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (256)")
     p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB (default: fit, at most 2GiB)")
+    p.add_argument("--speculative-ngram", type=int, default=0, help="prompt-lookup drafts a step")
     p.add_argument("--max-waiting", type=int, default=256, help="queue before 503 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="413 past it (4 MiB)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")

@@ -8,6 +8,7 @@ from colfunc.inference.engine import CompletionOutput, Engine, RequestOutput
 from colfunc.inference.kv_cache import BlockAllocator, block_hash
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import Scheduled, Scheduler, Sequence
+from colfunc.inference.speculative import Ngram
 from colfunc.inference.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_hf_tokenizer
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "HFTokenizer",
+    "Ngram",
     "RequestOutput",
     "SamplingParams",
     "Scheduled",

@@ -27,6 +27,7 @@ from colfunc.inference.grammar import Guide, compile_structure
 from colfunc.inference.kv_cache import BlockAllocator
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
+from colfunc.inference.speculative import Ngram, draft, rows_of_drafts, settle, verify
 from colfunc.inference.tokenizers import ByteTokenizer, Detokenized, Tokenizer, detokenize
 from colfunc.sharding import Mesh, ShardedTensor, from_local
 from colfunc.sharding.placement import Shard
@@ -167,6 +168,7 @@ class Engine:
         eos_token_id: int | Seq[int] | None = None,
         mesh: Mesh | None = None,
         max_loras: int = 0,
+        speculative: Ngram | None = None,
     ) -> None:
         if isinstance(model, str):
             model = models.get(model).module
@@ -235,6 +237,10 @@ class Engine:
             window=spec.window,
             regime=spec.regime,
         )
+        if speculative is not None and not isinstance(speculative, Ngram):
+            raise TypeError(f"Engine: speculative must be an inference.Ngram, got {speculative!r}")
+        self.speculative = speculative  # prompt-lookup drafts (colfunc.inference.speculative)
+        self.drafted = self.accepted = 0  # draft tokens proposed and accepted
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._default_seed = itertools.count()
@@ -374,6 +380,8 @@ class Engine:
             "prefix_hits": a.hits,
             "prefix_queries": a.queries,
             "preemptions": self.scheduler.preemptions,
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
         }
 
     # --- one step ------------------------------------------------------------------------------
@@ -385,7 +393,12 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        drafts = {}
+        if self.speculative is not None:  # (not while the request's other completions wait)
+            ready = [s for s in self.scheduler.running if not self.requests[s.request_id].forks]
+            drafts = draft(ready, self.speculative, self.cfg.max_seq_len)
         work = self.scheduler.schedule()
+        spec = settle(work.items, drafts) if drafts else {}
         if not work.items:
             if self.scheduler.waiting:
                 raise RuntimeError("Engine: nothing could be scheduled although requests wait")
@@ -412,6 +425,8 @@ class Engine:
             token_slots += [self.adapters.slot(seq.params.lora)] * n
             positions += range(lo, lo + n)
             slots += [seq.blocks[p // B] * B + p % B for p in range(lo, lo + n)]
+            if seq in spec:  # its last token's and its drafts' logits, after the others'
+                continue
             if lo + n == seq.num_tokens:
                 rows.append(len(tokens) - 1)
                 sampled.append(seq)
@@ -420,6 +435,7 @@ class Engine:
                 for p in range(lo, min(lo + n, len(seq.prompt) - 1)):
                     scored_rows.append(first + p - lo)
                     scored.append((seq, p + 1))
+        spec_rows = rows_of_drafts(work.items, spec)
         device = self.cache["k"].device
         batch = nn.PagedBatch(
             positions=torch.tensor(positions, device=device),
@@ -441,17 +457,26 @@ class Engine:
                 batch,
                 self._sharded_cache(),
                 self.cfg,
-                torch.tensor(rows + scored_rows, dtype=torch.long, device=device),
+                torch.tensor(rows + scored_rows + spec_rows, dtype=torch.long, device=device),
             )
         if isinstance(logits_SV, ShardedTensor):  # split over the vocabulary: every rank samples
             logits_SV = logits_SV.full_tensor()  # the same tokens from the whole logits
         slot_N = torch.tensor(slots, device=device)
         for key, c in self.cache.items():
             c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = local_piece(ys[key])
-        for seq, n in work.items:
-            seq.computed += n
-            self.scheduler.register_full(seq)
         touched: dict[str, _Request] = {}
+        first = len(rows) + len(scored_rows)
+        for seq, n in work.items:
+            if seq in spec:  # its drafts verified: the keys and values of those it kept
+                base, covered = spec[seq]
+                self._verify(seq, base, covered, logits_SV[first : first + covered + 1])
+                first += covered + 1
+                touched[seq.request_id] = self.requests[seq.request_id]
+                if seq.finish_reason is not None:
+                    continue
+            else:
+                seq.computed += n
+            self.scheduler.register_full(seq)
         for row, (seq, at) in enumerate(scored, start=len(rows)):
             req = self.requests[seq.request_id]
             if req.prompt_logprobs is not None and len(req.prompt_logprobs) == at:
@@ -480,14 +505,30 @@ class Engine:
                 del self.requests[o.request_id]
         return out
 
-    def _append(self, seq: Sequence, logits_V: torch.Tensor) -> None:
+    def _verify(self, seq: Sequence, base: int, covered: int, logits_JV: torch.Tensor) -> None:
+        """Take a speculating sequence's tokens from its logits (``verify``), keeping the keys
+        and values of its last token and the drafts it took."""
+        drafts = seq.output[len(seq.output) - covered :] if covered else []
+        del seq.output[len(seq.output) - covered :]
+        got = verify(logits_JV[:, : self.vocab], drafts, seq.params, seq.prompt, seq.output,
+                     seq.generator)  # fmt: skip
+        self.drafted += covered
+        self.accepted += len(got) - 1
+        for j, token in enumerate(got):
+            self._append(seq, logits_JV[j, : self.vocab], token)
+            if seq.finish_reason is not None:
+                return
+        seq.computed = base + len(got) - 1
+
+    def _append(self, seq: Sequence, logits_V: torch.Tensor, token: int | None = None) -> None:
         p = seq.params
         if p.max_tokens == 0:  # (the prompt scored: nothing to generate)
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
             return
-        allowed_V = logits_V if seq.guide is None else seq.guide.mask(logits_V)
-        token = next_token(allowed_V, p, seq.prompt, seq.output, seq.generator)
+        if token is None:  # (else taken by speculative decoding)
+            allowed_V = logits_V if seq.guide is None else seq.guide.mask(logits_V)
+            token = next_token(allowed_V, p, seq.prompt, seq.output, seq.generator)
         complete = seq.guide is not None and seq.guide.accept(token)
         if p.logprobs is not None:
             seq.logprobs.append(_logprob(logits_V, token, p.logprobs))

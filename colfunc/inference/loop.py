@@ -50,6 +50,16 @@ class _Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.drafts = prometheus_client.Counter(
+            "colfunc_spec_decode_draft_tokens", "Draft tokens proposed (speculation)", registry=r
+        )
+        self.accepted = prometheus_client.Counter(
+            "colfunc_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.acceptance = prometheus_client.Gauge(
+            "colfunc_spec_decode_acceptance_rate", "Accepted over proposed drafts", registry=r
+        )
+        self.seen = (0, 0)  # the engine's draft and accepted totals the counters hold
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
 
     def generated(self, n: int) -> None:
@@ -170,6 +180,12 @@ class EngineLoop:
         self.metrics.running.set(s["running"])
         self.metrics.waiting.set(s["waiting"] + self.pending)
         self.metrics.kv_usage.set(s["blocks_used"] / s["blocks_total"])
+        m = self.metrics  # (the engine's totals: the counters move by what is new)
+        m.drafts.inc(s["draft_tokens"] - m.seen[0])
+        m.accepted.inc(s["accepted_tokens"] - m.seen[1])
+        m.seen = (s["draft_tokens"], s["accepted_tokens"])
+        if s["draft_tokens"]:
+            m.acceptance.set(s["accepted_tokens"] / s["draft_tokens"])
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self.streams.get(out.request_id)

@@ -21,7 +21,7 @@ import torch
 
 from colfunc.inference.grammar import Structure
 
-__all__ = ["SamplingParams", "next_token"]
+__all__ = ["SamplingParams", "filtered_probs", "next_token", "penalised"]
 
 
 def _number(name: str, value: object, low: float, high: float = math.inf) -> None:
@@ -132,9 +132,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _penalised(
+def penalised(
     logits_V: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
 ) -> torch.Tensor:
+    """The logits with the request's logit bias and repetition, presence and frequency
+    penalties applied."""
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=logits_V.device)
         bias = torch.tensor(
@@ -182,7 +184,7 @@ def next_token(
 ) -> int:
     """The next token of a sequence with ``prompt`` and ``output`` so far, from the model's
     ``logits`` for it, drawn with the sequence's own ``generator``."""
-    x_V = _penalised(logits_V, p, prompt, output)
+    x_V = penalised(logits_V, p, prompt, output)
     if p.greedy:
         return int(x_V.argmax())
     probs_V = filtered_probs(x_V, p)
