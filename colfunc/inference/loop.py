@@ -29,36 +29,22 @@ class _Metrics:
     def __init__(self) -> None:
         self.registry = prometheus_client.CollectorRegistry()
         r = self.registry
-        self.running = prometheus_client.Gauge(
-            "colfunc_requests_running", "Sequences being generated", registry=r
-        )
-        self.waiting = prometheus_client.Gauge(
-            "colfunc_requests_waiting", "Requests waiting to start", registry=r
-        )
-        self.kv_usage = prometheus_client.Gauge(
-            "colfunc_kv_cache_usage", "Fraction of the KV cache blocks in use", registry=r
-        )
-        self.tokens = prometheus_client.Counter(
-            "colfunc_generation_tokens", "Tokens generated", registry=r
-        )
-        self.tokens_per_s = prometheus_client.Gauge(
-            "colfunc_generation_tokens_per_second", "Tokens/s over the last 5 s", registry=r
-        )
+        gauge = lambda name, doc: prometheus_client.Gauge(f"colfunc_{name}", doc, registry=r)  # noqa: E731
+        count = lambda name, doc: prometheus_client.Counter(f"colfunc_{name}", doc, registry=r)  # noqa: E731
+        self.running = gauge("requests_running", "Sequences being generated")
+        self.waiting = gauge("requests_waiting", "Requests waiting to start")
+        self.kv_usage = gauge("kv_cache_usage", "Fraction of the KV cache blocks in use")
+        self.tokens = count("generation_tokens", "Tokens generated")
+        self.tokens_per_s = gauge("generation_tokens_per_second", "Tokens/s over the last 5 s")
         self.ttft = prometheus_client.Histogram(
             "colfunc_time_to_first_token_seconds",
             "From a request's arrival to its first token",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.drafts = prometheus_client.Counter(
-            "colfunc_spec_decode_draft_tokens", "Draft tokens proposed (speculation)", registry=r
-        )
-        self.accepted = prometheus_client.Counter(
-            "colfunc_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r
-        )
-        self.acceptance = prometheus_client.Gauge(
-            "colfunc_spec_decode_acceptance_rate", "Accepted over proposed drafts", registry=r
-        )
+        self.drafts = count("spec_decode_draft_tokens", "Draft tokens proposed (speculation)")
+        self.accepted = count("spec_decode_accepted_tokens", "Draft tokens accepted")
+        self.acceptance = gauge("spec_decode_acceptance_rate", "Accepted over proposed drafts")
         self.seen = (0, 0)  # the engine's draft and accepted totals the counters hold
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
 
