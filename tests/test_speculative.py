@@ -100,7 +100,8 @@ def test_propose_takes_the_latest_earlier_occurrence_of_the_longest_suffix() -> 
     assert propose([4, 5, 6, 4, 5], spec, 10) == [6, 4, 5]
     assert propose([4, 5, 6, 4, 5], spec, 2) == [6, 4]  # (room for two)
     assert propose([1, 2, 3], spec, 10) == []  # no earlier occurrence
-    assert propose([7, 7], Ngram(2, 1, 1), 10) == [7]  # to the end of what followed
+    assert propose([7, 7], Ngram(3, 1, 1), 10) == [7, 7, 7]  # a loop, drafted on around
+    assert propose([1, 8, 9, 8], Ngram(5, 2, 1), 10) == [9, 8, 9, 8, 9]
     with pytest.raises(ValueError, match="tokens must be an int >= 1, got 0"):
         Ngram(0)
     with pytest.raises(ValueError, match="ngram_min=3 is above ngram_max=2"):

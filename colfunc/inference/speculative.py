@@ -3,7 +3,8 @@
 Each step, a decoding sequence proposes up to ``k`` draft tokens by n-gram lookup (Saxena 2023,
 vLLM's ``ngram``): its last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``) are
 searched for in its earlier tokens, prompt and output, and the tokens that followed their latest
-earlier occurrence are the drafts. The engine computes the sequence's last token and its drafts
+earlier occurrence are the drafts (where those run into the sequence's end, the drafts go on
+copying themselves: a loop is drafted around as many times as ``k`` allows). The engine computes the sequence's last token and its drafts
 in one pass, as a chunk of a prefill, with logits at every position, and :func:`verify` takes
 tokens from them by the rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023) for a
 draft that is one token for sure: the target's distribution ``p`` (with the request's
@@ -54,8 +55,10 @@ class Ngram:
 
 
 def propose(tokens: Seq[int], spec: Ngram, limit: int) -> list[int]:
-    """Up to ``min(spec.tokens, limit)`` drafts for a sequence of ``tokens``: what followed the
-    latest earlier occurrence of its longest suffix of ``ngram_max`` to ``ngram_min`` tokens."""
+    """``min(spec.tokens, limit)`` drafts for a sequence of ``tokens``: what followed the latest
+    earlier occurrence of its longest suffix of ``ngram_max`` to ``ngram_min`` tokens, continued
+    past the sequence's end by the drafts so far (a repeating stretch repeats on); none when no
+    suffix occurred before."""
     k = min(spec.tokens, limit)
     T = len(tokens)
     if k <= 0 or T < 2:
@@ -65,7 +68,12 @@ def propose(tokens: Seq[int], spec: Ngram, limit: int) -> list[int]:
         tail = seq[T - n :]
         for start in range(T - n - 1, -1, -1):  # the latest earlier occurrence
             if seq[start : start + n] == tail:
-                return seq[start + n : start + n + k]
+                # what followed it; past the sequence's end, the drafts themselves (a loop of
+                # period T - start - n, continued)
+                out: list[int] = []
+                for j in range(start + n, start + n + k):
+                    out.append(seq[j] if j < T else out[j - T])
+                return out
     return []
 
 
