@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -76,7 +78,7 @@ def test_required_and_named_tool_choices_always_give_valid_calls(folder) -> None
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "add"
         _valid(call)
-        # streamed: the same call, whole, at the end
+        # streamed: the same call, whole, once it closes
         stream = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS,
                                                 tool_choice=named, temperature=1.0, seed=3,
                                                 max_tokens=200, stream=True)  # fmt: skip
@@ -112,3 +114,38 @@ def test_calls_written_in_text_are_parsed_out() -> None:
     )
     with pytest.raises(ValueError, match="function names repeat"):
         tools.functions([TOOLS[0], TOOLS[0]])
+
+
+_PIECES = st.sampled_from([
+    "Sure.", " ", "\n", "ok <b>", "<tool", "<tool_ca", "</tool_call>", "<tool_call>not json</tool_call>",
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+    '<tool_call>{"name": "now"}</tool_call>', "<tool_call>\n{\"name\": ",
+])  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(_PIECES, max_size=8), cuts=st.lists(st.integers(0, 200), max_size=6))
+def test_streamed_content_and_calls_reassemble_to_the_parsed_answer(pieces, cuts) -> None:
+    """Whatever the text and wherever the stream's updates fall, the content deltas joined
+    and the calls in order are :func:`tools.parse` of the whole text (ids aside)."""
+    text = "".join(pieces)
+    stream, content, calls = tools.ToolStream(), "", []
+    for end in sorted({min(c, len(text)) for c in cuts}):
+        got, new = stream.feed(text[:end], False)
+        content += got
+        calls += new
+    got, new = stream.feed(text, True)
+    content, calls = content + got, calls + new
+    want_content, want_calls = tools.parse(text)
+    assert content == (want_content or "")
+    assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+    assert stream.calls == len(want_calls)
+
+
+def test_content_streams_before_a_call_and_each_call_once_it_closes() -> None:
+    stream = tools.ToolStream()
+    assert stream.feed("Sure. <tool", False) == ("Sure.", [])  # (a call may be opening)
+    assert stream.feed('Sure. <tool_call>{"name": "now"', False) == ("", [])
+    content, calls = stream.feed('Sure. <tool_call>{"name": "now"}</tool_call>\n', False)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["now"]
+    assert stream.feed('Sure. <tool_call>{"name": "now"}</tool_call>\n', True) == ("", [])

@@ -250,6 +250,7 @@ def build_app(
             last = None
             echo = not chat and bool(getattr(req, "echo", False))
             tokens_sent = [0] * params.n  # the tokens whose logprobs have gone out
+            calls_of = [tools.ToolStream() for _ in range(params.n)]  # (with tools)
             async for out in outputs(request, rid, q):
                 for o in out.outputs:
                     if echo and last is None:  # the prompt first, with its logprobs
@@ -264,17 +265,20 @@ def build_app(
                             "finish_reason": None,
                         }
                         yield _sse({**head, "choices": [c]})
-                    if chat and fns:  # tool calls: the whole answer at its end, parsed
-                        if o.finish_reason is None:
-                            continue
-                        message, finish = _message(o.text, o.finish_reason, fns)
-                        tail = {k: v for k, v in message.items() if k != "role"}
-                        if "tool_calls" in tail:
-                            tail["tool_calls"] = [
-                                {"index": i, **c} for i, c in enumerate(tail["tool_calls"])
+                    if chat and fns:  # content as it comes, each call once it closes
+                        ended = o.finish_reason is not None
+                        ts = calls_of[o.index]
+                        before = ts.calls
+                        content, calls = ts.feed(visible(o.text, ended, params), ended)
+                        step: dict[str, Any] = {"content": content} if content else {}
+                        if calls:
+                            step["tool_calls"] = [
+                                {"index": before + i, **c} for i, c in enumerate(calls)
                             ]
-                        yield _sse({**head, "choices": [{"index": o.index, "delta": tail,
-                                                         "finish_reason": finish}]})  # fmt: skip
+                        finish = ("tool_calls" if ts.calls else o.finish_reason) if ended else None
+                        if step or ended:
+                            one = {"index": o.index, "delta": step, "finish_reason": finish}
+                            yield _sse({**head, "choices": [one]})
                         continue
                     text = visible(o.text, o.finish_reason is not None, params)
                     new, sent[o.index] = text[len(sent[o.index]) :], text

@@ -20,7 +20,7 @@ from colfunc.inference.grammar import TOOL_CLOSE as CLOSE
 from colfunc.inference.grammar import TOOL_OPEN as OPEN
 from colfunc.inference.grammar import Structure
 
-__all__ = ["CLOSE", "OPEN", "functions", "parse", "structure", "system_message"]
+__all__ = ["CLOSE", "OPEN", "ToolStream", "functions", "parse", "structure", "system_message"]
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
@@ -78,26 +78,81 @@ def system_message(fns: list[dict[str, Any]]) -> dict[str, str]:
     }
 
 
+def _call(m: re.Match[str]) -> dict[str, Any] | None:
+    """The call a ``<tool_call>`` block holds, as OpenAI returns it; None if it is not one."""
+    try:
+        call = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))},
+    }
+
+
 def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A completion's text outside its tool calls (None if there is none) and the calls, as
-    OpenAI returns them (``{"id", "type": "function", "function": {"name", "arguments"}}``,
-    the arguments as JSON text). A block that is not a call's JSON stays in the text."""
+    """A completion's text outside its tool calls (trailing whitespace dropped; None if nothing
+    is left) and the calls, as OpenAI returns them (``{"id", "type": "function", "function":
+    {"name", "arguments"}}``, the arguments as JSON text). A block that is not a call's JSON
+    stays in the text; without calls, the text is returned as it is."""
     calls, kept, at = [], [], 0
     for m in _CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        call = _call(m)
+        if call is None:
             continue
         kept.append(text[at : m.start()])
         at = m.end()
-        arguments = call.get("arguments", {})
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(arguments)},
-        })  # fmt: skip
+        calls.append(call)
     kept.append(text[at:])
-    rest = "".join(kept).strip()
+    rest = "".join(kept).rstrip()
     return (rest or None) if calls else text, calls
+
+
+class ToolStream:
+    """A chat completion's text, as it grows, cut into what OpenAI streams: content deltas, and
+    each call whole as soon as its ``</tool_call>`` is written. What it hands out reassembles to
+    :func:`parse` of the whole text: text that may open a call, and trailing whitespace (which
+    :func:`parse` drops once there is a call), wait until they are known to be content."""
+
+    def __init__(self) -> None:
+        self.done = 0  # the text handed out (or held in `pending`) so far
+        self.pending = ""  # trailing whitespace held back
+        self.calls = 0
+
+    def _content(self, piece: str) -> str:
+        s = self.pending + piece
+        body = s.rstrip()
+        self.pending = s[len(body) :]
+        return body
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the calls ``text`` (the whole text so far; ``final``: all of it)
+        adds to what was handed out."""
+        content, calls = "", []
+        while (m := _CALL.search(text, self.done)) is not None:
+            call = _call(m)
+            if call is None:  # (not a call: text)
+                content += self._content(text[self.done : m.end()])
+            else:
+                content += self._content(text[self.done : m.start()])
+                calls.append(call)
+            self.done = m.end()
+        tail = text[self.done :]
+        if final:
+            content += self._content(tail)
+            if not self.calls and not calls:  # no call: the text as it is
+                content, self.pending = content + self.pending, ""
+            self.done = len(text)
+        else:  # up to a call begun, or to what may begin one
+            at = tail.find(OPEN)
+            if at < 0:
+                at = len(tail) - max(
+                    (k for k in range(1, len(OPEN)) if tail.endswith(OPEN[:k])), default=0
+                )
+            content += self._content(tail[:at])
+            self.done += at
+        self.calls += len(calls)
+        return content, calls
