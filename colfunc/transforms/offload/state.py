@@ -79,7 +79,9 @@ class OffloadState:
         host = cfg.policy != "device"
         self.grads: list[torch.Tensor | None] = (
             [
-                torch.zeros_like(x, device=host_device()) if t else None
+                torch.zeros_like(x, device=host_device(), memory_format=torch.contiguous_format)
+                if t
+                else None
                 for (_, x), t in zip(flat, self.trains)
             ]
             if host

@@ -195,7 +195,10 @@ def _build(
                 meta = where.type == "meta"
                 x = torch.empty(x.shape, dtype=x.dtype, device="meta") if meta else x.materialize()
             # a tensor-parallel parameter's local piece (the fetches wrap it back)
-            return local_piece(x).detach().to(where) if isinstance(x, torch.Tensor) else x
+            # (row-major there: the host update's kernels take contiguous rows)
+            if not isinstance(x, torch.Tensor):
+                return x
+            return local_piece(x).detach().to(where).contiguous()
 
         # the layout beneath (zero-3 keeps this rank's chunks; an abstract parameter is made
         # there, one at a time, and only its chunk kept) and each piece moved home
