@@ -10,7 +10,7 @@
   the closed form from the routed counts.
 - Training steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under ``shard(expert_axis="ep")``
   equal one device (fp64 AdamW, 1e-9) for ep=2, ep=4, dp2 x ep2, ep2 x tp2, ZeRO 0-3, a 2-stage
-  pipeline (with dp and ZeRO-1 too), offload (alone, and with ZeRO-3: the experts homed on the
+  pipeline (with dp and ZeRO-0 or ZeRO-1 too), offload (alone, and with ZeRO-3: the experts homed on the
   host with the rest), with amp and remat, with frozen experts, on threads and gloo;
   every op placed by its rule. The reference takes the load-balancing term per rank's tokens (and
   microbatch), as data parallelism does.
@@ -242,6 +242,7 @@ CASES = {  # name -> (family, mesh, how, backend)
     "dp2_ep2_zero3": ("qwen2_moe", {"dp": 2, "ep": 2}, "zero3", "threads"),
     "ep2_pp2": ("mixtral", {"pp": 2, "ep": 2}, "pp", "threads"),
     "dp2_ep2_pp2_zero1": ("olmoe", {"dp": 2, "pp": 2, "ep": 2}, "pp_zero1", "threads"),
+    "dp2_ep2_pp2_zero0": ("mixtral", {"dp": 2, "pp": 2, "ep": 2}, "pp_zero0", "threads"),
     "ep2_offload": ("mixtral", {"ep": 2}, "offload", "threads"),
     "dp2_ep2_zero3_offload": ("qwen3_moe", {"dp": 2, "ep": 2}, "zero3_offload", "threads"),
     "dp2_ep2_zero3_offload_auto": ("qwen2_moe", {"dp": 2, "ep": 2}, "zero3_auto", "threads"),

@@ -411,19 +411,15 @@ class Reduction:
 
     def _all_reduce_after(self, grads: PyTree, m: Mesh) -> PyTree:
         """Every gradient averaged over ``axis`` after the backward pass (a pipeline's sums);
-        an expert weight's (its grad split like it) over the axes that do not split it, then
-        divided by the expert ranks whose tokens it holds already."""
-        apart = {p for p, g in tree.flatten_with_paths(grads)[0] if self._split_over(g)}
-        if not apart:
+        an expert weight's, where ``axis`` holds its expert axis, summed over the axes that do
+        not split it and divided by all of ``axis``'s ranks (it holds the expert ranks' tokens
+        already; an expert axis beside ``axis`` is :meth:`over_extras`'s)."""
+        own, apart = self._apart(grads)
+        if apart is None:
             return all_reduce_tree(grads, self.axis, m)
-        rest = all_reduce_tree(tree.subset(grads, lambda p: p not in apart), self.axis, m)
-        experts = tree.subset(grads, apart.__contains__)
-        split = {a for g in tree.leaves(experts) for a in self._split_over(g)}
-        others = tuple(a for a in _names(self.axis) if a not in split)
-        if others:
-            experts = all_reduce_tree(experts, others, m)
-        n = m.axis_size(tuple(split))
-        return tree.merge(tree.merge(grads, rest), tree.map(lambda g: g / n, experts))
+        n = m.axis_size(self.axis)
+        experts = tree.map(lambda g: g / n, self.reduce_apart(apart, apart))
+        return tree.merge(tree.merge(grads, all_reduce_tree(own, self.axis, m)), experts)
 
     def over_extras(self, grads: PyTree, params: PyTree, extra: dict[str, Any]) -> PyTree:
         """``grads`` (reduced over ``axis`` by the mode, or still to be in ``sync``: this is
