@@ -508,8 +508,9 @@ class Engine:
     def _verify(self, seq: Sequence, base: int, covered: int, logits_JV: torch.Tensor) -> None:
         """Take a speculating sequence's tokens from its logits (``verify``), keeping the keys
         and values of its last token and the drafts it took."""
-        drafts = seq.output[len(seq.output) - covered :] if covered else []
-        del seq.output[len(seq.output) - covered :]
+        cut = len(seq.output) - covered
+        drafts = seq.output[cut:]
+        del seq.output[cut:]
         got = verify(logits_JV[:, : self.vocab], drafts, seq.params, seq.prompt, seq.output,
                      seq.generator)  # fmt: skip
         self.drafted += covered

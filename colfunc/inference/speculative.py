@@ -1,11 +1,12 @@
-"""Speculative decoding by prompt lookup: drafts from the sequence's own tokens, verified in one pass.
+"""Speculative decoding by prompt lookup: drafts from the sequence itself, verified in one pass.
 
 Each step, a decoding sequence proposes up to ``k`` draft tokens by n-gram lookup (Saxena 2023,
 vLLM's ``ngram``): its last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``) are
 searched for in its earlier tokens, prompt and output, and the tokens that followed their latest
 earlier occurrence are the drafts (where those run into the sequence's end, the drafts go on
-copying themselves: a loop is drafted around as many times as ``k`` allows). The engine computes the sequence's last token and its drafts
-in one pass, as a chunk of a prefill, with logits at every position, and :func:`verify` takes
+copying themselves: a loop is drafted around as many times as ``k`` allows). The engine computes
+the sequence's last token and its drafts in one pass, as a chunk of a prefill, with logits at
+every position, and :func:`verify` takes
 tokens from them by the rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023) for a
 draft that is one token for sure: the target's distribution ``p`` (with the request's
 temperature, penalties and top-k/p/min-p) accepts draft ``d`` with probability ``p(d)``; on a

@@ -30,6 +30,7 @@ replicated and only one rank's copy is seeded; here a replicated input is a valu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ def _record(mesh: Mesh, call: Call, x: torch.Tensor) -> None:
         nbytes = x.numel() * x.element_size()
         if call.op == "all_to_all_v":  # the rows sent to the others, exactly
             sent = sum(c for j, c in enumerate(call.sizes[0]) if j != index)
-            nbytes = sent * _row_bytes(x)
+            nbytes = sent * math.prod(x.shape[1:]) * x.element_size()
         elif call.op == "all_gather":
             nbytes *= n
         sends = True
@@ -84,14 +85,6 @@ def _record(mesh: Mesh, call: Call, x: torch.Tensor) -> None:
         if call.op != "all_to_all_v":
             nbytes = ring_bytes(call.op, nbytes, n, sends=sends)
         led.record(call.op, axis, nbytes)
-
-
-def _row_bytes(x: torch.Tensor) -> int:
-    """The bytes of one row (along dim 0) of ``x``."""
-    n = 1
-    for d in x.shape[1:]:
-        n *= d
-    return n * x.element_size()
 
 
 def _world(mesh: Mesh, call: Call, x: torch.Tensor) -> Any:

@@ -241,8 +241,9 @@ def _build(
                     rows, of_leaf = state.grad_pieces()
                     z = extra["zero"] if gathers else None
                     tmpl = [mt.template for mt in tree.leaves(z.metas)] if z else state.templates
+                    flags = dp.expert_flags(tmpl)  # (per leaf, once)
                     with DevicePool.host():
-                        dp.reduce_rows(rows, [dp.expert_flags(tmpl)[k] for k in of_leaf])
+                        dp.reduce_rows(rows, [flags[k] for k in of_leaf])
                 elif dp is not None:  # the same reduction, on the host rows
                     with DevicePool.host():
                         dp.reduce_rows(state.grad_rows())
