@@ -338,3 +338,25 @@ def save_bpe_tokenizer(
         fast.chat_template = chat_template
     fast.save_pretrained(path)
     return fast
+
+
+def save_tiny_gpt2(path: Any, n_positions: int, chat_template: str | None = None) -> Any:
+    """A tiny random GPT-2 folder at ``path`` (2 layers, 2 heads, width 32, seed 0) with the
+    byte-level BPE of :func:`save_bpe_tokenizer` (320 tokens, ``<|endoftext|>`` its end and
+    beginning of text): what a server test serves. Returns the tokenizer."""
+    import torch
+    import transformers
+
+    fast = save_bpe_tokenizer(path, 320, "<|endoftext|>", chat_template=chat_template)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=len(fast),
+        n_positions=n_positions,
+        eos_token_id=fast.eos_token_id,
+        bos_token_id=fast.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    return fast

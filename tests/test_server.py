@@ -42,18 +42,7 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf")
-    fast = cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>", chat_template=TEMPLATE)
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=len(fast),
-        n_positions=128,
-        eos_token_id=fast.eos_token_id,
-        bos_token_id=fast.eos_token_id,
-    )
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    cf.testing.save_tiny_gpt2(path, n_positions=128, chat_template=TEMPLATE)
     return path
 
 
@@ -400,7 +389,6 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served, folder) -> None:
     the prompts as token lists: each choice's text is its prompt, its logprobs the prompt's
     tokens' (the first None), equal to ``transformers``' log-softmax at each position (1e-4),
     with the text offsets of the tokens; vLLM's ``prompt_logprobs`` gives the same numbers."""
-    import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]

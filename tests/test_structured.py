@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,13 +36,7 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf")
-    fast = cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=len(fast), n_positions=512,
-        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
-    )  # fmt: skip
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    cf.testing.save_tiny_gpt2(path, n_positions=512)
     return path
 
 

@@ -16,8 +16,6 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
 from test_server import NAME, TEMPLATE, Served  # noqa: E402
 
 import colfunc as cf  # noqa: E402
@@ -44,13 +42,7 @@ def folder(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A tiny GPT-2 whose context holds the tools' system message (its template renders no
     tools, so the server lists them in one)."""
     path = tmp_path_factory.mktemp("tools")
-    fast = cf.testing.save_bpe_tokenizer(path, 320, "<|endoftext|>", chat_template=TEMPLATE)
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=len(fast), n_positions=1024,
-        eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
-    )  # fmt: skip
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    cf.testing.save_tiny_gpt2(path, n_positions=1024, chat_template=TEMPLATE)
     return path
 
 
