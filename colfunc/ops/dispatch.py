@@ -4,7 +4,8 @@
 
 - ``auto`` (the default): the Triton kernel for CUDA tensors it takes, when Triton is installed;
   the C++ decode attention (:mod:`colfunc.ops.cpu_attention`) for the decoding sequences of a
-  paged attention on CPU tensors; the reference for everything else (CPU tensors, a head dim the
+  paged attention on CPU tensors; :mod:`colfunc.ops.cpu_loss`'s cross-entropy for plain tensors
+  that need a gradient; the reference for everything else (CPU tensors, a head dim the
   kernel lacks, tensor subclasses such as a ShardedTensor, tensors under a ``torch.func``
   transform).
 - ``triton``: the Triton kernel always; CPU tensors only under ``TRITON_INTERPRET=1``. Inputs the
@@ -31,7 +32,7 @@ import torch
 
 from colfunc import core
 from colfunc.kernels import checks
-from colfunc.ops import cpu_attention, reference
+from colfunc.ops import cpu_attention, cpu_loss, reference
 from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
@@ -284,6 +285,8 @@ def cross_entropy(
             logits_NV, labels_N, ignore_index
         )
         return out
+    if kernels_choice() == "auto" and cpu_loss.applies(logits_NV, labels_N):
+        return cpu_loss.cross_entropy(logits_NV, labels_N, ignore_index)
     return reference.cross_entropy(logits_NV, labels_N, ignore_index)
 
 

@@ -316,8 +316,17 @@ def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> to
             f"rope expects x[...,T,D] with even D and cos, sin [T, D/2]; got x {tuple(x_BHTD.shape)}, "
             f"cos {tuple(cos_TK.shape)}, sin {tuple(sin_TK.shape)}"
         )
-    x1, x2 = x_BHTD[..., :K], x_BHTD[..., K:]
     cos, sin = cos_TK.to(x_BHTD.dtype), sin_TK.to(x_BHTD.dtype)
+    if x_BHTD.dim() >= 3 and x_BHTD.transpose(-3, -2).is_contiguous():
+        # heads split from a [.., T, H*D] projection: rotated in that layout and handed back in
+        # it, so the halves join by rows, not by a transposing copy
+        return _rotate_half(x_BHTD.transpose(-3, -2), cos[:, None], sin[:, None]).transpose(-3, -2)
+    return _rotate_half(x_BHTD, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    K = x.shape[-1] // 2
+    x1, x2 = x[..., :K], x[..., K:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
