@@ -296,7 +296,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from colfunc.inference import Engine
     from colfunc.inference.engine import KVMemoryError
     from colfunc.inference.server import EngineLoop, build_app, follow
-    from colfunc.inference.speculative import Ngram
     from colfunc.sharding import launch
 
     if (args.run is None) == (args.hf is None):
@@ -310,8 +309,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.kv_memory is not None:
         kw["kv_memory"] = args.kv_memory
-    if args.speculative_ngram:  # (a ValueError names a bad count)
-        kw["speculative"] = Ngram(args.speculative_ngram)
+    spec = (args.speculative_ngram, args.speculative_model, args.num_speculative_tokens)
+    kw["speculative"] = engines.speculative(*spec)  # (a ValueError names a bad count)
     loras = engines.parse_loras(args.lora or [], args.tp)
     if loras:
         kw["max_loras"] = len(loras)
@@ -376,8 +375,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cpu_attention.extension()
     print(f"colfunc: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # On SIGTERM uvicorn stops accepting, waits for the requests in flight, shuts the app down,
-    # and raises the signal again with the handler found before it: this one, so that the
-    # command then ends with status 0.
+    # and raises the signal again with the handler found before it: this one (exit status 0).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     loop.stop()
@@ -521,6 +519,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (256)")
     p.add_argument("--kv-memory", help="KV cache size, e.g. 1GiB (default: fit, at most 2GiB)")
     p.add_argument("--speculative-ngram", type=int, default=0, help="prompt-lookup drafts a step")
+    p.add_argument("--speculative-model", metavar="FOLDER", help="a draft model's HF folder")
+    p.add_argument("--num-speculative-tokens", type=int, help="the draft model's drafts a step")
     p.add_argument("--max-waiting", type=int, default=256, help="queue before 503 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="413 past it (4 MiB)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")

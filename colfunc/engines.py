@@ -101,6 +101,29 @@ def from_hf(
     return Engine(**{**loaded, **given})
 
 
+def speculative(ngram: int, model: str | Path | None, tokens: int | None) -> Any:
+    """What ``colfunc serve``'s speculative flags ask for: prompt lookup of ``ngram`` drafts a
+    step (``--speculative-ngram``), a draft model's folder proposing ``tokens`` a step
+    (``--speculative-model``, ``--num-speculative-tokens``), or None."""
+    from colfunc.inference.draft_model import DraftModel
+    from colfunc.inference.speculative import Ngram
+
+    if ngram and model is not None:
+        raise ValueError("give one of --speculative-ngram and --speculative-model, not both")
+    if model is None:
+        if tokens is not None:
+            raise ValueError("--num-speculative-tokens goes with --speculative-model FOLDER")
+        return Ngram(ngram) if ngram else None
+    if tokens is None:
+        raise ValueError("--speculative-model needs --num-speculative-tokens K (drafts a step)")
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {tokens}")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--speculative-model: {str(model)!r} has no config.json")
+    cfg, params = hf.load(str(model))
+    return DraftModel(models.of_config(cfg).module, cfg, params, tokens)
+
+
 def parse_loras(items: list[str], tp: int = 1) -> dict[str, str]:
     """``colfunc serve --lora NAME=FOLDER`` arguments, as ``{name: folder}``."""
     loras: dict[str, str] = {}

@@ -4,6 +4,7 @@
 through its ``paged_forward``; :class:`SamplingParams` says how each request is sampled.
 """
 
+from colfunc.inference.draft_model import DraftModel
 from colfunc.inference.engine import CompletionOutput, Engine, RequestOutput
 from colfunc.inference.kv_cache import BlockAllocator, block_hash
 from colfunc.inference.sampling import SamplingParams, next_token
@@ -15,6 +16,7 @@ __all__ = [
     "BlockAllocator",
     "ByteTokenizer",
     "CompletionOutput",
+    "DraftModel",
     "Engine",
     "HFTokenizer",
     "Ngram",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import re
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -23,8 +22,9 @@ import torch
 
 from colfunc import core, models, nn
 from colfunc.inference.adapters import AdapterSlots, Rows, rows_of
+from colfunc.inference.draft_model import Drafter, DraftModel
 from colfunc.inference.grammar import Guide, compile_structure
-from colfunc.inference.kv_cache import BlockAllocator
+from colfunc.inference.kv_cache import BlockAllocator, KVMemoryError, kv_bytes
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
 from colfunc.inference.speculative import Ngram, draft, rows_of_drafts, settle, verify
@@ -34,45 +34,20 @@ from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece
 from colfunc.transforms.shard import place
 
-__all__ = ["CompletionOutput", "Engine", "KVMemoryError", "RequestOutput"]
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "KVMemoryError",
+    "RequestOutput",
+]
 
 DEFAULT_KV_BYTES = 2 * 2**30  # the most the default cache size takes
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
-_UNITS |= {"gib": 2**30}
-
-
-def _bytes(value: int | str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"Engine: kv_memory must be bytes > 0 or a size like '512MiB', got {value!r}")
 
 
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
     return value
-
-
-class KVMemoryError(ValueError):
-    """A KV cache size (``kv_memory``) too small for one sequence at the model's context: the
-    size given, the bytes it is, and the least that holds one sequence."""
-
-    def __init__(self, given: int | str, budget: int, needed: int, context: int) -> None:
-        self.given, self.budget, self.needed, self.context = given, budget, needed, context
-        super().__init__(self.message("kv_memory"))
-
-    def message(self, name: str) -> str:
-        """The message, naming the size as the caller knows it (``--kv-memory`` on the CLI)."""
-        mib = -(-self.needed // 2**20)
-        return (
-            f"{name}={self.given!r} ({self.budget} bytes) cannot hold one sequence at the "
-            f"model's context of {self.context} tokens, which takes {self.needed} bytes; give "
-            f"at least {mib}MiB"
-        )
 
 
 @dataclasses.dataclass
@@ -168,7 +143,7 @@ class Engine:
         eos_token_id: int | Seq[int] | None = None,
         mesh: Mesh | None = None,
         max_loras: int = 0,
-        speculative: Ngram | None = None,
+        speculative: Ngram | DraftModel | None = None,
     ) -> None:
         if isinstance(model, str):
             model = models.get(model).module
@@ -209,7 +184,7 @@ class Engine:
             raise ValueError("Engine: give num_blocks or kv_memory, not both")
         if num_blocks is None:
             full = max_num_seqs * -(-cfg.max_seq_len // self.block_size)
-            budget = _bytes(kv_memory) if kv_memory is not None else DEFAULT_KV_BYTES
+            budget = kv_bytes(kv_memory) if kv_memory is not None else DEFAULT_KV_BYTES
             num_blocks = full if kv_memory is None else budget // per_block
             num_blocks = min(num_blocks, budget // per_block)
             one_sequence = -(-cfg.max_seq_len // self.block_size) * per_block
@@ -237,9 +212,15 @@ class Engine:
             window=spec.window,
             regime=spec.regime,
         )
-        if speculative is not None and not isinstance(speculative, Ngram):
-            raise TypeError(f"Engine: speculative must be an inference.Ngram, got {speculative!r}")
-        self.speculative = speculative  # prompt-lookup drafts (colfunc.inference.speculative)
+        if speculative is not None and not isinstance(speculative, Ngram | DraftModel):
+            raise TypeError(
+                f"Engine: speculative must be an Ngram or a DraftModel, got {speculative!r}"
+            )
+        self.speculative = speculative  # drafts by prompt lookup or by a draft model
+        self.drafter = None
+        if isinstance(speculative, DraftModel):
+            kv_at = (spec, cfg.max_seq_len)
+            self.drafter = Drafter(speculative, kv_at, num_blocks, self.block_size, self.vocab)
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -406,6 +387,10 @@ class Engine:
         for src, dst in work.copies:  # copy on write, before anything writes
             for c in self.cache.values():
                 c[:, dst] = c[:, src]
+        qs = {}
+        if self.drafter is not None:  # the draft model's drafts, over their placeholders
+            self.drafter.copy(work.copies)
+            qs = self.drafter.propose(spec)
         B = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -469,7 +454,7 @@ class Engine:
         for seq, n in work.items:
             if seq in spec:  # its drafts verified: the keys and values of those it kept
                 base, covered = spec[seq]
-                self._verify(seq, base, covered, logits_SV[first : first + covered + 1])
+                self._verify(seq, (base, covered), logits_SV[first : first + covered + 1], qs)
                 first += covered + 1
                 touched[seq.request_id] = self.requests[seq.request_id]
                 if seq.finish_reason is not None:
@@ -505,14 +490,18 @@ class Engine:
                 del self.requests[o.request_id]
         return out
 
-    def _verify(self, seq: Sequence, base: int, covered: int, logits_JV: torch.Tensor) -> None:
-        """Take a speculating sequence's tokens from its logits (``verify``), keeping the keys
-        and values of its last token and the drafts it took."""
+    def _verify(
+        self, seq: Sequence, at: tuple[int, int], logits_JV: torch.Tensor, qs: dict[Sequence, Any]
+    ) -> None:
+        """Take a speculating sequence's tokens from its logits (``verify``; ``at``: its
+        length without its drafts and how many the step covers), keeping the keys and values of
+        its last token and the drafts it took."""
+        base, covered = at
         cut = len(seq.output) - covered
         drafts = seq.output[cut:]
         del seq.output[cut:]
         got = verify(logits_JV[:, : self.vocab], drafts, seq.params, seq.prompt, seq.output,
-                     seq.generator)  # fmt: skip
+                     seq.generator, qs.get(seq))  # fmt: skip
         self.drafted += covered
         self.accepted += len(got) - 1
         for j, token in enumerate(got):
@@ -520,6 +509,7 @@ class Engine:
             if seq.finish_reason is not None:
                 return
         seq.computed = base + len(got) - 1
+        seq.draft_computed = min(seq.draft_computed, seq.computed)
 
     def _append(self, seq: Sequence, logits_V: torch.Tensor, token: int | None = None) -> None:
         p = seq.params

@@ -17,11 +17,42 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import re
 from collections.abc import Sequence
 
-__all__ = ["BlockAllocator", "block_hash"]
+__all__ = ["BlockAllocator", "KVMemoryError", "block_hash", "kv_bytes"]
 
 ROOT = b"colfunc-kv"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
+_UNITS |= {"gib": 2**30}
+
+
+def kv_bytes(value: int | str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"Engine: kv_memory must be bytes > 0 or a size like '512MiB', got {value!r}")
+
+
+class KVMemoryError(ValueError):
+    """A KV cache size (``kv_memory``) too small for one sequence at the model's context: the
+    size given, the bytes it is, and the least that holds one sequence."""
+
+    def __init__(self, given: int | str, budget: int, needed: int, context: int) -> None:
+        self.given, self.budget, self.needed, self.context = given, budget, needed, context
+        super().__init__(self.message("kv_memory"))
+
+    def message(self, name: str) -> str:
+        """The message, naming the size as the caller knows it (``--kv-memory`` on the CLI)."""
+        mib = -(-self.needed // 2**20)
+        return (
+            f"{name}={self.given!r} ({self.budget} bytes) cannot hold one sequence at the "
+            f"model's context of {self.context} tokens, which takes {self.needed} bytes; give "
+            f"at least {mib}MiB"
+        )
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:

@@ -43,6 +43,8 @@ class Sequence:
     blocks: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)  # of its full blocks, in order
     computed: int = 0  # tokens whose keys and values are in its blocks
+    drafts: int = 0  # speculative tokens at the end of its output, while a step is scheduled
+    draft_computed: int = 0  # tokens whose keys and values a draft model holds in its blocks
     # with a KVCacheSpec.regime: whether its cache is computed in the long regime (in the short
     # one it is computed again when the sequence grows past it)
     long_regime: bool = False
@@ -129,7 +131,7 @@ class Scheduler:
         for block in reversed(seq.blocks):
             if block != DROPPED:
                 self.allocator.release(block)
-        seq.blocks, seq.computed = [], 0
+        seq.blocks, seq.computed, seq.draft_computed = [], 0, 0
 
     def _keys(self, seq: Sequence, upto: int) -> None:
         """Extend ``seq.keys`` to its first ``upto`` full blocks."""
@@ -146,7 +148,8 @@ class Scheduler:
         # logprobs are asked for is computed whole
         if seq.params.prompt_logprobs is not None:
             return
-        full = (seq.num_tokens - 1) // self.allocator.block_size
+        # (of the tokens known: a step's drafts, taken back or not, are no prefix to look up)
+        full = (seq.num_tokens - seq.drafts - 1) // self.allocator.block_size
         self._keys(seq, full)
         for key in seq.keys[:full]:
             block = self.allocator.lookup(key)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -78,18 +79,23 @@ def propose(tokens: Seq[int], spec: Ngram, limit: int) -> list[int]:
     return []
 
 
-def draft(seqs: Seq[Sequence], spec: Ngram, max_seq_len: int) -> dict[Sequence, int]:
+def draft(seqs: Seq[Sequence], spec: Any, max_seq_len: int) -> dict[Sequence, int]:
     """Each decoding sequence's drafts (not one with a structured output), appended to its
-    output for the scheduler to see; how many, per sequence."""
+    output for the scheduler to see; how many, per sequence. For a draft model
+    (:class:`colfunc.inference.draft_model.DraftModel`), placeholders its drafts replace once
+    the step's blocks are allocated."""
     out = {}
     for seq in seqs:
         if seq.num_tokens - seq.computed != 1 or seq.guide is not None:
             continue
         room = min(seq.params.max_tokens - len(seq.output), max_seq_len - seq.num_tokens) - 1
-        got = propose(seq.tokens, spec, room)
+        if isinstance(spec, Ngram):
+            got = propose(seq.tokens, spec, room)
+        else:
+            got = [seq.tokens[-1]] * max(0, min(spec.tokens, room))
         if got:
             seq.output += got
-            out[seq] = len(got)
+            seq.drafts = out[seq] = len(got)
     return out
 
 
@@ -106,6 +112,7 @@ def settle(
         end = seq.computed + scheduled.get(seq, 0)  # (the first position the step leaves)
         covered = min(k, end - base) if end >= base else 0
         del seq.output[len(seq.output) - k + covered :]
+        seq.drafts = 0
         if seq in scheduled and end >= base:
             spec[seq] = (base, covered)
     return spec
@@ -132,10 +139,13 @@ def verify(
     prompt: Seq[int],
     output: Seq[int],
     generator: torch.Generator,
+    q_JV: torch.Tensor | None = None,
 ) -> list[int]:
     """The tokens a step yields from the target's logits at the last token and each draft
     (``len(drafts) + 1`` rows): the accepted drafts, then one token of the target's own (see
-    the module docstring); ``output`` is the sequence's output before them."""
+    the module docstring); ``output`` is the sequence's output before them. ``q``: the
+    distributions the drafts were drawn from (a draft model's, one row per draft); None for
+    drafts that are one token for sure (prompt lookup, a greedy draft)."""
     out: list[int] = []
     for j, d in enumerate(drafts):
         x_V = penalised(logits_JV[j], p, prompt, [*output, *out])
@@ -146,11 +156,17 @@ def verify(
                 return out
             continue
         probs_V = filtered_probs(x_V, p)
-        if float(torch.rand((), generator=generator)) < float(probs_V[d]):
-            out.append(d)
+        q = 1.0 if q_JV is None else float(q_JV[j, d])
+        if float(torch.rand((), generator=generator)) * q < float(probs_V[d]):
+            out.append(d)  # accepted with probability min(1, p(d) / q(d))
             continue
-        rest_V = probs_V.clone()
-        rest_V[d] = 0.0  # (p(d) < 1 here: something else has mass)
+        if q_JV is None:
+            rest_V = probs_V.clone()
+            rest_V[d] = 0.0  # (p(d) < 1 here: something else has mass)
+        else:  # the residual max(0, p - q): where the target has more mass than the draft
+            rest_V = (probs_V - q_JV[j].to(probs_V.dtype)).clamp_(min=0)
+            if float(rest_V.sum()) <= 0:  # (p = q to rounding: p itself)
+                rest_V = probs_V
         out.append(int(torch.multinomial(rest_V / rest_V.sum(), 1, generator=generator)))
         return out
     last = logits_JV[len(drafts)]
