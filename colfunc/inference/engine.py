@@ -104,6 +104,33 @@ def _token_ids(name: str, value: int | Seq[int] | None) -> tuple[int, ...]:
     return tuple(values)
 
 
+def encode_prompt(
+    tokenizer: Tokenizer | None, vocab: int, max_seq_len: int, prompt: str | Seq[int]
+) -> list[int]:
+    """:meth:`Engine.encode_prompt` of an engine with these (also the server's, beside an engine
+    in another process)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("Engine: this engine has no tokenizer; give prompts as token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"Engine: prompt token ids must be ints in [0, {vocab}), got {t!r}"
+                )
+    if not ids:
+        raise ValueError("Engine: the prompt is empty")
+    if len(ids) >= max_seq_len:
+        raise ValueError(
+            f"Engine: the prompt has {len(ids)} tokens; the model's context is "
+            f"{max_seq_len}, which leaves no room for output: shorten it to at most "
+            f"{max_seq_len - 1}"
+        )
+    return ids
+
+
 class Engine:
     """Serve a colfunc model: ``Engine(models.gpt, cfg, params)`` (a run or a Hugging Face
     folder: :func:`colfunc.engines.from_run`, :func:`colfunc.engines.from_hf`).
@@ -273,26 +300,7 @@ class Engine:
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
         """``prompt``'s token ids, checked: text needs a tokenizer, ids must lie in the
         vocabulary, and the prompt must leave room for output in the model's context."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("Engine: this engine has no tokenizer; give prompts as token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab:
-                    raise ValueError(
-                        f"Engine: prompt token ids must be ints in [0, {self.vocab}), got {t!r}"
-                    )
-        if not ids:
-            raise ValueError("Engine: the prompt is empty")
-        if len(ids) >= self.cfg.max_seq_len:
-            raise ValueError(
-                f"Engine: the prompt has {len(ids)} tokens; the model's context is "
-                f"{self.cfg.max_seq_len}, which leaves no room for output: shorten it to at most "
-                f"{self.cfg.max_seq_len - 1}"
-            )
-        return ids
+        return encode_prompt(self.tokenizer, self.vocab, self.cfg.max_seq_len, prompt)
 
     def add_request(
         self,

@@ -18,11 +18,15 @@ import prometheus_client
 from colfunc.inference.engine import Engine, RequestOutput
 from colfunc.inference.sampling import SamplingParams
 
-__all__ = ["EngineLoop", "QueueFull", "apply", "follow"]
+__all__ = ["EngineLoop", "EngineStopped", "QueueFull", "apply", "count_gauges", "follow"]
 
 
 class QueueFull(Exception):
     """The waiting queue holds ``max_waiting`` requests already."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine has failed or stopped: the server answers 500 with an OpenAI error body."""
 
 
 class _Metrics:
@@ -47,6 +51,21 @@ class _Metrics:
         self.acceptance = gauge("spec_decode_acceptance_rate", "Accepted over proposed drafts")
         self.seen = (0, 0)  # the engine's draft and accepted totals the counters hold
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def deliver(self, streams: dict[str, _Stream], out: RequestOutput) -> None:
+        """``out`` to its request's queue (if it is still there), counted."""
+        stream = streams.get(out.request_id)
+        if stream is None:
+            return
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if n > stream.tokens:
+            if stream.tokens == 0:
+                self.ttft.observe(time.monotonic() - stream.arrival)
+            self.generated(n - stream.tokens)
+            stream.tokens = n
+        if out.finished:
+            streams.pop(out.request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def generated(self, n: int) -> None:
         now = time.monotonic()
@@ -162,30 +181,23 @@ class EngineLoop:
             self.done.set()
 
     def _gauges(self) -> None:
-        s = self.engine.stats()
-        self.metrics.running.set(s["running"])
-        self.metrics.waiting.set(s["waiting"] + self.pending)
-        self.metrics.kv_usage.set(s["blocks_used"] / s["blocks_total"])
-        m = self.metrics  # (the engine's totals: the counters move by what is new)
-        m.drafts.inc(s["draft_tokens"] - m.seen[0])
-        m.accepted.inc(s["accepted_tokens"] - m.seen[1])
-        m.seen = (s["draft_tokens"], s["accepted_tokens"])
-        if s["draft_tokens"]:
-            m.acceptance.set(s["accepted_tokens"] / s["draft_tokens"])
+        count_gauges(self.metrics, self.engine.stats(), self.pending)
 
     def _deliver(self, out: RequestOutput) -> None:
-        stream = self.streams.get(out.request_id)
-        if stream is None:
-            return
-        n = sum(len(o.token_ids) for o in out.outputs)
-        if n > stream.tokens:
-            if stream.tokens == 0:
-                self.metrics.ttft.observe(time.monotonic() - stream.arrival)
-            self.metrics.generated(n - stream.tokens)
-            stream.tokens = n
-        if out.finished:
-            self.streams.pop(out.request_id, None)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        self.metrics.deliver(self.streams, out)
+
+
+def count_gauges(m: _Metrics, s: dict[str, int], pending: int) -> None:
+    """The gauges and counters from the engine's :meth:`~Engine.stats` (``pending``: requests
+    submitted that the engine has not taken yet)."""
+    m.running.set(s["running"])
+    m.waiting.set(s["waiting"] + pending)
+    m.kv_usage.set(s["blocks_used"] / s["blocks_total"])
+    m.drafts.inc(s["draft_tokens"] - m.seen[0])  # (the engine's totals: moved by what is new)
+    m.accepted.inc(s["accepted_tokens"] - m.seen[1])
+    m.seen = (s["draft_tokens"], s["accepted_tokens"])
+    if s["draft_tokens"]:
+        m.acceptance.set(s["accepted_tokens"] / s["draft_tokens"])
 
 
 def apply(engine: Engine, msg: tuple[Any, ...]) -> None:

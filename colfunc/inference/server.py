@@ -32,7 +32,7 @@ from colfunc.inference.logprobs import (
     logprob_block,
     vllm_prompt_logprobs,
 )
-from colfunc.inference.loop import EngineLoop, QueueFull, apply, follow
+from colfunc.inference.loop import EngineLoop, EngineStopped, QueueFull, apply, follow
 from colfunc.inference.openai_api import (
     BadRequest,
     ChatRequest,
@@ -105,6 +105,10 @@ def build_app(
     async def bad(request: fastapi.Request, exc: BadRequest) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error", exc.param, exc.code)
 
+    @app.exception_handler(EngineStopped)
+    async def stopped(request: fastapi.Request, exc: EngineStopped) -> JSONResponse:
+        return error(500, str(exc), "server_error")
+
     @app.exception_handler(QueueFull)
     async def full(request: fastapi.Request, exc: QueueFull) -> JSONResponse:
         return error(503, f"the server is busy: {exc}; retry later", "server_error")
@@ -122,7 +126,7 @@ def build_app(
             )
         refuse_unbuilt(req)
         if loop.failure is not None:
-            raise RuntimeError(f"the engine stopped: {loop.failure!r}")
+            raise EngineStopped(f"the engine stopped: {loop.failure!r}")
         params = params_of(req, logprobs)
         if structure is not None:  # (a tool call the request requires)
             if params.structure is not None:
@@ -177,7 +181,7 @@ def build_app(
                 if out is None:
                     continue
                 if isinstance(out, BaseException):
-                    raise RuntimeError(f"the engine stopped: {out!r}")
+                    raise EngineStopped(f"the engine stopped: {out!r}")
                 yield out
                 if out.finished:
                     finished = True
