@@ -15,11 +15,12 @@ a Hugging Face folder, and each server is started on it as a process of its own 
 
 This process is the client: requests with Poisson arrivals at each rate (``inf``: all at once),
 prompts of 16-256 random words' tokens, outputs of 16-128 tokens (``ignore_eos``), greedy,
-streamed; each streamed chunk is one token. The servers run one after the other, each through
+streamed, the tokens counted by the last chunk's ``usage``. The servers run one after the other, each through
 every rate, the whole round ``--rounds`` times (interleaved). Definitions are those of vLLM's
-``benchmark_serving``: TTFT from sending a request to its first token; ITL the gaps between a
-request's successive tokens, all requests pooled (the mean is the figure); output tokens/s over
-the whole run. The ratios (median over rounds) are ours/vLLM's (or ours/ours-thread without
+``benchmark_serving``: TTFT from sending a request to its first token; ITL the mean gap
+between two successive tokens of a request, all requests pooled (a request's first to last
+streamed chunk over its tokens less one: a chunk may carry several tokens, or a token's partial
+character none); output tokens/s over the whole run. The ratios (median over rounds) are ours/vLLM's (or ours/ours-thread without
 vLLM): throughput (goal at least 1.0) and mean ITL (goal at most 1.0).
 
     python benchmarks/serving.py [--requests 32] [--rates 2,4,inf] [--rounds 2]
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import random
@@ -99,16 +99,22 @@ def _start(kind: str, folder: Path, vllm_python: str | None) -> tuple[subprocess
 
 async def _one(client: httpx.AsyncClient, prompt: list[int], n: int) -> dict:
     body = {"model": NAME, "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
-            "temperature": 0}  # fmt: skip
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     stamps: list[float] = []
+    tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                stamps.append(time.perf_counter())  # one chunk per token
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in itertools.pairwise(stamps)],
-            "tokens": len(stamps)}  # fmt: skip
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    # (a chunk may carry several tokens, or none yet: the gaps are counted per token)
+    return {"ttft": stamps[0] - t0, "span": stamps[-1] - stamps[0], "tokens": tokens}
 
 
 async def _run(url: str, rate: float, count: int, seed: int) -> dict[str, float]:
@@ -125,10 +131,10 @@ async def _run(url: str, rate: float, count: int, seed: int) -> dict[str, float]
             tasks.append(asyncio.create_task(_one(client, p, n)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    itl = [x for r in results for x in r["itl"]]
+    gaps = sum(r["tokens"] - 1 for r in results)
     return {
         "ttft": statistics.mean(r["ttft"] for r in results),
-        "itl": statistics.mean(itl),
+        "itl": sum(r["span"] for r in results) / gaps,  # the mean gap between two tokens
         "tok_s": sum(r["tokens"] for r in results) / duration,
     }
 

@@ -51,6 +51,7 @@ class _Metrics:
         self.acceptance = gauge("spec_decode_acceptance_rate", "Accepted over proposed drafts")
         self.seen = (0, 0)  # the engine's draft and accepted totals the counters hold
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.recent_sum = 0  # the tokens in `recent` (kept, not summed at every token)
 
     def deliver(self, streams: dict[str, _Stream], out: RequestOutput) -> None:
         """``out`` to its request's queue (if it is still there), counted."""
@@ -71,9 +72,10 @@ class _Metrics:
         now = time.monotonic()
         self.tokens.inc(n)
         self.recent.append((now, n))
+        self.recent_sum += n
         while self.recent and self.recent[0][0] < now - 5:
-            self.recent.popleft()
-        self.tokens_per_s.set(sum(k for _, k in self.recent) / 5)
+            self.recent_sum -= self.recent.popleft()[1]
+        self.tokens_per_s.set(self.recent_sum / 5)
 
 
 class _Stream:

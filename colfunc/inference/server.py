@@ -2,8 +2,9 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends server-sent
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``.
-The engine runs on a thread of its own (:class:`EngineLoop`): requests go in through a queue,
-outputs come back to each request's asyncio queue after every step. Bad requests get status 400
+The engine runs on a thread of its own (:class:`EngineLoop`) or in a process of its own
+(:class:`colfunc.inference.process_loop.ProcessLoop`, ``colfunc serve``'s default): requests go
+in through a queue, outputs come back to each request's asyncio queue after every step. Bad requests get status 400
 with an OpenAI error body; a full waiting queue gets 503; a client that goes away has its request
 aborted, which frees its blocks. ``colfunc serve`` binds 127.0.0.1 unless told otherwise; on
 SIGTERM uvicorn stops accepting, lets the requests in flight finish, and the loop stops.
@@ -254,6 +255,7 @@ def build_app(
             last = None
             echo = not chat and bool(getattr(req, "echo", False))
             tokens_sent = [0] * params.n  # the tokens whose logprobs have gone out
+            counted = [0] * params.n  # the tokens a chunk has gone out for
             calls_of = [tools.ToolStream() for _ in range(params.n)]  # (with tools)
             async for out in outputs(request, rid, q):
                 for o in out.outputs:
@@ -286,7 +288,11 @@ def build_app(
                         continue
                     text = visible(o.text, o.finish_reason is not None, params)
                     new, sent[o.index] = text[len(sent[o.index]) :], text
-                    if not new and o.finish_reason is None:
+                    # a chunk for every step that made tokens, as vLLM sends them, even while
+                    # their text waits (a character's bytes split over tokens)
+                    fresh_tokens = len(o.token_ids) > counted[o.index]
+                    counted[o.index] = len(o.token_ids)
+                    if not new and not fresh_tokens and o.finish_reason is None:
                         continue
                     if chat:
                         c = {
