@@ -24,7 +24,11 @@ character none); output tokens/s over the whole run. The ratios (median over rou
 vLLM): throughput (goal at least 1.0) and mean ITL (goal at most 1.0).
 
     python benchmarks/serving.py [--requests 32] [--rates 2,4,inf] [--rounds 2]
-                                 [--vllm-python VENV/bin/python]
+                                 [--vllm-python VENV/bin/python] [--parts serve,offline]
+
+``--parts offline``: the engines alone, ``Engine.generate`` against vLLM's ``LLM.generate`` on
+the same requests (all at once), a run of each in turn (at least 3 rounds), the median ratio of tokens/s
+(goal at least 1.0) and whether the greedy tokens are equal.
     colfunc bench serving
 """
 
@@ -139,13 +143,77 @@ async def _run(url: str, rate: float, count: int, seed: int) -> dict[str, float]
     }
 
 
+VLLM_OFFLINE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    folder, work = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=folder, dtype="float32", max_model_len=512)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work["outs"]]
+    prompts = [{"prompt_token_ids": p} for p in work["prompts"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    t0 = time.perf_counter()
+    got = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    print(json.dumps({"s": dt, "tokens": [list(o.outputs[0].token_ids) for o in got]}))
+"""
+
+
+def _vllm_offline(folder: Path, vllm_python: str, work: str) -> dict:
+    """One timed ``LLM.generate`` of vLLM's, warmed up, in a process of its own (an LLM kept
+    waiting between runs while the other side runs loses its engine here)."""
+    script = folder / "vllm_offline.py"  # (a file: vLLM's spawned workers import its main)
+    script.write_text(VLLM_OFFLINE)
+    log = open(Path(tempfile.gettempdir()) / "vllm-offline.log", "w")  # noqa: SIM115
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # (GiB: beside this process's engine)
+    out = subprocess.run([vllm_python, str(script), str(folder), work], text=True, env=env,
+                         stdout=subprocess.PIPE, stderr=log, check=True).stdout  # fmt: skip
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _offline(folder: Path, vllm_python: str, count: int, rounds: int) -> None:
+    """The engines alone: colfunc's ``Engine.generate`` against vLLM's ``LLM.generate`` on the
+    same requests, a run of each in turn."""
+    from colfunc import engines
+    from colfunc.inference import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 4000) for _ in range(rng.randint(16, 256))] for _ in range(count)]
+    outs = [rng.randint(16, 128) for _ in range(count)]
+    work = json.dumps({"prompts": prompts, "outs": outs})
+    engine = engines.from_hf(folder, kv_memory="1GiB")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
+    engine.generate(prompts[:2], params[:2])
+    ratios, same = [], True
+    for _ in range(rounds):
+        theirs = _vllm_offline(folder, vllm_python, work)
+        t0 = time.perf_counter()
+        ours = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        ratios.append(theirs["s"] / (time.perf_counter() - t0))
+        same = same and ours == theirs["tokens"]
+    print(
+        f"offline, {count} requests: colfunc Engine.generate / vLLM LLM.generate tokens/s "
+        f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) of {rounds} "
+        f"(goal >= 1.0); greedy tokens equal: {same}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rates", default="2,4,inf")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all servers")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build")
+    parser.add_argument("--parts", default="serve", help="serve, offline (needs vLLM) or both")
     args = parser.parse_args()
+    if "offline" in args.parts:
+        if not args.vllm_python:
+            raise SystemExit("--parts offline compares with vLLM: give --vllm-python")
+        with tempfile.TemporaryDirectory() as tmp:
+            _folder(Path(tmp))
+            _offline(Path(tmp), args.vllm_python, args.requests, max(args.rounds, 3))
+        if "serve" not in args.parts:
+            return
     rates = [float(r) for r in args.rates.split(",")]
     kinds = ["colfunc", "colfunc-thread"] + (["vllm"] if args.vllm_python else [])
     peer = "vllm" if args.vllm_python else "colfunc-thread"
