@@ -25,12 +25,13 @@ given back or recomputed in ways the draft would have to follow.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as Seq
+import itertools
 from typing import Any
 
 import torch
 
-from colfunc import models, nn
+from colfunc import models
+from colfunc.inference.kv_cache import paged_batch, store
 from colfunc.inference.sampling import filtered_probs, penalised
 from colfunc.inference.scheduler import Sequence
 
@@ -71,18 +72,19 @@ def _check_layout(what: str, spec: Any) -> None:
 
 
 class Drafter:
-    """A :class:`DraftModel` at work beside an engine of ``num_blocks`` blocks of
-    ``block_size`` slots and ``vocab`` token ids, on ``device``."""
+    """A :class:`DraftModel` at work beside an engine whose model has the KV cache layout
+    ``target_kv`` and ``context`` tokens, with ``num_blocks`` blocks of ``block_size`` slots and
+    ``vocab`` token ids."""
 
     def __init__(
         self,
         spec: DraftModel,
-        target: tuple[Any, int],
+        target_kv: Any,
+        context: int,
         num_blocks: int,
         block_size: int,
         vocab: int,
     ) -> None:
-        target_kv, context = target  # the engine's KV cache layout and its model's context
         _check_layout("the engine's model", target_kv)
         family = models.of_config(spec.cfg)
         if family.kv_cache is None:
@@ -102,12 +104,6 @@ class Drafter:
             "k": torch.zeros(shape, dtype=kv.dtype, device=kv.device),
             "v": torch.zeros(shape, dtype=kv.dtype, device=kv.device),
         }
-
-    def copy(self, copies: Seq[tuple[int, int]]) -> None:
-        """The engine's copies on write, made in the draft's cache too."""
-        for src, dst in copies:
-            for c in self.cache.values():
-                c[:, dst] = c[:, src]
 
     def propose(self, spec: dict[Sequence, tuple[int, int]]) -> dict[Sequence, torch.Tensor]:
         """Write each speculating sequence's drafts over its placeholders (``spec``: its length
@@ -151,27 +147,11 @@ class Drafter:
     def _forward(self, items: list[tuple[Sequence, int, list[int]]]) -> torch.Tensor:
         """The draft's logits at the last of each sequence's new tokens (``(sequence, first
         position, tokens)``), their keys and values written into the draft's cache."""
-        B = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        M = max(len(seq.blocks) for seq, _, _ in items)
-        tables = torch.zeros(len(items), M, dtype=torch.int32)
-        for s, (seq, at, toks) in enumerate(items):
-            tables[s, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-            tokens += toks
-            positions += range(at, at + len(toks))
-            slots += [seq.blocks[p // B] * B + p % B for p in range(at, at + len(toks))]
-            rows.append(len(tokens) - 1)
+        tokens = [t for _, _, toks in items for t in toks]
+        rows = list(itertools.accumulate(len(toks) for _, _, toks in items))
         device = self.cache["k"].device
-        batch = nn.PagedBatch(
-            positions=torch.tensor(positions, device=device),
-            block_tables=tables.to(device),
-            context_lens=tuple(at for _, at, _ in items),
-            query_lens=tuple(len(toks) for _, _, toks in items),
-            seq_lens=tuple(at + len(toks) for _, at, toks in items),
-        )
+        laid = [(seq.blocks, at, len(toks), at + len(toks)) for seq, at, toks in items]
+        batch, slot_N = paged_batch(laid, self.block_size, device)
         d = self.spec
         logits_SV, ys = d.model.paged_forward(
             d.params,
@@ -179,9 +159,7 @@ class Drafter:
             batch,
             self.cache,
             d.cfg,
-            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device) - 1,
         )
-        slot_N = torch.tensor(slots, device=device)
-        for key, c in self.cache.items():
-            c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = ys[key]
+        store(self.cache, slot_N, ys)
         return logits_SV

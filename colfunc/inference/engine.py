@@ -20,11 +20,18 @@ from typing import Any
 
 import torch
 
-from colfunc import core, models, nn
+from colfunc import core, models
 from colfunc.inference.adapters import AdapterSlots, Rows, rows_of
 from colfunc.inference.draft_model import Drafter, DraftModel
 from colfunc.inference.grammar import Guide, compile_structure
-from colfunc.inference.kv_cache import BlockAllocator, KVMemoryError, kv_bytes
+from colfunc.inference.kv_cache import (
+    BlockAllocator,
+    KVMemoryError,
+    copy_blocks,
+    kv_bytes,
+    paged_batch,
+    store,
+)
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
 from colfunc.inference.speculative import Ngram, draft, rows_of_drafts, settle, verify
@@ -34,12 +41,7 @@ from colfunc.sharding.placement import Shard
 from colfunc.transforms.local import local_piece
 from colfunc.transforms.shard import place
 
-__all__ = [
-    "CompletionOutput",
-    "Engine",
-    "KVMemoryError",
-    "RequestOutput",
-]
+__all__ = ["CompletionOutput", "Engine", "KVMemoryError", "RequestOutput", "encode_prompt"]
 
 DEFAULT_KV_BYTES = 2 * 2**30  # the most the default cache size takes
 
@@ -246,8 +248,9 @@ class Engine:
         self.speculative = speculative  # drafts by prompt lookup or by a draft model
         self.drafter = None
         if isinstance(speculative, DraftModel):
-            kv_at = (spec, cfg.max_seq_len)
-            self.drafter = Drafter(speculative, kv_at, num_blocks, self.block_size, self.vocab)
+            self.drafter = Drafter(
+                speculative, spec, cfg.max_seq_len, num_blocks, self.block_size, self.vocab
+            )
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -392,32 +395,21 @@ class Engine:
             if self.scheduler.waiting:
                 raise RuntimeError("Engine: nothing could be scheduled although requests wait")
             return []
-        for src, dst in work.copies:  # copy on write, before anything writes
-            for c in self.cache.values():
-                c[:, dst] = c[:, src]
+        copy_blocks(self.cache, work.copies)  # copy on write, before anything writes
         qs = {}
         if self.drafter is not None:  # the draft model's drafts, over their placeholders
-            self.drafter.copy(work.copies)
+            copy_blocks(self.drafter.cache, work.copies)
             qs = self.drafter.propose(spec)
-        B = self.block_size
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         rows: list[int] = []
         sampled: list[Sequence] = []
         scored_rows: list[int] = []  # rows whose logits score a prompt token
         scored: list[tuple[Sequence, int]] = []
         token_slots: list[int | None] = []  # each token's adapter (None: the base)
-        M = max(len(seq.blocks) for seq, _ in work.items)
-        tables = torch.zeros(len(work.items), M, dtype=torch.int32)
-        for s, (seq, n) in enumerate(work.items):
+        for seq, n in work.items:
             lo = seq.computed
-            # (a block given back before a sliding window reads as -1: the attention skips it)
-            tables[s, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             tokens += seq.tokens[lo : lo + n]
             token_slots += [self.adapters.slot(seq.params.lora)] * n
-            positions += range(lo, lo + n)
-            slots += [seq.blocks[p // B] * B + p % B for p in range(lo, lo + n)]
             if seq in spec:  # its last token's and its drafts' logits, after the others'
                 continue
             if lo + n == seq.num_tokens:
@@ -430,13 +422,8 @@ class Engine:
                     scored.append((seq, p + 1))
         spec_rows = rows_of_drafts(work.items, spec)
         device = self.cache["k"].device
-        batch = nn.PagedBatch(
-            positions=torch.tensor(positions, device=device),
-            block_tables=tables.to(device),
-            context_lens=tuple(seq.computed for seq, _ in work.items),
-            query_lens=tuple(n for _, n in work.items),
-            seq_lens=tuple(seq.num_tokens for seq, _ in work.items),
-        )
+        laid = [(seq.blocks, seq.computed, n, seq.num_tokens) for seq, n in work.items]
+        batch, slot_N = paged_batch(laid, self.block_size, device)
         with contextlib.ExitStack() as stack:
             params = self.params
             if self.adapters.names:  # each request's tokens through its own adapter
@@ -454,9 +441,7 @@ class Engine:
             )
         if isinstance(logits_SV, ShardedTensor):  # split over the vocabulary: every rank samples
             logits_SV = logits_SV.full_tensor()  # the same tokens from the whole logits
-        slot_N = torch.tensor(slots, device=device)
-        for key, c in self.cache.items():
-            c.view(c.shape[0], -1, *c.shape[3:])[:, slot_N] = local_piece(ys[key])
+        store(self.cache, slot_N, {key: local_piece(y) for key, y in ys.items()})
         touched: dict[str, _Request] = {}
         first = len(rows) + len(scored_rows)
         for seq, n in work.items:

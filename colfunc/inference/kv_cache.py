@@ -11,6 +11,9 @@ it (the hash of the previous block), so equal keys mean equal keys and values. A
 reference is dropped keeps its contents and its key, and is handed out again on a hit; blocks
 needed for new contents are taken from the never-cached ones first, then from the cached ones
 least recently released (LRU eviction).
+
+:func:`paged_batch`, :func:`copy_blocks` and :func:`store` lay a step's new tokens out over a cache
+of that layout: the engine's, and a draft model's that shares its block tables.
 """
 
 from __future__ import annotations
@@ -20,7 +23,19 @@ import hashlib
 import re
 from collections.abc import Sequence
 
-__all__ = ["BlockAllocator", "KVMemoryError", "block_hash", "kv_bytes"]
+import torch
+
+from colfunc import nn
+
+__all__ = [
+    "BlockAllocator",
+    "KVMemoryError",
+    "block_hash",
+    "copy_blocks",
+    "kv_bytes",
+    "paged_batch",
+    "store",
+]
 
 ROOT = b"colfunc-kv"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
@@ -28,6 +43,7 @@ _UNITS |= {"gib": 2**30}
 
 
 def kv_bytes(value: int | str) -> int:
+    """A KV cache size in bytes: an int, or a string such as ``"512MiB"`` or ``"2GB"``."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str):
@@ -53,6 +69,44 @@ class KVMemoryError(ValueError):
             f"model's context of {self.context} tokens, which takes {self.needed} bytes; give "
             f"at least {mib}MiB"
         )
+
+
+def paged_batch(
+    items: Sequence[tuple[Sequence[int], int, int, int]], block_size: int, device: torch.device
+) -> tuple[nn.PagedBatch, torch.Tensor]:
+    """A step's :class:`~colfunc.nn.PagedBatch` and the cache slot of each new token, from each
+    sequence's ``(block table, first new position, new tokens, its length)``, in batch order. A
+    block given back before a sliding window reads as -1: the attention skips it."""
+    tables = torch.zeros(len(items), max(len(b) for b, _, _, _ in items), dtype=torch.int32)
+    positions: list[int] = []
+    slots: list[int] = []
+    for s, (blocks, lo, n, _) in enumerate(items):
+        tables[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        positions += range(lo, lo + n)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(lo, lo + n)]
+    batch = nn.PagedBatch(
+        positions=torch.tensor(positions, device=device),
+        block_tables=tables.to(device),
+        context_lens=tuple(lo for _, lo, _, _ in items),
+        query_lens=tuple(n for _, _, n, _ in items),
+        seq_lens=tuple(length for _, _, _, length in items),
+    )
+    return batch, torch.tensor(slots, device=device)
+
+
+def copy_blocks(cache: dict[str, torch.Tensor], copies: Sequence[tuple[int, int]]) -> None:
+    """Copy on write: each ``(source, destination)`` block of every layer's keys and values."""
+    for src, dst in copies:
+        for c in cache.values():
+            c[:, dst] = c[:, src]
+
+
+def store(
+    cache: dict[str, torch.Tensor], slots_N: torch.Tensor, new: dict[str, torch.Tensor]
+) -> None:
+    """The new tokens' keys and values (``[L, N, K, E]`` each) into their cache slots."""
+    for key, c in cache.items():
+        c.view(c.shape[0], -1, *c.shape[3:])[:, slots_N] = new[key]
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:

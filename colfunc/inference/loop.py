@@ -18,7 +18,7 @@ import prometheus_client
 from colfunc.inference.engine import Engine, RequestOutput
 from colfunc.inference.sampling import SamplingParams
 
-__all__ = ["EngineLoop", "EngineStopped", "QueueFull", "apply", "count_gauges", "follow"]
+__all__ = ["EngineLoop", "EngineStopped", "QueueFull", "apply", "follow"]
 
 
 class QueueFull(Exception):
@@ -52,6 +52,18 @@ class _Metrics:
         self.seen = (0, 0)  # the engine's draft and accepted totals the counters hold
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
         self.recent_sum = 0  # the tokens in `recent` (kept, not summed at every token)
+
+    def count(self, s: dict[str, int], pending: int) -> None:
+        """The gauges and counters from the engine's :meth:`~Engine.stats` (``pending``:
+        requests submitted that the engine has not taken yet)."""
+        self.running.set(s["running"])
+        self.waiting.set(s["waiting"] + pending)
+        self.kv_usage.set(s["blocks_used"] / s["blocks_total"])
+        self.drafts.inc(s["draft_tokens"] - self.seen[0])  # (the engine's totals: by what is new)
+        self.accepted.inc(s["accepted_tokens"] - self.seen[1])
+        self.seen = (s["draft_tokens"], s["accepted_tokens"])
+        if s["draft_tokens"]:
+            self.acceptance.set(s["accepted_tokens"] / s["draft_tokens"])
 
     def deliver(self, streams: dict[str, _Stream], out: RequestOutput) -> None:
         """``out`` to its request's queue (if it is still there), counted."""
@@ -183,23 +195,10 @@ class EngineLoop:
             self.done.set()
 
     def _gauges(self) -> None:
-        count_gauges(self.metrics, self.engine.stats(), self.pending)
+        self.metrics.count(self.engine.stats(), self.pending)
 
     def _deliver(self, out: RequestOutput) -> None:
         self.metrics.deliver(self.streams, out)
-
-
-def count_gauges(m: _Metrics, s: dict[str, int], pending: int) -> None:
-    """The gauges and counters from the engine's :meth:`~Engine.stats` (``pending``: requests
-    submitted that the engine has not taken yet)."""
-    m.running.set(s["running"])
-    m.waiting.set(s["waiting"] + pending)
-    m.kv_usage.set(s["blocks_used"] / s["blocks_total"])
-    m.drafts.inc(s["draft_tokens"] - m.seen[0])  # (the engine's totals: moved by what is new)
-    m.accepted.inc(s["accepted_tokens"] - m.seen[1])
-    m.seen = (s["draft_tokens"], s["accepted_tokens"])
-    if s["draft_tokens"]:
-        m.acceptance.set(s["accepted_tokens"] / s["draft_tokens"])
 
 
 def apply(engine: Engine, msg: tuple[Any, ...]) -> None:

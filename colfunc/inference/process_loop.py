@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from colfunc.inference.engine import Engine, encode_prompt
-from colfunc.inference.loop import QueueFull, _Metrics, _Stream, apply, count_gauges
+from colfunc.inference.loop import QueueFull, _Metrics, _Stream, apply
 from colfunc.inference.sampling import SamplingParams
 
 __all__ = ["Front", "ProcessLoop"]
@@ -185,7 +185,7 @@ class ProcessLoop:
                 with self.lock:
                     self.pending -= taken
                     self.waiting = stats["waiting"]
-                count_gauges(self.metrics, stats, self.pending)
+                self.metrics.count(stats, self.pending)
                 for out in outs:
                     self.metrics.deliver(self.streams, out)
         except EOFError:

@@ -4,9 +4,9 @@
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``.
 The engine runs on a thread of its own (:class:`EngineLoop`) or in a process of its own
 (:class:`colfunc.inference.process_loop.ProcessLoop`, ``colfunc serve``'s default): requests go
-in through a queue, outputs come back to each request's asyncio queue after every step. Bad requests get status 400
-with an OpenAI error body; a full waiting queue gets 503; a client that goes away has its request
-aborted, which frees its blocks. ``colfunc serve`` binds 127.0.0.1 unless told otherwise; on
+in through a queue, outputs come back to each request's asyncio queue after every step. Bad
+requests get status 400 with an OpenAI error body; a full waiting queue gets 503; a client that
+goes away has its request aborted, which frees its blocks. ``colfunc serve`` binds 127.0.0.1 unless told otherwise; on
 SIGTERM uvicorn stops accepting, lets the requests in flight finish, and the loop stops.
 """
 

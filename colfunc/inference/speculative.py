@@ -1,4 +1,6 @@
-"""Speculative decoding by prompt lookup: drafts from the sequence itself, verified in one pass.
+"""Speculative decoding: drafts verified in one pass, by prompt lookup (here) or by a draft model
+(:mod:`colfunc.inference.draft_model`, which shares :func:`draft`, :func:`settle` and
+:func:`verify`).
 
 Each step, a decoding sequence proposes up to ``k`` draft tokens by n-gram lookup (Saxena 2023,
 vLLM's ``ngram``): its last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``) are
