@@ -432,6 +432,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="413 past it (4 MiB)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, threads (default: 1)")
     p.add_argument("--engine-in-thread", action="store_true", help="not in its own process")
+    p.add_argument("--engine-threads", type=int, help="decoding threads (default: CPUs less 1)")
+    p.add_argument("--prefill-threads", type=int, help="prompt steps' threads (default: CPUs)")
     p.add_argument(
         "--lora",
         action="append",

@@ -6,6 +6,10 @@ With one rank (``--tp 1``) the engine runs in a process of its own
 (``--engine-in-thread`` keeps it on a thread of the server's process). With ``--tp N`` the ranks
 are threads of the server's process: rank 0 runs the loop the server feeds, the others follow
 it step by step.
+
+With one rank, decoding steps compute on the CPUs less one (``--engine-threads``), leaving a
+core to the HTTP side, and steps of many prompt tokens on all of them (``--prefill-threads``);
+see :mod:`colfunc.inference.threads`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from colfunc import engines, hf
 from colfunc.inference import Engine
 from colfunc.inference.engine import KVMemoryError
 from colfunc.inference.server import EngineLoop, build_app, follow
+from colfunc.inference.threads import StepThreads
 
 __all__ = ["Served", "build_engine", "main"]
 
@@ -34,6 +39,12 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     least = {"max-waiting": (args.max_waiting, 0), "tp": (args.tp, 1)}
+    for flag in ("engine-threads", "prefill-threads"):
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            if args.tp != 1:
+                raise ValueError(f"--{flag} applies to one rank (--tp 1), got --tp {args.tp}")
+            least[flag] = (value, 1)
     for flag, (value, low) in {**least, "max-request-bytes": (args.max_request_bytes, 1)}.items():
         if value < low:
             raise ValueError(f"--{flag} must be >= {low}, got {value}")
@@ -52,6 +63,7 @@ class Served:
     speculative: tuple[int, str | None, int | None]  # --speculative-ngram, -model, -tokens
     loras: dict[str, str]
     name: str
+    threads: tuple[int | None, int | None] = (None, None)  # --engine-threads, --prefill-threads
 
 
 def _served(args: argparse.Namespace) -> Served:
@@ -67,6 +79,7 @@ def _served(args: argparse.Namespace) -> Served:
         speculative=spec,
         loras=engines.parse_loras(args.lora or [], args.tp),
         name=args.model_name or Path(folder).resolve().name,
+        threads=(args.engine_threads, args.prefill_threads),
     )
 
 
@@ -96,7 +109,7 @@ def _engine(served: Served, loaded: dict[str, Any], **extra: Any) -> Engine:
 def build_engine(served: Served) -> Engine:
     """The engine ``colfunc serve`` serves with one rank, from its command line's options: the
     folder read, the engine built, the adapters added (what the engine's own process runs)."""
-    engine = _engine(served, _loaded(served))
+    engine = _engine(served, _loaded(served), threads=StepThreads.serving(*served.threads))
     engines.add_loras(engine, served.loras, served.name)
     _warm()
     return engine

@@ -35,6 +35,7 @@ from colfunc.inference.kv_cache import (
 from colfunc.inference.sampling import SamplingParams, next_token
 from colfunc.inference.scheduler import DROPPED, Scheduler, Sequence
 from colfunc.inference.speculative import Ngram, draft, rows_of_drafts, settle, verify
+from colfunc.inference.threads import StepThreads
 from colfunc.inference.tokenizers import ByteTokenizer, Detokenized, Tokenizer, detokenize
 from colfunc.sharding import Mesh, ShardedTensor, from_local
 from colfunc.sharding.placement import Shard
@@ -147,6 +148,9 @@ class Engine:
     ``max_loras``: how many LoRA adapters it may serve at once (:meth:`add_lora`; a request
     picks one with ``SamplingParams(lora=name)``, and a step mixes them with the base).
 
+    ``threads``: a :class:`~colfunc.inference.threads.StepThreads`, the CPU threads of each step
+    by its number of tokens (None: as the process has them).
+
     ``eos_token_id``: the end-of-sequence id, or several (Llama 3 ends a turn with any of
     ``[128001, 128008, 128009]``); None takes the tokenizer's. ``eos_token_ids`` holds them all.
 
@@ -173,6 +177,7 @@ class Engine:
         mesh: Mesh | None = None,
         max_loras: int = 0,
         speculative: Ngram | DraftModel | None = None,
+        threads: StepThreads | None = None,
     ) -> None:
         if isinstance(model, str):
             model = models.get(model).module
@@ -252,6 +257,9 @@ class Engine:
                 speculative, spec, cfg.max_seq_len, num_blocks, self.block_size, self.vocab
             )
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted
+        if threads is not None and not isinstance(threads, StepThreads):
+            raise TypeError(f"Engine: threads must be a StepThreads, got {threads!r}")
+        self.threads = threads
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._default_seed = itertools.count()
@@ -395,6 +403,8 @@ class Engine:
             if self.scheduler.waiting:
                 raise RuntimeError("Engine: nothing could be scheduled although requests wait")
             return []
+        if self.threads is not None:  # (few tokens: the CPUs less one; many: all of them)
+            self.threads(sum(n for _, n in work.items))
         copy_blocks(self.cache, work.copies)  # copy on write, before anything writes
         qs = {}
         if self.drafter is not None:  # the draft model's drafts, over their placeholders

@@ -322,8 +322,7 @@ def adamw_(
     reference.adamw_(*lists, hyper)
 
 
-@torch.library.custom_op("colfunc::paged_attention", mutates_args=())
-def _paged_attention_op(
+def _paged_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -356,9 +355,32 @@ def _paged_attention_op(
     return reference.paged_attention(*args, w, cap)
 
 
+@torch.library.custom_op("colfunc::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    return _paged_attention_impl(
+        q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens, window, softcap
+    )
+
+
 @_paged_attention_op.register_fake
 def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Every tensor a plain ``torch.Tensor`` (not a ShardedTensor, not a fake one)."""
+    return all(type(t) is torch.Tensor for t in tensors)
 
 
 def paged_attention(
@@ -382,7 +404,12 @@ def paged_attention(
     :func:`attention` does (in the Triton kernel, the C++ CPU decode and the reference alike)."""
     check_window(window, "paged_attention")
     check_softcap(softcap, "paged_attention")
-    out: torch.Tensor = torch.ops.colfunc.paged_attention(
+    tensors = (q_NHE, k_NKE, v_NKE, k_cache_CBKE, v_cache_CBKE)
+    # plain tensors go to the op's body directly: the operator's own dispatch
+    # (which a ShardedTensor, a fake tensor or a mode needs) costs more than a decode step's
+    # attention of a layer
+    op = _paged_attention_impl if _plain(*tensors) else torch.ops.colfunc.paged_attention
+    out: torch.Tensor = op(
         q_NHE,
         k_NKE,
         v_NKE,
