@@ -355,22 +355,10 @@ def _paged_attention_impl(
     return reference.paged_attention(*args, w, cap)
 
 
-@torch.library.custom_op("colfunc::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: list[int],
-    query_lens: list[int],
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    return _paged_attention_impl(
-        q, k, v, k_cache, v_cache, block_tables, context_lens, query_lens, window, softcap
-    )
+# (the body stays callable as itself: see paged_attention)
+_paged_attention_op = torch.library.custom_op(
+    "colfunc::paged_attention", _paged_attention_impl, mutates_args=()
+)
 
 
 @_paged_attention_op.register_fake
