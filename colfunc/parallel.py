@@ -43,7 +43,7 @@ q², ``depth=`` d, over ``tp_dep`` x ``tp_row`` x ``tp_col``) or ``"3d"`` (N = q
 ``expert=N`` splits a mixture of experts' experts over an ``ep`` axis of ``N`` ranks
 (``shard(expert_axis="ep")``); each of them routes a share of the batch of its own, so the global
 batch splits over ``data * expert`` ranks. It composes with ``data``, ``tensor`` (1d), ``zero``,
-``pipeline``, ``offload`` (with zero stages 0 and 3), ``amp`` and ``remat``.
+``pipeline``, ``offload`` (with zero stages 0-3), ``amp`` and ``remat``.
 
 The transforms are applied in one fixed, documented order (as torchtitan does): pipeline, shard,
 zero, offload, amp, remat: ``remat(amp(offload(zero(shard(pipeline(step), mesh, plan)))))``.
@@ -116,11 +116,6 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel: {name} must be an int >= 1, got {value!r}")
         if self.expert > 1:
-            if self.offload is not None and self.zero in (1, 2):
-                raise ValueError(
-                    f"parallel: expert={self.expert} with offload composes with zero stages 0 "
-                    f"and 3, not {self.zero}"
-                )
             others = ["sequence"] if self.long_sequence or self.sequence_parallel else []
             others += ["a 2d/2.5d/3d tensor mode"] if self.tensor_mode != "1d" else []
             if others:

@@ -95,13 +95,6 @@ class Composition:
                     f"composes with shard (data and 1D tensor parallel), zero (stages 0-3), amp, "
                     f"remat and optimizer wrappers (optim.accumulate)"
                 )
-        ep = self.shard.expert_axis if self.shard is not None else None
-        stage = self.zero.stage if self.zero is not None else None
-        if ep is not None and self.offload is not None and stage in (1, 2):
-            raise ValueError(
-                f"shard: expert_axis={ep!r} with offload composes with ZeRO stages 0 and 3, "
-                f"not {stage}; use zero(..., stage=3)"
-            )
         if self.zero is not None and self.mesh is not None:
             mesh = self.mesh
             if self.zero.axis not in mesh.axis_names:

@@ -483,12 +483,26 @@ class Reduction:
         splits it."""
         return [bool(self._split_over(t)) for t in templates]
 
-    def scatter_rows(self, xs: list[torch.Tensor], stacked: list[bool]) -> list[torch.Tensor]:
-        """This rank's averaged chunks of whole gradients ``xs`` (ZeRO 1-2 on host rows)."""
+    def scatter_rows(
+        self, xs: list[torch.Tensor], stacked: list[bool], experts: list[bool] | None = None
+    ) -> list[torch.Tensor]:
+        """This rank's averaged chunks of whole gradients ``xs`` (ZeRO 1-2 on host rows).
+        ``experts`` flags the expert weights split over an expert axis beside ``axis``: their
+        chunks divided by its size (they hold its ranks' tokens already), every other chunk
+        averaged over :attr:`extras` too (the same chunk on each of their ranks: ZeRO cuts by
+        the rank on ``axis`` only)."""
         m = self.mesh
         n = m.axis_size(self.axis)
         with torch.no_grad():
             pieces = reduce_scatter_flat(
                 [by_rank(g, st, n) for g, st in zip(xs, stacked)], self.axis, m, "avg"
             )
-        return [as_chunk(p, g, st) for p, g, st in zip(pieces, xs, stacked)]
+            chunks = [as_chunk(p, g, st) for p, g, st in zip(pieces, xs, stacked)]
+            extras = self.extras
+            if not extras or m.axis_size(extras) == 1:
+                return chunks
+            flags = experts if experts is not None else [False] * len(chunks)
+            k = m.axis_size(extras)
+            rest = [c for c, e in zip(chunks, flags) if not e]
+            averaged = iter(all_reduce_buckets(rest, extras, m, op="avg"))
+            return [c / k if e else next(averaged) for c, e in zip(chunks, flags)]

@@ -53,7 +53,11 @@ def zero_update(
     metas = z.metas_of(trained)
     with DevicePool.host(), torch.no_grad():
         stacked = [m.stacked for m in tree.leaves(metas)]
-        grads = dp.scatter_rows(host, stacked)  # the data-parallel reduction, on host rows
+        experts = None
+        if dp.experts:  # expert weights reduced apart
+            flag = dict(zip(off.paths, dp.expert_flags(off.templates)))
+            experts = [flag[path] for path, _ in flat]
+        grads = dp.scatter_rows(host, stacked, experts)  # the data-parallel reduction, on host rows
         if hyper is None:
             new_state, info = inner_update(tree.unflatten(treedef, grads), state)
             return local_state(new_state), info
