@@ -1,8 +1,11 @@
 """Tool calling through the server, with the openai client: ``tool_choice="required"`` and a
 named function always give a call that parses, to a declared function, with arguments valid for
-its schema (a random model's free choices confined by the grammar); streamed, the calls come
-whole at the end and equal the non-streamed ones; ``"none"`` and ``"auto"`` answer in text (a
-call written in it parsed out); a tool's result goes back as a message."""
+its schema (a random model's free choices confined by the grammar); streamed, each call's id
+and name come first and its arguments piece by piece, as OpenAI streams them, and they
+reassemble to the non-streamed call; ``"none"`` and ``"auto"`` answer in text (a call written in
+it parsed out); a tool's result goes back as a message. The stream's cutting of a growing text
+(:class:`tools.ToolStream`) reassembles to :func:`tools.parse` of the whole, wherever the
+updates fall, calls cut short included."""
 
 from __future__ import annotations
 
@@ -70,14 +73,19 @@ def test_required_and_named_tool_choices_always_give_valid_calls(folder) -> None
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "add"
         _valid(call)
-        # streamed: the same call, whole, once it closes
+        # streamed: its id, type and name first, then its arguments piece by piece
         stream = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS,
                                                 tool_choice=named, temperature=1.0, seed=3,
                                                 max_tokens=200, stream=True)  # fmt: skip
-        got = [d for ch in stream if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-        assert [(d.function.name, d.function.arguments) for d in got] == [
-            (call.function.name, call.function.arguments)
-        ]
+        chunks = [ch for ch in stream if ch.choices]
+        got = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        first, rest = got[0], got[1:]
+        assert first.id and first.type == "function" and first.function.name == "add"
+        assert len(rest) > 1 and all(d.index == 0 and d.id is None for d in rest)
+        assert first.function.arguments + "".join(d.function.arguments for d in rest) == (
+            call.function.arguments
+        )
         # a tool's result goes back, and "none" answers in text
         history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
             {"id": call.id, "type": "function", "function": {"name": "add",
@@ -112,25 +120,43 @@ _PIECES = st.sampled_from([
     "Sure.", " ", "\n", "ok <b>", "<tool", "<tool_ca", "</tool_call>", "<tool_call>not json</tool_call>",
     '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
     '<tool_call>{"name": "now"}</tool_call>', "<tool_call>\n{\"name\": ",
+    '<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "late"}</tool_call>',
+    '<tool_call>\n{"name": "f\\u00e9", "arguments": ', '{"q": "a}b", ', '"n": [1, 2]', "}", " }",
+    "\n</tool_", '"s": "</tool_call>"',
 ])  # fmt: skip
+
+
+def _joined(deltas):  # type: ignore[no-untyped-def]
+    """Streamed call deltas joined per call: ``[(name, arguments)]`` in order."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(calls) and d["type"] == "function"
+            calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]][1] += d["function"]["arguments"]
+    return [tuple(c) for c in calls.values()]
 
 
 @settings(max_examples=60, deadline=None)
 @given(pieces=st.lists(_PIECES, max_size=8), cuts=st.lists(st.integers(0, 200), max_size=6))
 def test_streamed_content_and_calls_reassemble_to_the_parsed_answer(pieces, cuts) -> None:
     """Whatever the text and wherever the stream's updates fall, the content deltas joined
-    and the calls in order are :func:`tools.parse` of the whole text (ids aside)."""
+    and the calls' deltas joined per call are :func:`tools.parse` of the whole text (ids
+    aside), a call left open at the end included."""
     text = "".join(pieces)
-    stream, content, calls = tools.ToolStream(), "", []
+    stream, content, deltas = tools.ToolStream(), "", []
     for end in sorted({min(c, len(text)) for c in cuts}):
         got, new = stream.feed(text[:end], False)
         content += got
-        calls += new
+        deltas += new
     got, new = stream.feed(text, True)
-    content, calls = content + got, calls + new
+    content, deltas = content + got, deltas + new
     want_content, want_calls = tools.parse(text)
     assert content == (want_content or "")
-    assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert _joined(deltas) == want
     assert stream.calls == len(want_calls)
 
 
@@ -141,3 +167,18 @@ def test_content_streams_before_a_call_and_each_call_once_it_closes() -> None:
     content, calls = stream.feed('Sure. <tool_call>{"name": "now"}</tool_call>\n', False)
     assert content == "" and [c["function"]["name"] for c in calls] == ["now"]
     assert stream.feed('Sure. <tool_call>{"name": "now"}</tool_call>\n', True) == ("", [])
+
+
+def test_a_call_written_name_first_streams_its_arguments_as_they_come() -> None:
+    stream, text = tools.ToolStream(), '<tool_call>\n{"name": "add", "arguments": '
+    content, (head,) = stream.feed(text, False)
+    assert content == "" and head["index"] == 0 and head["id"].startswith("call_")
+    assert head["function"] == {"name": "add", "arguments": ""}
+    text += '{"a": 1}'  # (its last brace may be the call's own: held)
+    assert stream.feed(text, False) == ("", [{"index": 0, "function": {"arguments": '{"a": 1'}}])
+    text += "}\n</tool_"
+    assert stream.feed(text, False) == ("", [{"index": 0, "function": {"arguments": "}"}}])
+    assert stream.feed(text + "call>", True) == ("", [])
+    # cut short: what it wrote of its arguments, finishing with "length"
+    assert tools.parse('<tool_call>{"name": "add", "arguments": {"a": 1')[1][0]["function"] == {
+        "name": "add", "arguments": '{"a": 1'}  # fmt: skip

@@ -271,17 +271,14 @@ def build_app(
                             "finish_reason": None,
                         }
                         yield _sse({**head, "choices": [c]})
-                    if chat and fns:  # content as it comes, each call once it closes
+                    if chat and fns:  # content and the calls' deltas as they come
                         ended = o.finish_reason is not None
                         ts = calls_of[o.index]
-                        before = ts.calls
                         content, calls = ts.feed(visible(o.text, ended, params), ended)
                         step: dict[str, Any] = {"content": content} if content else {}
                         if calls:
-                            step["tool_calls"] = [
-                                {"index": before + i, **c} for i, c in enumerate(calls)
-                            ]
-                        finish = ("tool_calls" if ts.calls else o.finish_reason) if ended else None
+                            step["tool_calls"] = calls
+                        finish = _finish(o.finish_reason, ts.calls > 0) if ended else None
                         if step or ended:
                             one = {"index": o.index, "delta": step, "finish_reason": finish}
                             yield _sse({**head, "choices": [one]})
@@ -433,13 +430,19 @@ def build_app(
 
 def _message(text: str, finish: str | None, fns: list[Any] | None) -> tuple[dict[str, Any], Any]:
     """A chat answer's message and finish reason: with tools, the calls it wrote parsed out of
-    its text (``tool_calls``, finishing with ``tool_calls``)."""
+    its text (``tool_calls``, finishing with ``tool_calls`` unless cut short)."""
     if not fns:
         return {"role": "assistant", "content": text}, finish
     content, calls = tools.parse(text)
     if not calls:
         return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, _finish(finish, True)
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    """A chat answer's finish reason: ``tool_calls`` where it wrote calls, unless it was cut
+    short (``length``: its last call may be incomplete)."""
+    return "tool_calls" if calls and reason != "length" else reason
 
 
 def _best(outs: list[Any], n: int, keep_logprobs: bool) -> list[Any]:
