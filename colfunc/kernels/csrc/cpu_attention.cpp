@@ -12,6 +12,9 @@
 // Work items are shared out over OpenMP threads; the inner loops are SIMD reductions, compiled
 // for AVX-512, AVX2 and plain x86-64, the best one chosen when the library loads.
 //
+// Beside it, for the same steps: RMSNorm and the rotary embedding of contiguous rows, each one
+// call in place of the eager reference's several operators (colfunc.ops.cpu_rows).
+//
 // The Python side (colfunc.ops.cpu_attention) validates every tensor and passes raw addresses:
 // this file needs only pybind11, which keeps its compile to seconds.
 
@@ -143,8 +146,96 @@ void paged_decode(uintptr_t out, uintptr_t q, uintptr_t k_new, uintptr_t v_new, 
                   window, softcap, threads);
 }
 
+// RMSNorm of contiguous rows of `dim` elements: out = w * (x / sqrt(mean(x^2) + eps)), the
+// statistics in the element type (fp32 or fp64, as the reference computes them); no weight
+// where `w` is null. One pass per row for the sum of squares, one for the output: the eager
+// reference's six operators over the whole tensor, each a dispatch, in one call.
+template <typename T>
+COLFUNC_CLONES void rms_rows(T* out, const T* x, const T* w, int64_t first, int64_t last,
+                             int64_t dim, double eps) {
+  for (int64_t r = first; r < last; ++r) {
+    const T* xr = x + r * dim;
+    T* o = out + r * dim;
+    T ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < dim; ++d) ss += xr[d] * xr[d];
+    const T inv = static_cast<T>(1) / std::sqrt(ss / static_cast<T>(dim) + static_cast<T>(eps));
+    if (w != nullptr) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (xr[d] * inv);
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = xr[d] * inv;
+    }
+  }
+}
+
+// Rotary embedding (rotate-half) of rows laid out [..., T, H, E] contiguous: row r is position
+// r / H % T of the tables cos, sin [T, E / 2]; out[:K] = x1 c - x2 s, out[K:] = x2 c + x1 s.
+template <typename T>
+COLFUNC_CLONES void rope_rows(T* out, const T* x, const T* cos, const T* sin, int64_t first,
+                              int64_t last, int64_t heads, int64_t positions, int64_t dim) {
+  const int64_t K = dim / 2;
+  for (int64_t r = first; r < last; ++r) {
+    const T* c = cos + (r / heads % positions) * K;
+    const T* s = sin + (r / heads % positions) * K;
+    const T* x1 = x + r * dim;
+    const T* x2 = x1 + K;
+    T* o = out + r * dim;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) {
+      o[k] = x1[k] * c[k] - x2[k] * s[k];
+      o[K + k] = x2[k] * c[k] + x1[k] * s[k];
+    }
+  }
+}
+
+// Rows shared out over `threads` OpenMP threads in contiguous runs (one run where the work is
+// small: a decoding step's few rows are not worth waking a thread for).
+template <typename F>
+void over_rows(int64_t rows, int64_t dim, int threads, F body) {
+  const int n = rows * dim >= (1 << 16) ? std::max(1, threads) : 1;
+  if (n == 1) {
+    body(0, rows);
+    return;
+  }
+#pragma omp parallel num_threads(n)
+  {
+    const int64_t t = omp_get_thread_num(), m = omp_get_num_threads();
+    body(rows * t / m, rows * (t + 1) / m);
+  }
+}
+
+void rms_norm(uintptr_t out, uintptr_t x, uintptr_t w, int64_t rows, int64_t dim, double eps,
+              bool fp64, int threads) {
+  over_rows(rows, dim, threads, [&](int64_t a, int64_t b) {
+    if (fp64)
+      rms_rows<double>(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(x),
+                       reinterpret_cast<const double*>(w), a, b, dim, eps);
+    else
+      rms_rows<float>(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
+                      reinterpret_cast<const float*>(w), a, b, dim, eps);
+  });
+}
+
+void rope(uintptr_t out, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads,
+          int64_t positions, int64_t dim, bool fp64, int threads) {
+  over_rows(rows, dim, threads, [&](int64_t a, int64_t b) {
+    if (fp64)
+      rope_rows<double>(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(x),
+                        reinterpret_cast<const double*>(cos), reinterpret_cast<const double*>(sin),
+                        a, b, heads, positions, dim);
+    else
+      rope_rows<float>(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
+                       reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin), a,
+                       b, heads, positions, dim);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rope", &rope, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
