@@ -134,15 +134,15 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     {"name", "arguments"}}``, the arguments as JSON text). A block that is not a call's JSON
     stays in the text; without calls, the text is returned as it is. A last block left open (the
     output cut short) is a call if it is written name first: its arguments as far as they go."""
-    calls, kept, at = [], [], 0
+    calls, kept, at, last = [], [], 0, 0  # (last: the end of the last block, a call or not)
     for m in _CALL.finditer(text):
+        last = m.end()
         call = _call(m.group(1))
         if call is None:
             continue
         kept.append(text[at : m.start()])
         at = m.end()
         calls.append(call)
-    last = max([at, *(m.end() for m in _CALL.finditer(text))])
     opened = text.find(OPEN, last)
     head = _head(text, opened + len(OPEN)) if opened >= 0 else None
     if head is not None:

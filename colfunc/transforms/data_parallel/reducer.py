@@ -426,21 +426,24 @@ class Reduction:
         linear and commutes with it) averaged over :attr:`extras` too: an expert weight's
         gradient, which holds every expert-axis rank's tokens already, divided by their number,
         every other one all-reduced."""
-        m = self.mesh
-        extras = self.extras
-        if not extras or m.axis_size(extras) == 1:
+        if not self.extras or self.mesh.axis_size(self.extras) == 1:
             return grads
-        n = m.axis_size(extras)
         z = extra.get("zero")  # ZeRO-3 keeps its parameters as chunks: the templates say
         placed = dict(tree.flatten_with_paths(z.metas if z is not None else params)[0])
         flat, treedef = tree.flatten_with_paths(grads)
         expert = [
             bool(self._split_over(getattr(placed[p], "template", placed[p]))) for p, _ in flat
         ]
-        rest = [g for (_, g), e in zip(flat, expert) if not e]
-        averaged = iter(all_reduce_buckets([local_piece(g) for g in rest], extras, m, op="avg"))
-        out = [g / n if e else rewrap(g, next(averaged)) for (_, g), e in zip(flat, expert)]
-        return tree.unflatten(treedef, out)
+        return tree.unflatten(treedef, self._averaged_over_extras([g for _, g in flat], expert))
+
+    def _averaged_over_extras(self, xs: list[torch.Tensor], experts: list[bool]) -> list[Any]:
+        """``xs`` averaged over :attr:`extras` (more than one rank): those ``experts`` flags
+        divided by its size (they hold its ranks' tokens already), the others all-reduced."""
+        m, extras = self.mesh, self.extras
+        n = m.axis_size(extras)
+        rest = [local_piece(x) for x, e in zip(xs, experts) if not e]
+        averaged = iter(all_reduce_buckets(rest, extras, m, op="avg"))
+        return [x / n if e else rewrap(x, next(averaged)) for x, e in zip(xs, experts)]
 
     # --- the same reduction on host rows (offload) -------------------------------------------
     def reduce_rows(self, xs: list[torch.Tensor], experts: list[bool] | None = None) -> None:
@@ -498,11 +501,6 @@ class Reduction:
                 [by_rank(g, st, n) for g, st in zip(xs, stacked)], self.axis, m, "avg"
             )
             chunks = [as_chunk(p, g, st) for p, g, st in zip(pieces, xs, stacked)]
-            extras = self.extras
-            if not extras or m.axis_size(extras) == 1:
+            if not self.extras or m.axis_size(self.extras) == 1:
                 return chunks
-            flags = experts if experts is not None else [False] * len(chunks)
-            k = m.axis_size(extras)
-            rest = [c for c, e in zip(chunks, flags) if not e]
-            averaged = iter(all_reduce_buckets(rest, extras, m, op="avg"))
-            return [c / k if e else next(averaged) for c, e in zip(chunks, flags)]
+            return self._averaged_over_extras(chunks, experts or [False] * len(chunks))
