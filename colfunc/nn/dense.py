@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from colfunc.core import linear_frames, sequence_split
 from colfunc.nn.lowrank import LowRank, LowRanks
+from colfunc.ops import cpu_rows
+from colfunc.ops.dispatch import kernels_choice
 
 __all__ = ["embedding", "linear", "unembed"]
 
@@ -30,6 +32,10 @@ def linear(
     Under 2D, 2.5D and 3D tensor parallelism a :class:`~colfunc.core.LinearInterceptor` frame
     runs the mode's matmul (SUMMA's broadcasts, 3D's gathers) on the weights laid out for it.
 
+    A few rows (at most :data:`colfunc.ops.cpu_rows.MAX_ROWS`: a decoding step's tokens) of
+    plain fp32 CPU tensors whose gradient is not wanted go to a compiled kernel that reads ``w``
+    once where it lies (:func:`colfunc.ops.cpu_rows.linear`), under ``COLFUNC_KERNELS=auto``.
+
     A :class:`~colfunc.nn.LowRank` weight (a LoRA adapter beside a frozen weight) adds its
     low-rank term: ``x @ w + (x @ a) @ b * scale``.
     """
@@ -44,6 +50,8 @@ def linear(
         B = x_BTI.shape[0]
         y = torch.bmm(x_BTI, w_IO.expand(B, *w_IO.shape))
         return y if b_O is None else y + b_O
+    if kernels_choice() == "auto" and (fast := cpu_rows.linear(x_BTI, w_IO, b_O)) is not None:
+        return fast  # (a few rows without a gradient on the CPU: the weight streamed once)
     return F.linear(x_BTI, w_IO.t(), b_O)
 
 

@@ -13,7 +13,8 @@
 // for AVX-512, AVX2 and plain x86-64, the best one chosen when the library loads.
 //
 // Beside it, for the same steps: RMSNorm and the rotary embedding of contiguous rows, each one
-// call in place of the eager reference's several operators (colfunc.ops.cpu_rows).
+// call in place of the eager reference's several operators, and the product of a few rows with
+// a weight stored [in, out] that streams the weight once (colfunc.ops.cpu_rows).
 //
 // The Python side (colfunc.ops.cpu_attention) validates every tensor and passes raw addresses:
 // this file needs only pybind11, which keeps its compile to seconds.
@@ -28,6 +29,11 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define COLFUNC_X86 1
+#endif
 
 namespace {
 
@@ -232,10 +238,273 @@ void rope(uintptr_t out, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows
   });
 }
 
+
+// The product y = x w (+ b) of a few rows x [M, K] with a weight w [K, N] stored row-major, as a
+// decoding step multiplies its tokens by each projection. A general matmul repacks w for every
+// call, which for a few rows costs more than the arithmetic; here w is read where it lies, once:
+// each tile of columns keeps the M rows' sums in vector registers and walks down w's rows,
+// one load of w feeding M multiply-adds. Tiles are shared out over the threads. Rows past 8 are
+// taken 8 at a time. AVX-512 or AVX2 with FMA (the caller asks `linear_isa` first).
+#ifdef COLFUNC_X86
+template <int M, int V, bool FULL>
+__attribute__((target("avx512f"))) void tile512(const float* x, int64_t K, const float* w,
+                                                 int64_t N, const float* b, float* y,
+                                                 int64_t j0, int64_t cols) {
+  __m512 acc[M][V];
+  __mmask16 mask[V];
+  for (int v = 0; v < V; ++v) {
+    const int64_t rem = cols - 16 * v;
+    mask[v] = rem >= 16 ? 0xFFFF : rem <= 0 ? 0 : static_cast<__mmask16>((1u << rem) - 1);
+  }
+  for (int v = 0; v < V; ++v) {
+    const __m512 init = b == nullptr ? _mm512_setzero_ps()
+                        : FULL       ? _mm512_loadu_ps(b + j0 + 16 * v)
+                                     : _mm512_maskz_loadu_ps(mask[v], b + j0 + 16 * v);
+    for (int m = 0; m < M; ++m) acc[m][v] = init;
+  }
+  const float* wp = w + j0;
+  for (int64_t k = 0; k < K; ++k, wp += N) {
+    __m512 wv[V];
+    for (int v = 0; v < V; ++v)
+      wv[v] = FULL ? _mm512_loadu_ps(wp + 16 * v) : _mm512_maskz_loadu_ps(mask[v], wp + 16 * v);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + m * N + j0 + 16 * v;
+      if (FULL)
+        _mm512_storeu_ps(out, acc[m][v]);
+      else
+        _mm512_mask_storeu_ps(out, mask[v], acc[m][v]);
+    }
+}
+
+template <int M, int V, bool FULL>
+__attribute__((target("avx2,fma"))) void tile256(const float* x, int64_t K, const float* w,
+                                                  int64_t N, const float* b, float* y,
+                                                  int64_t j0, int64_t cols) {
+  __m256 acc[M][V];
+  __m256i mask[V];
+  for (int v = 0; v < V; ++v) {
+    alignas(32) int32_t lanes[8];
+    for (int i = 0; i < 8; ++i) lanes[i] = 8 * v + i < cols ? -1 : 0;
+    mask[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  }
+  for (int v = 0; v < V; ++v) {
+    const __m256 init = b == nullptr ? _mm256_setzero_ps()
+                        : FULL       ? _mm256_loadu_ps(b + j0 + 8 * v)
+                                     : _mm256_maskload_ps(b + j0 + 8 * v, mask[v]);
+    for (int m = 0; m < M; ++m) acc[m][v] = init;
+  }
+  const float* wp = w + j0;
+  for (int64_t k = 0; k < K; ++k, wp += N) {
+    __m256 wv[V];
+    for (int v = 0; v < V; ++v)
+      wv[v] = FULL ? _mm256_loadu_ps(wp + 8 * v) : _mm256_maskload_ps(wp + 8 * v, mask[v]);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_set1_ps(x[m * K + k]);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm256_fmadd_ps(xv, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + m * N + j0 + 8 * v;
+      if (FULL)
+        _mm256_storeu_ps(out, acc[m][v]);
+      else
+        _mm256_maskstore_ps(out, mask[v], acc[m][v]);
+    }
+}
+
+// M rows (1-8) over every tile of N columns; a tile is W vectors of the ISA's width.
+template <int M, int V, int WIDTH>
+void rows_by_tiles(const float* x, int64_t K, const float* w, int64_t N, const float* b, float* y,
+                   int threads) {
+  constexpr int64_t TILE = V * WIDTH;
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+#pragma omp parallel for num_threads(n) schedule(static) if (n > 1)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t j0 = t * TILE, cols = std::min(TILE, N - j0);
+    if (WIDTH == 16) {
+      if (cols == TILE)
+        tile512<M, V, true>(x, K, w, N, b, y, j0, cols);
+      else
+        tile512<M, V, false>(x, K, w, N, b, y, j0, cols);
+    } else {
+      if (cols == TILE)
+        tile256<M, V, true>(x, K, w, N, b, y, j0, cols);
+      else
+        tile256<M, V, false>(x, K, w, N, b, y, j0, cols);
+    }
+  }
+}
+
+template <int WIDTH>
+void rows_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* b,
+                 float* y, int threads) {
+  // (the tile widths keep the sums and one row of w within the ISA's registers: 32 or 16)
+  constexpr bool Z = WIDTH == 16;
+  for (int64_t r = 0; r < M; r += 8) {
+    const float* xr = x + r * K;
+    float* yr = y + r * N;
+    switch (std::min<int64_t>(8, M - r)) {
+      case 1: rows_by_tiles<1, Z ? 4 : 4, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 2: rows_by_tiles<2, Z ? 4 : 4, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 3: rows_by_tiles<3, Z ? 4 : 3, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 4: rows_by_tiles<4, Z ? 4 : 2, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 5: rows_by_tiles<5, Z ? 4 : 2, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 6: rows_by_tiles<6, Z ? 4 : 1, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      case 7: rows_by_tiles<7, Z ? 3 : 1, WIDTH>(xr, K, w, N, b, yr, threads); break;
+      default: rows_by_tiles<8, Z ? 3 : 1, WIDTH>(xr, K, w, N, b, yr, threads); break;
+    }
+  }
+}
+
+// The same product with the weight stored [out, in] (a Hugging Face projection, or an embedding
+// table as the head: y = x t^T): each group of R of t's rows keeps its M x R sums in vector
+// registers along the input dim, one load of t feeding M multiply-adds, then reduces each.
+template <int M, int R>
+__attribute__((target("avx512f"))) void dots512(const float* x, int64_t K, const float* t,
+                                                 const float* b, float* y, int64_t N,
+                                                 int64_t n0) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 tv[R];
+    for (int r = 0; r < R; ++r) tv[r] = _mm512_loadu_ps(t + (n0 + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, tv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 tv[R];
+    for (int r = 0; r < R; ++r) tv[r] = _mm512_maskz_loadu_ps(mask, t + (n0 + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, tv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r)
+      y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) + (b != nullptr ? b[n0 + r] : 0.f);
+}
+
+__attribute__((target("avx2,fma"))) inline float sum256(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+template <int M, int R>
+__attribute__((target("avx2,fma"))) void dots256(const float* x, int64_t K, const float* t,
+                                                  const float* b, float* y, int64_t N,
+                                                  int64_t n0) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 tv[R];
+    for (int r = 0; r < R; ++r) tv[r] = _mm256_loadu_ps(t + (n0 + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, tv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float v = sum256(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) v += x[m * K + j] * t[(n0 + r) * K + j];
+      y[m * N + n0 + r] = v + (b != nullptr ? b[n0 + r] : 0.f);
+    }
+}
+
+// M rows (1-8) against every group of R of t's rows (the last groups one row at a time).
+template <int M, int R, int WIDTH>
+void rows_by_dots(const float* x, int64_t K, const float* t, int64_t N, const float* b, float* y,
+                  int threads) {
+  const int64_t groups = N / R;
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, groups / 16)));
+#pragma omp parallel for num_threads(n) schedule(static) if (n > 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    if (WIDTH == 16)
+      dots512<M, R>(x, K, t, b, y, N, g * R);
+    else
+      dots256<M, R>(x, K, t, b, y, N, g * R);
+  }
+  for (int64_t n0 = groups * R; n0 < N; ++n0) {
+    if (WIDTH == 16)
+      dots512<M, 1>(x, K, t, b, y, N, n0);
+    else
+      dots256<M, 1>(x, K, t, b, y, N, n0);
+  }
+}
+
+template <int WIDTH>
+void rows_linear_t(const float* x, int64_t M, int64_t K, const float* t, int64_t N,
+                   const float* b, float* y, int threads) {
+  constexpr bool Z = WIDTH == 16;
+  for (int64_t r = 0; r < M; r += 8) {
+    const float* xr = x + r * K;
+    float* yr = y + r * N;
+    switch (std::min<int64_t>(8, M - r)) {
+      case 1: rows_by_dots<1, Z ? 8 : 4, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 2: rows_by_dots<2, Z ? 8 : 4, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 3: rows_by_dots<3, Z ? 6 : 3, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 4: rows_by_dots<4, Z ? 4 : 2, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 5: rows_by_dots<5, Z ? 4 : 2, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 6: rows_by_dots<6, Z ? 4 : 1, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      case 7: rows_by_dots<7, Z ? 3 : 1, WIDTH>(xr, K, t, N, b, yr, threads); break;
+      default: rows_by_dots<8, Z ? 3 : 1, WIDTH>(xr, K, t, N, b, yr, threads); break;
+    }
+  }
+}
+#endif
+
+// Which vector unit the few-row product runs on: 16 (AVX-512), 8 (AVX2 with FMA), 0 (none: the
+// caller runs torch's matmul).
+int linear_isa() {
+#ifdef COLFUNC_X86
+  if (__builtin_cpu_supports("avx512f")) return 16;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 8;
+#endif
+  return 0;
+}
+
+// `transposed`: w is stored [out, in].
+void linear(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t b, int64_t rows, int64_t in,
+            int64_t out, bool transposed, int threads) {
+#ifdef COLFUNC_X86
+  static const int isa = linear_isa();
+  const auto* xp = reinterpret_cast<const float*>(x);
+  const auto* wp = reinterpret_cast<const float*>(w);
+  const auto* bp = reinterpret_cast<const float*>(b);
+  auto* yp = reinterpret_cast<float*>(y);
+  if (isa == 16 && transposed)
+    rows_linear_t<16>(xp, rows, in, wp, out, bp, yp, threads);
+  else if (isa == 16)
+    rows_linear<16>(xp, rows, in, wp, out, bp, yp, threads);
+  else if (isa == 8 && transposed)
+    rows_linear_t<8>(xp, rows, in, wp, out, bp, yp, threads);
+  else if (isa == 8)
+    rows_linear<8>(xp, rows, in, wp, out, bp, yp, threads);
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope", &rope, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear", &linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_isa", &linear_isa);
 }
