@@ -25,6 +25,7 @@ vLLM): throughput (goal at least 1.0) and mean ITL (goal at most 1.0).
 
     python benchmarks/serving.py [--requests 32] [--rates 2,4,inf] [--rounds 2]
                                  [--vllm-python VENV/bin/python] [--parts serve,offline]
+                                 [--servers colfunc,colfunc-thread,vllm] [--colfunc-args "..."]
 
 ``--parts offline``: the engines alone, ``Engine.generate`` against vLLM's ``LLM.generate`` on
 the same requests (all at once), a run of each in turn (at least 3 rounds), the median ratio of tokens/s
@@ -39,12 +40,14 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -73,7 +76,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(kind: str, folder: Path, vllm_python: str | None) -> tuple[subprocess.Popen, str]:
+def _start(
+    kind: str, folder: Path, vllm_python: str | None, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
     port = _port()
     if kind == "vllm":
         assert vllm_python is not None
@@ -85,6 +90,7 @@ def _start(kind: str, folder: Path, vllm_python: str | None) -> tuple[subprocess
                NAME, "--port", str(port)]  # fmt: skip
         if kind == "colfunc-thread":
             cmd.append("--engine-in-thread")
+        cmd += list(extra)
     log = open(Path(tempfile.gettempdir()) / f"serving-{kind}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
@@ -205,6 +211,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all servers")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build")
     parser.add_argument("--parts", default="serve", help="serve, offline (needs vLLM) or both")
+    parser.add_argument(
+        "--servers", default="colfunc,colfunc-thread,vllm", help="which of them to run"
+    )
+    parser.add_argument(
+        "--colfunc-args", default="", help="more flags for colfunc serve (one string)"
+    )
     args = parser.parse_args()
     if "offline" in args.parts:
         if not args.vllm_python:
@@ -215,15 +227,21 @@ def main() -> None:
         if "serve" not in args.parts:
             return
     rates = [float(r) for r in args.rates.split(",")]
-    kinds = ["colfunc", "colfunc-thread"] + (["vllm"] if args.vllm_python else [])
-    peer = "vllm" if args.vllm_python else "colfunc-thread"
+    chosen = args.servers.split(",")
+    kinds = [k for k in ("colfunc", "colfunc-thread", "vllm") if k in chosen]
+    if not args.vllm_python and "vllm" in kinds:
+        kinds.remove("vllm")
+    peer = "vllm" if "vllm" in kinds else "colfunc-thread"
+    if peer not in kinds or "colfunc" not in kinds or set(chosen) - set(kinds) - {"vllm"}:
+        raise SystemExit(f"--servers {args.servers!r}: colfunc and a peer (vllm or colfunc-thread)")
     got: dict[tuple[str, float], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _folder(folder)
         for r in range(args.rounds):
             for kind in kinds:
-                proc, url = _start(kind, folder, args.vllm_python)
+                extra = shlex.split(args.colfunc_args) if kind != "vllm" else []
+                proc, url = _start(kind, folder, args.vllm_python, extra)
                 try:
                     asyncio.run(_run(url, float("inf"), 4, seed=99))  # warm up
                     for k, rate in enumerate(rates):

@@ -30,6 +30,7 @@ import torch
 
 from colfunc import core, nn, ops, random
 from colfunc.core import Layered, P, layered, scan_layers
+from colfunc.models import decoder_decode
 from colfunc.models.decoder_config import LAYER_TYPES, VARIATIONS, Config
 from colfunc.models.family import make_params
 
@@ -388,6 +389,11 @@ def paged_forward(
     }
     if cfg.cache_regime is not None:  # each sequence's tokens by its own length, as if alone
         carry["rope"] = _longrope_at(cfg, batch, positions_N, carry["rope"])
+    act = _ACT[cfg.mlp_act]
+    fast = decoder_decode.layers(params["blocks"], x_1ND, carry["rope"], batch, cache, cfg, act)
+    if fast is not None:  # a decoding step on the CPU: the same kernels, called directly
+        h_1ND, ys = fast
+        return _logits(params, h_1ND[:, select_R], cfg)[0], ys
     if cfg.per_layer:
         block = lambda layer, c, paged: _block_kv(layer, c, cfg, paged, paged.layer)  # noqa: E731
     else:
