@@ -27,6 +27,12 @@ vLLM): throughput (goal at least 1.0) and mean ITL (goal at most 1.0).
                                  [--vllm-python VENV/bin/python] [--parts serve,offline]
                                  [--servers colfunc,colfunc-thread,vllm] [--colfunc-args "..."]
 
+``--parts guidellm --guidellm PATH``: the same servers (colfunc and vLLM) driven by guidellm
+(``PATH``: its ``guidellm`` command, installed in a venv of its own: ``pip install guidellm``)
+instead of this process: synthetic prompts of 128 tokens and outputs of 64 (its defaults for
+``synthetic_text``), ``--requests`` at each Poisson rate and all at once (its ``throughput``
+profile), its output tokens/s and mean inter-token latency, ratios ours/vLLM's as above.
+
 ``--parts offline``: the engines alone, ``Engine.generate`` against vLLM's ``LLM.generate`` on
 the same requests (all at once), a run of each in turn (at least 3 rounds), the median ratio of tokens/s
 (goal at least 1.0) and whether the greedy tokens are equal.
@@ -204,6 +210,27 @@ def _offline(folder: Path, vllm_python: str, count: int, rounds: int) -> None:
     )
 
 
+def _guidellm(command: str, url: str, folder: Path, rate: float, count: int, out: Path) -> dict:
+    """One guidellm run against ``url``: its output tokens/s and mean ITL (in seconds)."""
+    profile = (  # (all at once: as many in flight as there are requests)
+        f"kind=throughput,max_concurrency={count}"
+        if rate == float("inf")
+        else f"kind=poisson,rate={rate:g}"
+    )
+    cmd = [command, "run", "--backend", f"kind=openai_http,target={url},model={NAME}",
+           "--profile", profile, "--constraint", f"kind=max_requests,count={count}",
+           "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
+           "--tokenizer", f"kind=huggingface_auto,model={folder}",
+           "--output", f"kind=json,path={out}", "--disable-progress"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+    metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    return {
+        "tok_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+        "itl": metrics["inter_token_latency_ms"]["successful"]["mean"] / 1e3,
+        "ttft": metrics["time_to_first_token_ms"]["successful"]["mean"] / 1e3,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -217,6 +244,7 @@ def main() -> None:
     parser.add_argument(
         "--colfunc-args", default="", help="more flags for colfunc serve (one string)"
     )
+    parser.add_argument("--guidellm", help="the guidellm command, for --parts guidellm")
     args = parser.parse_args()
     if "offline" in args.parts:
         if not args.vllm_python:
@@ -224,8 +252,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             _folder(Path(tmp))
             _offline(Path(tmp), args.vllm_python, args.requests, max(args.rounds, 3))
-        if "serve" not in args.parts:
+        if "serve" not in args.parts and "guidellm" not in args.parts:
             return
+    by_guidellm = "guidellm" in args.parts
+    if by_guidellm and not (args.guidellm and args.vllm_python):
+        raise SystemExit("--parts guidellm compares with vLLM: give --guidellm and --vllm-python")
     rates = [float(r) for r in args.rates.split(",")]
     chosen = args.servers.split(",")
     kinds = [k for k in ("colfunc", "colfunc-thread", "vllm") if k in chosen]
@@ -245,13 +276,21 @@ def main() -> None:
                 try:
                     asyncio.run(_run(url, float("inf"), 4, seed=99))  # warm up
                     for k, rate in enumerate(rates):
-                        m = asyncio.run(_run(url, rate, args.requests, seed=100 * r + k))
+                        if by_guidellm:
+                            out = folder / f"guidellm-{kind}-{r}-{k}.json"
+                            m = _guidellm(args.guidellm, url, folder, rate, args.requests, out)
+                        else:
+                            m = asyncio.run(_run(url, rate, args.requests, seed=100 * r + k))
                         got.setdefault((kind, rate), []).append(m)
                         print(f"round {r} {kind} rate {rate:g}: {m}", file=sys.stderr, flush=True)
                 finally:
                     proc.terminate()
                     proc.wait(timeout=60)
-    print(f"{args.requests} requests per rate, {args.rounds} rounds; medians; times in ms")
+    client = "guidellm" if by_guidellm else "this process"
+    print(
+        f"{args.requests} requests per rate, {args.rounds} rounds, driven by {client}; medians; "
+        "times in ms"
+    )
     print("| rate req/s | server | tok/s | mean TTFT | mean ITL | tok/s ratio | ITL ratio |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for rate in rates:
