@@ -21,6 +21,13 @@ grouped matmul against a loop over experts.
   against the closed form from each rank's routed counts (:mod:`colfunc.sharding.rules.moe`).
 
     python benchmarks/moe.py [--parts step,block,grouped,ep] [--steps 5]
+                             [--shapes mixtral,olmoe,qwen3moe]
+
+``--shapes``: the experts' proportions for ``step`` and ``block``, each family's at this width
+(the layers, width and vocabulary above): ``mixtral`` (8 experts of width 512, 2 per token),
+``olmoe`` (64 of width 128, 8 per token, the top-k probabilities not renormalized) and
+``qwen3moe`` (128 of width 96, 8 per token). A loop over experts costs per expert it visits,
+so it falls behind as the experts grow many and small.
 """
 
 from __future__ import annotations
@@ -42,19 +49,36 @@ SIZE = dict(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
 )  # fmt: skip
+_COMMON = {k: SIZE[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads",
+                                "max_position_embeddings", "tie_word_embeddings")}  # fmt: skip
+# the experts' proportions of each family at this width: (transformers config, its sizes,
+# colfunc's module, whether the top-k probabilities are renormalized)
+SHAPES: dict[str, tuple[Any, dict[str, Any], Any, bool]] = {
+    # Mixtral 8x7B: 8 experts of 3.5x the width, 2 per token
+    "mixtral": (transformers.MixtralConfig, SIZE, models.mixtral, True),
+    # OLMoE 1B-7B: 64 experts of half the width, 8 per token, not renormalized
+    "olmoe": (transformers.OlmoeConfig, {**_COMMON, "intermediate_size": 128, "num_experts": 64,
+              "num_experts_per_tok": 8, "norm_topk_prob": False}, models.olmoe, False),
+    # Qwen3 30B-A3B: 128 experts of 3/8 the width, 8 per token, renormalized
+    "qwen3moe": (transformers.Qwen3MoeConfig, {**_COMMON, "intermediate_size": 512,
+                 "moe_intermediate_size": 96, "num_experts": 128, "num_experts_per_tok": 8,
+                 "norm_topk_prob": True, "head_dim": 64}, models.qwen3_moe, True),
+}  # fmt: skip
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _model(impl: str | None) -> Any:
+def _model(impl: str | None, shape: str = "mixtral") -> Any:
     torch.manual_seed(0)
     kw = {} if impl is None else {"experts_implementation": impl}
-    return transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**SIZE), **kw)
+    config, sizes, _, _ = SHAPES[shape]
+    return transformers.AutoModelForCausalLM.from_config(config(**sizes), **kw)
 
 
-def step_part(steps: int) -> None:
-    theirs = {"default": _model(None), "eager": _model("eager")}
+def step_part(steps: int, shape: str = "mixtral") -> None:
+    theirs = {"default": _model(None, shape), "eager": _model("eager", shape)}
     cfg, params = hf.from_hf(theirs["default"])
-    ours = cf.train_step(models.mixtral.loss(cfg), optim.adamw(**HYPER), donate=True)
+    ours = cf.train_step(SHAPES[shape][2].loss(cfg), optim.adamw(**HYPER), donate=True)
     state = ours.init(params)
     opts = {k: torch.optim.AdamW(m.parameters(), fused=True, **HYPER) for k, m in theirs.items()}
     for m in theirs.values():
@@ -79,13 +103,14 @@ def step_part(steps: int) -> None:
                 gap = abs(float(metrics["loss"]) - loss.item())
             elif i > 0:
                 ratios[k].append(t / t_ours)
-    print(f"step: first-step loss gap {gap:.1e}; theirs/ours (median of {steps}): " + ", ".join(
+    print(f"step ({shape}): first-step loss gap {gap:.1e}; theirs/ours (median of {steps}): " + ", ".join(
         f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()
     ))  # fmt: skip
 
 
-def block_part(reps: int = 7) -> None:
-    theirs = {"default": _model(None), "eager": _model("eager")}
+def block_part(reps: int = 7, shape: str = "mixtral") -> None:
+    theirs = {"default": _model(None, shape), "eager": _model("eager", shape)}
+    sizes, renorm = SHAPES[shape][1], SHAPES[shape][3]
     _, params = hf.from_hf(theirs["default"])
     layer = cf.tree.map(lambda x: x[0].detach().clone().requires_grad_(), params["blocks"]["mlp"])
     g = torch.Generator().manual_seed(2)
@@ -96,13 +121,14 @@ def block_part(reps: int = 7) -> None:
     for i in range(reps + 1):
         x = h.clone().requires_grad_()
         t0 = time.perf_counter()
-        y, _ = cf.nn.sparse_mlp(x, layer, SIZE["num_experts_per_tok"], True)
+        y, _ = cf.nn.sparse_mlp(x, layer, sizes["num_experts_per_tok"], renorm)
         y.square().mean().backward()
         t_ours = time.perf_counter() - t0
         for k, block in blocks.items():
             xt = h.clone().requires_grad_()
             t0 = time.perf_counter()
             yt = block(xt)
+            yt = yt[0] if isinstance(yt, tuple) else yt  # (some return the router logits too)
             yt.square().mean().backward()
             t = time.perf_counter() - t0
             if i:
@@ -112,7 +138,7 @@ def block_part(reps: int = 7) -> None:
         if i:
             times["ours"].append(t_ours)
     ours = statistics.median(times["ours"])
-    print(f"block: 1024 tokens, outputs within {gap:.1e}; theirs/ours (median of {reps}): " + ", ".join(
+    print(f"block ({shape}): 1024 tokens, outputs within {gap:.1e}; theirs/ours (median of {reps}): " + ", ".join(
         f"{k} {statistics.median(times[k]) / ours:.2f}" for k in blocks
     ) + f" (ours {1e3 * ours:.1f} ms)")  # fmt: skip
 
@@ -209,16 +235,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,block,grouped")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--shapes", default="mixtral", help=f"of {', '.join(SHAPES)}")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    if "grouped" in args.parts:
+    if "grouped" in parts:
         grouped_part()
-    if "block" in args.parts:
-        block_part()
-    if "step" in args.parts:
-        step_part(args.steps)
-    if "ep" in args.parts:
+    parts = set(args.parts.split(","))
+    if parts - {"step", "block", "grouped", "ep"}:
+        raise SystemExit(f"--parts: {args.parts!r}; expected some of step,block,grouped,ep")
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise SystemExit(f"--shapes: {shape!r} is not one of {', '.join(SHAPES)}")
+    for shape in shapes:
+        if "block" in parts:
+            block_part(shape=shape)
+        if "step" in parts:
+            step_part(args.steps, shape)
+    if "ep" in parts:
         ep_part(args.steps)
 
 
