@@ -239,8 +239,6 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    if "grouped" in parts:
-        grouped_part()
     parts = set(args.parts.split(","))
     if parts - {"step", "block", "grouped", "ep"}:
         raise SystemExit(f"--parts: {args.parts!r}; expected some of step,block,grouped,ep")
@@ -248,6 +246,8 @@ def main() -> None:
     for shape in shapes:
         if shape not in SHAPES:
             raise SystemExit(f"--shapes: {shape!r} is not one of {', '.join(SHAPES)}")
+    if "grouped" in parts:
+        grouped_part()
     for shape in shapes:
         if "block" in parts:
             block_part(shape=shape)
