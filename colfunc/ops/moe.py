@@ -2,7 +2,9 @@
 
 :func:`grouped_matmul` multiplies rows sorted by expert by their expert's weight: ``x[N, I]``
 (the rows of expert 0, then expert 1, ...), ``w[E, I, O]``, ``counts[E]`` rows each. On the CPU
-(and as the reference) it is one matmul per expert's block of rows; on CUDA tensors the Triton
+(and as the reference) it is PyTorch's grouped matmul where it takes the inputs, else one
+matmul per expert's block of rows, and differentiated its backward is written out (the grouped
+product with each ``w[e].T``, and each block's ``x_e.T @ dy_e``); on CUDA tensors the Triton
 kernel (:mod:`colfunc.kernels.grouped_matmul`) runs every block in one launch.
 
 :func:`moe_ffn` is the experts' part of a sparse MLP: each token ``t`` and each of its ``k``
@@ -56,7 +58,35 @@ def grouped_matmul(
         )
     sizes = _counts_list(counts, x_NI.shape[0], w_EIO.shape[0])
     differentiated = torch.is_grad_enabled() and (x_NI.requires_grad or w_EIO.requires_grad)
+    plain = type(x_NI) is torch.Tensor and type(w_EIO) is torch.Tensor and not x_NI.is_cuda
+    if differentiated and plain and not torch_private.are_functorch_transforms_active():
+        out: torch.Tensor = _GroupedCPU.apply(x_NI, w_EIO, sizes)
+        return out
     return _grouped(x_NI, w_EIO, sizes, fused=not differentiated)
+
+
+class _GroupedCPU(torch.autograd.Function):
+    """:func:`grouped_matmul` of plain CPU tensors with its backward written out: ``dx`` by the
+    grouped product with each ``w[e].T``, ``dw[e] = x_e.T @ dy_e`` (autograd through one matmul
+    per block would add every block's ``w[e]`` gradient into a zero tensor of all of ``w``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> Any:
+        ctx.save_for_backward(x_NI, w_EIO)
+        ctx.sizes = sizes
+        return _blocks(x_NI, w_EIO, sizes, fused=True)
+
+    @staticmethod
+    def backward(ctx: Any, dy_NO: torch.Tensor) -> Any:
+        x_NI, w_EIO = ctx.saved_tensors
+        dy_NO = dy_NO.contiguous()
+        dx = _blocks(dy_NO, w_EIO.transpose(1, 2), ctx.sizes, fused=True)
+        dw = _weight_grads(x_NI, dy_NO, ctx.sizes, w_EIO)
+        return (
+            (dx if ctx.needs_input_grad[0] else None),
+            (dw if ctx.needs_input_grad[1] else None),
+            None,
+        )
 
 
 def _grouped(
