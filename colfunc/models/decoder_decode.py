@@ -81,7 +81,7 @@ def layers(
     """The hidden state after every layer and the new keys and values (``[L, N, K, E]``), as
     the generic scan of ``_block_kv`` computes them; None where this path does not apply."""
     N, D = x_1ND.shape[1], x_1ND.shape[2]
-    if not (takes(cfg) and kernels_choice() == "auto"):
+    if N == 0 or not (takes(cfg) and kernels_choice() == "auto"):
         return None
     if type(x_1ND) is not torch.Tensor or x_1ND.dtype != torch.float32 or core.frames():
         return None
