@@ -100,17 +100,7 @@ def layers(
     L, C, B, K, E = k_cache.shape
     H, M = cfg.n_head, tables.shape[1]
     contexts = list(batch.context_lens)
-    # (the checks the attention op makes, once for every layer)
-    if max(contexts) > M * B:
-        raise ValueError(
-            f"paged_attention: a context of {max(contexts)} tokens needs more than the block "
-            f"table's {M} blocks of {B} slots"
-        )
-    tables = tables.contiguous()
-    if tables.numel() and (int(tables.max()) >= C or int(tables.min()) < 0):
-        raise ValueError(
-            f"paged_attention: block_tables hold ids outside [0, {C}): the cache has {C} blocks"
-        )
+    tables = cpu_attention.checked_tables(tables, contexts, C, B)  # (once for every layer)
     per_layer = {(part, name): t.unbind(0) for part, name, t in leaves}
     threads = torch.get_num_threads()
     few = N <= cpu_rows.MAX_ROWS

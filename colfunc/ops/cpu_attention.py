@@ -13,7 +13,7 @@ import torch
 
 from colfunc.ops.values import PagedBatch
 
-__all__ = ["paged_decode_into", "supports"]
+__all__ = ["checked_tables", "paged_decode_into", "supports"]
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -41,6 +41,35 @@ def supports(
     from colfunc.kernels import cpu_attention
 
     return cpu_attention.extension() is not None
+
+
+def checked_tables(
+    block_tables_SM: torch.Tensor,
+    contexts: list[int],
+    blocks: int,
+    block_size: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The block table, contiguous, once these ``contexts`` are known to fit its width and its
+    ids the cache's ``blocks`` (a ValueError naming the value otherwise): what the kernel reads
+    without checking."""
+    M = block_tables_SM.shape[1]
+    longest = max(contexts)
+    if longest > M * block_size:
+        raise ValueError(
+            f"paged_attention: a context of {longest} tokens needs more than the block table's "
+            f"{M} blocks of {block_size} slots"
+        )
+    tables = block_tables_SM.contiguous()
+    # (a block given back before a window reads as -1: only the blocks a window reaches count)
+    if tables.numel() and (
+        int(tables.max()) >= blocks or (window is None and int(tables.min()) < 0)
+    ):
+        raise ValueError(
+            f"paged_attention: block_tables hold ids outside [0, {blocks}): the cache has "
+            f"{blocks} blocks"
+        )
+    return tables
 
 
 @torch.no_grad()
@@ -76,18 +105,7 @@ def paged_decode_into(
     for n in query_lens:
         starts.append(starts[-1] + n)
     contexts = [int(context_lens[s]) for s in seqs]
-    longest = max(contexts)
-    if longest > M * B:
-        raise ValueError(
-            f"paged_attention: a context of {longest} tokens needs more than the block table's "
-            f"{M} blocks of {B} slots"
-        )
-    tables = block_tables_SM.contiguous()
-    # (a block given back before a window reads as -1: only the blocks a window reaches count)
-    if tables.numel() and (int(tables.max()) >= C or (window is None and int(tables.min()) < 0)):
-        raise ValueError(
-            f"paged_attention: block_tables hold ids outside [0, {C}): the cache has {C} blocks"
-        )
+    tables = checked_tables(block_tables_SM, contexts, C, B, window)
     if window is not None:
         for s, c in zip(seqs, contexts, strict=True):
             reached = tables[s, max(0, c - window + 1) // B : -(-c // B)]

@@ -9,7 +9,7 @@ arithmetic; here each is one call. They compute what :func:`colfunc.ops.referenc
 order of the sum of squares; :func:`linear` what ``x @ w + b`` computes, up to the order of
 each sum (a few rows: a decoding step's tokens; a general matmul repacks the weight for every
 call, which for so few rows costs more than its arithmetic, while the kernel streams the weight
-once where it lies, in its stored ``[in, out]`` layout). Anything else (a gradient wanted, a ``torch.func`` transform, a
+once where it lies, in either stored layout). Anything else (a gradient wanted, a ``torch.func`` transform, a
 tensor subclass such as a ShardedTensor, another dtype or layout, a machine that cannot build the
 kernels) returns None, and the caller runs the reference.
 """
@@ -104,16 +104,8 @@ def linear(x: torch.Tensor, w_IO: torch.Tensor, b_O: torch.Tensor | None) -> tor
     contiguous) and a ``w`` stored ``[in, out]`` or ``[out, in]`` (``w.t()`` contiguous: a
     Hugging Face projection, a tied embedding table as the head); None where the kernel does not
     take these."""
-    if (
-        type(x) is not torch.Tensor
-        or type(w_IO) is not torch.Tensor
-        or x.dtype != torch.float32
-        or w_IO.dtype != torch.float32
-        or x.device.type != "cpu"
-        or w_IO.device.type != "cpu"
-        or w_IO.dim() != 2
-        or x.dim() == 0
-    ):
+    present = (x, w_IO) if b_O is None else (x, w_IO, b_O)
+    if not _takes(*present) or x.dtype != torch.float32 or w_IO.dim() != 2 or x.dim() == 0:
         return None
     K, N = w_IO.shape
     if x.shape[-1] != K or K == 0 or N == 0 or not (0 < x.numel() <= MAX_ROWS * K):
@@ -121,19 +113,7 @@ def linear(x: torch.Tensor, w_IO: torch.Tensor, b_O: torch.Tensor | None) -> tor
     transposed = not w_IO.is_contiguous()
     if not x.is_contiguous() or (transposed and not w_IO.t().is_contiguous()):
         return None
-    if b_O is not None and (
-        type(b_O) is not torch.Tensor
-        or b_O.dtype != torch.float32
-        or b_O.device.type != "cpu"
-        or b_O.shape != (N,)
-        or not b_O.is_contiguous()
-    ):
-        return None
-    if torch.is_grad_enabled() and (
-        x.requires_grad or w_IO.requires_grad or (b_O is not None and b_O.requires_grad)
-    ):
-        return None
-    if torch_private.are_functorch_transforms_active():
+    if b_O is not None and (b_O.shape != (N,) or not b_O.is_contiguous()):
         return None
     ext = _linear_extension()
     if ext is None:
