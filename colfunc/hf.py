@@ -17,7 +17,9 @@ except :func:`hf_config`.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,21 +195,30 @@ def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
         for p, x in zip(e.paths, pieces(e.key, e)):
             flat[p] = _home(p, x)
     for e in layer:
-        if "{j}" in e.key:  # one tensor per expert: stacked after the layer dim
-            E = shapes[e.paths[0]][1]
-            for k, p in enumerate(e.paths):
-                flat[p] = torch.stack([
-                    torch.stack([pieces(e.key.format(i=i, j=j), e)[k] for j in range(E)])
-                    for i in range(cfg.n_layer)
-                ])  # fmt: skip
-            continue
-        per_layer = [pieces(e.key.format(i=i), e) for i in range(cfg.n_layer)]
-        for j, p in enumerate(e.paths):
-            flat[p] = torch.stack([xs[j] for xs in per_layer])
+        for k, p in enumerate(e.paths):
+            piece = functools.partial(lambda key, e, k: pieces(key, e)[k], e=e, k=k)
+            flat[p] = _stacked(e, shapes[p], cfg.n_layer, piece)
     for p, shape in shapes.items():
         if tuple(flat[p].shape) != shape:
             raise ValueError(f"from_hf: {p} has shape {tuple(flat[p].shape)}, expected {shape}")
     return nn.nest({p: flat[p] for p in shapes})
+
+
+def _stacked(
+    e: HFWeight, shape: tuple[int, ...], n: int, piece: Callable[[str], torch.Tensor]
+) -> torch.Tensor:
+    """The stacked parameter ``[n, ...]`` (``shape``) that the per-layer entry ``e`` makes, its
+    piece of the tensor under each key being ``piece(key)``; one tensor per expert stacked after
+    the layer dim; zeros in the layers the entry does not exist in."""
+
+    def one(i: int) -> torch.Tensor:
+        if "{j}" in e.key:
+            return torch.stack([piece(e.key.format(i=i, j=j)) for j in range(shape[1])])
+        return piece(e.key.format(i=i))
+
+    held = {i: one(i) for i in range(n) if e.at(i)}
+    like = next(iter(held.values()))
+    return torch.stack([held[i] if i in held else torch.zeros_like(like) for i in range(n)])
 
 
 def to_hf(cfg: Config, params: Params) -> dict[str, torch.Tensor]:
@@ -237,6 +248,8 @@ def to_hf(cfg: Config, params: Params) -> dict[str, torch.Tensor]:
     out = {e.key: value([flat[p] for p in e.paths], e) for e in top}
     for i in range(cfg.n_layer):
         for e in layer:
+            if not e.at(i):  # (its slice is zeros nothing reads)
+                continue
             if "{j}" in e.key:  # one tensor per expert
                 for j in range(shapes[e.paths[0]][1]):
                     out[e.key.format(i=i, j=j)] = value([flat[p][i][j] for p in e.paths], e)
@@ -388,15 +401,10 @@ def _described(source: str, cfg: Config) -> tuple[Config, Params]:
         def make() -> torch.Tensor:
             if n is None:
                 return _home(path, piece(e, key, j))
-            if "{j}" in key:  # one tensor per expert, stacked after the layer dim
-                E = shapes[path][1]
-                return torch.stack([
-                    torch.stack([piece(e, key.format(i=i, j=x), j) for x in range(E)])
-                    for i in range(n)
-                ])  # fmt: skip
-            return torch.stack([piece(e, key.format(i=i), j) for i in range(n)])
+            return _stacked(e, shapes[path], n, lambda k: piece(e, k, j))
 
-        first = key if n is None else key.format(i=0, j=0) if "{j}" in key else key.format(i=0)
+        i = 0 if n is None else next(i for i in range(n) if e.at(i))
+        first = key if n is None else key.format(i=i, j=0) if "{j}" in key else key.format(i=i)
         return abstract(shapes[path], make, dtype_of(first))
 
     return cfg, nn.nest({p: describe(p) for p in shapes})

@@ -54,7 +54,7 @@ def _hf(name: str, seed: int = 0, **extra: Any) -> Any:
     cls, fields = FAMILIES[name]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(  # (its loop over experts takes fp64)
-        getattr(transformers, cls)(**SIZES, **fields, **extra), experts_implementation="eager"
+        getattr(transformers, cls)(**{**SIZES, **fields, **extra}), experts_implementation="eager"
     )
     with torch.no_grad():  # routers and experts drawn wide (Qwen's routers start at zero)
         for n, p in model.named_parameters():
@@ -215,10 +215,8 @@ def test_bad_configs_are_refused_by_name() -> None:
         models.llama.Config(n_experts=4)
     with pytest.raises(ValueError, match=r"router_jitter_noise=0\.1 is not supported"):
         hf.from_hf(_hf("mixtral", router_jitter_noise=0.1))
-    with pytest.raises(
-        ValueError, match=r"dense layers between sparse ones .*decoder_sparse_step=2"
-    ):
-        hf.from_hf(_hf("qwen2_moe", decoder_sparse_step=2))
+    with pytest.raises(ValueError, match=r"Qwen2-MoE with no sparse layer .*mlp_only_layers=\[1\]"):
+        hf.from_hf(_hf("qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[1]))
 
 
 # --- the ops -------------------------------------------------------------------------------------

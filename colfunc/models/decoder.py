@@ -152,15 +152,31 @@ def _mlp_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             "blocks.mlp.experts.w_up": (L, E, D, X),
             "blocks.mlp.experts.w_down": (L, E, X, D),
             **(shared if S else {}),
+            **(_gated_shapes(L, D, F) if cfg.dense_layers else {}),
         }
     if cfg.mlp_gated:
-        return {
-            "blocks.mlp.w_gate": (L, D, F),
-            "blocks.mlp.w_up": (L, D, F),
-            "blocks.mlp.w_down": (L, F, D),
-        }
+        return _gated_shapes(L, D, F)
     bias = {"blocks.mlp.b_in": (L, F), "blocks.mlp.b_out": (L, D)} if cfg.mlp_bias else {}
     return {"blocks.mlp.w_in": (L, D, F), "blocks.mlp.w_out": (L, F, D), **bias}
+
+
+def _gated_shapes(L: int, D: int, F: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "blocks.mlp.w_gate": (L, D, F),
+        "blocks.mlp.w_up": (L, D, F),
+        "blocks.mlp.w_down": (L, F, D),
+    }
+
+
+def unused_layers(cfg: Config, path: str) -> tuple[int, ...]:
+    """The layers whose slice of the stacked parameter ``path`` no computation reads (zeros):
+    where a mixture of experts has dense layers between its sparse ones, each layer holds both
+    MLPs' weights and uses one (the sparse ones' for :meth:`Config.sparse_layers`, the dense
+    gated MLP's for ``dense_layers``)."""
+    if not cfg.dense_layers or not path.startswith("blocks.mlp."):
+        return ()
+    dense = path.startswith("blocks.mlp.w_")
+    return cfg.sparse_layers if dense else cfg.dense_layers
 
 
 _NORM_WEIGHTS = {
@@ -195,7 +211,11 @@ def init(cfg: Config, seed: int = 0, *, abstract: bool = False) -> Params:
             return torch.full(shape, 1.0 - cfg.norm_offset)
         if path in _BIASES or path.endswith(".bias") or path.startswith("blocks.mlp.b_"):
             return torch.zeros(shape)
-        return random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
+        x = random.normal(seed, path, shape, std_out if path in _RESIDUAL_OUT else 0.02)
+        unused = unused_layers(cfg, path)
+        if unused:
+            x[list(unused)] = 0.0
+        return x
 
     return make_params(param_shapes(cfg), value, abstract)
 
@@ -280,16 +300,18 @@ _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _mlp(h_BTD: torch.Tensor, p: Params, cfg: Config, carry: Carry) -> tuple[torch.Tensor, Carry]:
-    """The block's MLP, and the carry with a sparse MLP's routing statistics added (each
-    layer's share of the load-balancing and z losses' means over the layers)."""
-    if not cfg.n_experts:
+def _mlp(
+    h_BTD: torch.Tensor, p: Params, cfg: Config, carry: Carry, i: int | None
+) -> tuple[torch.Tensor, Carry]:
+    """Block ``i``'s MLP, and the carry with a sparse MLP's routing statistics added (each
+    layer's share of the load-balancing and z losses' means over the sparse layers)."""
+    if not cfg.sparse_at(i):
         return (nn.gated if cfg.mlp_gated else nn.mlp)(h_BTD, p, _ACT[cfg.mlp_act]), carry
     k, norm, capacity = cfg.n_experts_per_tok, cfg.norm_topk_prob, cfg.capacity_factor
     y_BTD, r = nn.sparse_mlp(h_BTD, p, k, norm, capacity)
     if "moe_tokens" not in carry:  # (the engine's passes keep no statistics)
         return y_BTD, carry
-    L = cfg.n_layer
+    L = len(cfg.sparse_layers)
     return y_BTD, {
         **carry,
         "moe_tokens": carry["moe_tokens"] + r.tokens / L,
@@ -327,11 +349,11 @@ def _block_kv(
         h_BTD, layer["attn"], head_dim=_head_dim(cfg), rope=rope, paged=paged, options=options
     )
     if cfg.parallel_residual:  # GPT-NeoX: both sub-layers read the block's input
-        m_BTD, carry = _mlp(_norm(x_BTD, layer["ln2"], cfg), layer["mlp"], cfg, carry)
+        m_BTD, carry = _mlp(_norm(x_BTD, layer["ln2"], cfg), layer["mlp"], cfg, carry, i)
         return {**carry, "h": m_BTD + a_BTD + x_BTD}, kv
     x_BTD = x_BTD + (_norm(a_BTD, layer["post1"], cfg) if post else a_BTD)
     h_BTD = _norm(x_BTD, layer["ln2"], cfg) if pre else x_BTD
-    m_BTD, carry = _mlp(h_BTD, layer["mlp"], cfg, carry)
+    m_BTD, carry = _mlp(h_BTD, layer["mlp"], cfg, carry, i)
     x_BTD = x_BTD + (_norm(m_BTD, layer["post2"], cfg) if post else m_BTD)
     return {**carry, "h": x_BTD}, kv
 

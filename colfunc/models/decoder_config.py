@@ -34,6 +34,7 @@ VARIATIONS = (
     "mlp_gated",
     "mlp_bias",
     "n_experts",
+    "dense_layers",
     "d_shared_expert",
     "router_aux_loss_coef",
     "router_z_loss_coef",
@@ -112,8 +113,10 @@ class Config:
     rotary_fraction: float = 1.0
     mlp_gated: bool = True
     mlp_bias: bool = False
-    # a sparse mixture-of-experts MLP in every layer (n_experts > 0; colfunc.nn.moe)
+    # a sparse mixture-of-experts MLP in every layer (n_experts > 0; colfunc.nn.moe) but those
+    # of dense_layers, whose MLP is a dense gated one d_ff wide (Qwen's mlp_only_layers)
     n_experts: int = 0
+    dense_layers: tuple[int, ...] = ()
     n_experts_per_tok: int = 2
     d_expert: int | None = None
     norm_topk_prob: bool = True
@@ -210,6 +213,7 @@ class Config:
             raise ValueError(f"{name}: n_experts must be an int >= 0, got {E!r}")
         if self.d_expert is None:
             object.__setattr__(self, "d_expert", self.d_ff)
+        self._check_dense_layers()
         if not E:
             return
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
@@ -239,6 +243,36 @@ class Config:
                 f"{name}: the experts are gated MLPs in sequential blocks; n_experts > 0 needs "
                 "mlp_gated=True and parallel_residual=False"
             )
+
+    def _check_dense_layers(self) -> None:
+        name, dense, L = f"{self.family_name}.Config", self.dense_layers, self.n_layer
+        if not isinstance(dense, tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in dense
+        ):
+            raise ValueError(
+                f"{name}: dense_layers must be a tuple of layer indices in [0, {L}), got {dense!r}"
+            )
+        if dense and not self.n_experts:
+            raise ValueError(
+                f"{name}: dense_layers={dense!r} names the layers whose MLP is dense in a "
+                "mixture of experts; with n_experts=0 every layer's is (leave it empty)"
+            )
+        if dense and len(set(dense)) == L:
+            raise ValueError(
+                f"{name}: dense_layers={dense!r} leaves no layer sparse; a model without "
+                "experts is n_experts=0"
+            )
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(dense))))
+
+    def sparse_at(self, i: int | None) -> bool:
+        """Whether layer ``i``'s MLP is the mixture of experts (``i=None``: a layer of a model
+        whose layers are all alike)."""
+        return bool(self.n_experts) and (i is None or i not in self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the mixture of experts."""
+        return tuple(i for i in range(self.n_layer) if self.sparse_at(i))
 
     def _check_variations(self) -> None:
         name = f"{self.family_name}.Config"
@@ -323,10 +357,14 @@ class Config:
 
     @property
     def per_layer(self) -> bool:
-        """Whether the layers differ (windows, rotary bases, no rotary positions), so that each
-        needs its index."""
+        """Whether the layers differ (windows, rotary bases, no rotary positions, dense MLPs
+        between sparse ones), so that each needs its index."""
         mixed = self.layer_types is not None and len(set(self.layer_types)) > 1
-        return mixed or bool(self.nope_layers) or self.rope_local_theta is not None
+        return (
+            mixed
+            or bool(self.nope_layers or self.dense_layers)
+            or self.rope_local_theta is not None
+        )
 
     def require_variations(self, ok: bool, what: str) -> None:
         """A family's refusal of the decoder's variations it does not have: a ValueError

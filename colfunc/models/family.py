@@ -61,7 +61,9 @@ class HFWeight(NamedTuple):
     ``paths``: the colfunc paths, concatenated along the last dim to make it (GPT-2's fused
     ``c_attn`` is ``wq``, ``wk``, ``wv``); ``transpose``: stored ``[out, in]`` on the Hugging
     Face side (``nn.Linear``), where colfunc keeps ``[in, out]``; ``groups``: concatenated in
-    that many interleaved groups instead (see :meth:`split`).
+    that many interleaved groups instead (see :meth:`split`); ``layers``: the layers a
+    per-layer entry exists in (None: all of them; in the others the colfunc slice is zeros that
+    nothing reads, as a mixture of experts' dense MLP in its sparse layers).
     """
 
     key: str
@@ -69,6 +71,11 @@ class HFWeight(NamedTuple):
     transpose: bool = False
     groups: int = 1
     aliases: tuple[str, ...] = ()  # other names a saved file may give it (legacy checkpoints)
+    layers: tuple[int, ...] | None = None
+
+    def at(self, i: int) -> bool:
+        """Whether this per-layer entry exists in layer ``i``."""
+        return self.layers is None or i in self.layers
 
     def split(self, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
         """The colfunc pieces (last dims ``sizes``) of the Hugging Face tensor ``x`` (already in

@@ -34,7 +34,7 @@ class Config(decoder.Config):
     per token, a shared expert; rotary base 10^6, RMS norm epsilon 1e-6."""
 
     family_name = "qwen2_moe"
-    variations = ("mlp_act", "layer_types", *("n_experts", "d_shared_expert", "router_aux_loss_coef", "router_z_loss_coef"))  # fmt: skip
+    variations = ("mlp_act", "layer_types", *("n_experts", "dense_layers", "d_shared_expert", "router_aux_loss_coef", "router_z_loss_coef"))  # fmt: skip
     qkv_bias: bool = True
     n_experts: int = 60
     n_experts_per_tok: int = 4

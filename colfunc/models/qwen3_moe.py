@@ -35,7 +35,7 @@ class Config(decoder.Config):
     1e-6; ``qkv_bias`` and ``o_bias`` together are Hugging Face's ``attention_bias``."""
 
     family_name = "qwen3_moe"
-    variations = ("mlp_act", "layer_types", *("n_experts", "router_aux_loss_coef", "router_z_loss_coef"))  # fmt: skip
+    variations = ("mlp_act", "layer_types", *("n_experts", "dense_layers", "router_aux_loss_coef", "router_z_loss_coef"))  # fmt: skip
     qk_norm: bool = True
     n_experts: int = 128
     n_experts_per_tok: int = 8
