@@ -7,6 +7,11 @@ leaf order, into chunks of one dtype and a fixed number of elements; a tensor ne
 chunks, so the end of a chunk may be wasted. A chunk never straddles two groups either: a layer is
 fetched, evicted and updated as whole chunks, and the device never holds half of one.
 
+A mixture of experts' expert weights (stacked ``[L, E, ...]``, named by ``experts``) are cut
+further, one piece per layer and expert, and each expert's pieces packed in chunks of their own
+(``Chunk.expert``), so that a layer's experts can be fetched one by one, only those its tokens
+are routed to.
+
 The chunk size is chosen by a search (as Gemini's ``search_chunk_configuration``): among sizes from
 the largest tensor to the largest group, the one that wastes the fewest elements, the smallest of
 those on a tie, unless the caller fixes it.
@@ -22,7 +27,7 @@ import torch
 
 from colfunc import tree
 
-__all__ = ["Chunk", "ChunkLayout", "Piece", "chunk_layout", "search_chunk_size"]
+__all__ = ["Chunk", "ChunkLayout", "Piece", "chunk_layout", "piece_of", "search_chunk_size"]
 
 PyTree = Any
 _ALIGN = 256  # elements: sizes searched are multiples of this (or a group's exact size)
@@ -31,12 +36,14 @@ _ALIGN = 256  # elements: sizes searched are multiples of this (or a group's exa
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One tensor of a chunk: leaf ``leaf`` (flat index), row ``row`` of a stacked leaf (None
+    for the others), expert ``expert`` of that row for an expert weight cut per expert (None
     for the others), at ``offset`` elements into the chunk."""
 
     leaf: int
     row: int | None
     offset: int
     shape: tuple[int, ...]
+    expert: int | None = None
 
     @property
     def numel(self) -> int:
@@ -49,13 +56,15 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """``capacity`` elements of ``dtype`` holding ``pieces``; ``group`` is 0 for the leaves
-    outside the layers, ``1 + i`` for layer ``i``."""
+    outside the layers, ``1 + i`` for layer ``i``; ``expert``: the expert whose weights it holds
+    (None for the others)."""
 
     index: int
     group: int
     dtype: torch.dtype
     capacity: int
     pieces: tuple[Piece, ...]
+    expert: int | None = None
 
     @property
     def used(self) -> int:
@@ -80,6 +89,19 @@ class ChunkLayout:
     def num_layers(self) -> int:
         return len(self.groups) - 1
 
+    def eager(self, group: int) -> tuple[int, ...]:
+        """The chunks of ``group`` fetched whenever the group is: all but its experts'."""
+        return tuple(c for c in self.groups[group] if self.chunks[c].expert is None)
+
+    def expert_chunks(self, group: int) -> dict[int, tuple[int, ...]]:
+        """The chunks of each expert of layer group ``group`` (empty: none cut per expert)."""
+        out: dict[int, list[int]] = {}
+        for c in self.groups[group]:
+            e = self.chunks[c].expert
+            if e is not None:
+                out.setdefault(e, []).append(c)
+        return {e: tuple(cs) for e, cs in out.items()}
+
     def group_bytes(self, group: int) -> int:
         return sum(self.chunks[c].nbytes for c in self.groups[group])
 
@@ -93,8 +115,21 @@ class ChunkLayout:
         return sum(c.capacity - c.used for c in self.chunks)
 
 
-def _groups(params: PyTree) -> tuple[list[list[tuple[int, int | None, torch.Tensor]]], list[bool]]:
-    """The tensors of each group, in leaf order: (leaf index, row, tensor)."""
+Item = tuple[int, int | None, int | None, torch.Tensor]  # leaf, row, expert, tensor
+
+
+def piece_of(leaves: Sequence[Any], p: Piece) -> torch.Tensor:
+    """The tensor piece ``p`` is of the flat parameter leaves ``leaves``."""
+    x = leaves[p.leaf]
+    x = x if p.row is None else x[p.row]
+    return x if p.expert is None else x[p.expert]
+
+
+def _groups(
+    params: PyTree, experts: frozenset[int] = frozenset()
+) -> tuple[list[list[Item]], list[bool]]:
+    """The tensors of each group, in leaf order: (leaf index, row, expert, tensor); the leaves
+    ``experts`` (stacked ``[L, E, ...]``) one tensor per layer and expert."""
     flat, _ = tree.flatten_with_paths(params)
     stacked = [path.startswith("blocks") for path, _ in flat]
     layers = {x.shape[0] for (_, x), s in zip(flat, stacked) if s}
@@ -103,17 +138,25 @@ def _groups(params: PyTree) -> tuple[list[list[tuple[int, int | None, torch.Tens
             f"offload: stacked leaves under 'blocks' differ in layers: {sorted(layers)}"
         )
     n = layers.pop() if layers else 0
-    groups: list[list[tuple[int, int | None, torch.Tensor]]] = [[] for _ in range(n + 1)]
-    for k, ((_, x), s) in enumerate(zip(flat, stacked)):
+    groups: list[list[Item]] = [[] for _ in range(n + 1)]
+    for k, ((path, x), s) in enumerate(zip(flat, stacked)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"offload: every parameter leaf must be a tensor, got {type(x).__name__}"
             )
-        if s:
+        if k in experts and (not s or x.dim() < 3):
+            raise ValueError(
+                f"offload: expert weight {path} must be stacked [layers, experts, ...], got "
+                f"{tuple(x.shape)}"
+            )
+        if k in experts:
             for i in range(n):
-                groups[1 + i].append((k, i, x[i]))
+                groups[1 + i].extend((k, i, e, x[i][e]) for e in range(x.shape[1]))
+        elif s:
+            for i in range(n):
+                groups[1 + i].append((k, i, None, x[i]))
         else:
-            groups[0].append((k, None, x))
+            groups[0].append((k, None, None, x))
     return groups, stacked
 
 
@@ -149,20 +192,32 @@ def search_chunk_size(groups: Sequence[Sequence[int]]) -> int:
     return min(sorted(candidates), key=lambda s: _waste(groups, s))
 
 
-def chunk_layout(params: PyTree, chunk_size: int | None = None) -> ChunkLayout:
+def _parts(group: list[Item]) -> list[tuple[int | None, list[Item]]]:
+    """A group's tensors as packed apart: the whole layer's, then each expert's."""
+    experts = sorted({e for _, _, e, _ in group if e is not None})
+    parts: list[tuple[int | None, list[Item]]] = [(None, [t for t in group if t[2] is None])]
+    return parts + [(e, [t for t in group if t[2] == e]) for e in experts]
+
+
+def chunk_layout(
+    params: PyTree, chunk_size: int | None = None, experts: frozenset[int] = frozenset()
+) -> ChunkLayout:
     """The chunks of ``params`` (a dict with stacked layers under ``"blocks"``, or any tree).
 
     ``chunk_size`` in elements (None: :func:`search_chunk_size`); it must hold the largest tensor.
-    Each dtype's tensors are packed separately, so a chunk has one dtype.
+    Each dtype's tensors are packed separately, so a chunk has one dtype. ``experts``: the flat
+    indices of the expert weights to cut per layer and expert (see the module docs).
     """
-    groups, stacked = _groups(params)
+    groups, stacked = _groups(params, experts)
     by_dtype: dict[torch.dtype, list[list[int]]] = {}
     for g in groups:
-        for dtype in {t.dtype for _, _, t in g}:
-            by_dtype.setdefault(dtype, []).append([t.numel() for _, _, t in g if t.dtype == dtype])
+        for _, part in _parts(g):
+            for dtype in {t.dtype for *_, t in part}:
+                sizes = [t.numel() for *_, t in part if t.dtype == dtype]
+                by_dtype.setdefault(dtype, []).append(sizes)
     if chunk_size is None:
         chunk_size = max(search_chunk_size(gs) for gs in by_dtype.values())
-    largest = max(t.numel() for g in groups for _, _, t in g) if any(groups) else 0
+    largest = max(t.numel() for g in groups for *_, t in g) if any(groups) else 0
     if chunk_size < largest:
         raise ValueError(
             f"offload: chunk size {chunk_size} elements is below the largest tensor "
@@ -173,16 +228,17 @@ def chunk_layout(params: PyTree, chunk_size: int | None = None) -> ChunkLayout:
     group_chunks: list[tuple[int, ...]] = []
     for gi, g in enumerate(groups):
         mine: list[int] = []
-        dtypes = sorted({t.dtype for _, _, t in g}, key=str)
-        for dtype in dtypes:
-            items = [(k, row, t) for k, row, t in g if t.dtype == dtype]
-            for bin_ in _pack([t.numel() for _, _, t in items], chunk_size):
-                offset, pieces = 0, []
-                for j in bin_:
-                    k, row, t = items[j]
-                    pieces.append(Piece(k, row, offset, tuple(t.shape)))
-                    offset += t.numel()
-                mine.append(len(chunks))
-                chunks.append(Chunk(len(chunks), gi, dtype, chunk_size, tuple(pieces)))
+        for expert, part in _parts(g):
+            for dtype in sorted({t.dtype for *_, t in part}, key=str):
+                items = [item for item in part if item[3].dtype == dtype]
+                for bin_ in _pack([t.numel() for *_, t in items], chunk_size):
+                    offset, pieces = 0, []
+                    for j in bin_:
+                        k, row, e, t = items[j]
+                        pieces.append(Piece(k, row, offset, tuple(t.shape), e))
+                        offset += t.numel()
+                    mine.append(len(chunks))
+                    chunk = Chunk(len(chunks), gi, dtype, chunk_size, tuple(pieces), expert)
+                    chunks.append(chunk)
         group_chunks.append(tuple(mine))
     return ChunkLayout(tuple(chunks), tuple(group_chunks), tuple(stacked), chunk_size)

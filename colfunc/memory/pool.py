@@ -17,13 +17,13 @@ allocator's own counters are read instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from colfunc import torch_private
-from colfunc.memory.chunks import Chunk, ChunkLayout
+from colfunc.memory.chunks import Chunk, ChunkLayout, piece_of
 from colfunc.memory.placement import Event, Trace, next_uses
 from colfunc.memory.track import track
 
@@ -107,6 +107,7 @@ class DevicePool:
         self._recording: Trace | None = None
         self._uses: list[dict[int, int]] = []
         self._cursor = 0
+        self._event: int | None = None  # the trace position of the latest require
         self._meter: Any = None
         self._leaves: list[torch.Tensor] = []
         self.h2d = self.d2h = 0
@@ -253,11 +254,15 @@ class DevicePool:
         return self.budget - self.baseline - self.trace.events[k].nonmodel
 
     def _chunks(self, group: int) -> tuple[int, ...]:
-        """The chunks of ``group`` that the step uses through a copy: host-homed ones, and
+        """The chunks of ``group`` that the step uses through a copy whenever it uses the group
+        (its experts' are fetched apart, :meth:`require_experts`): host-homed ones, and
         device-homed ones too when amp computes in another dtype than their masters'."""
+        return self._copied(self.layout.eager(group))
+
+    def _copied(self, chunks: Sequence[int]) -> tuple[int, ...]:
         return tuple(
             c
-            for c in self.layout.groups[group]
+            for c in chunks
             if c not in self.mirrors or self.copy_dtype(c) != self.mirrors[c].param.dtype
         )
 
@@ -286,7 +291,7 @@ class DevicePool:
                 stack.enter_context(torch.cuda.stream(self.copy_stream))
             buf = torch.empty(chunk.capacity, dtype=dtype, device=self.device)
             for p in chunk.pieces:
-                src = self._leaves[p.leaf] if p.row is None else self._leaves[p.leaf][p.row]
+                src = piece_of(self._leaves, p)
                 buf[p.offset : p.offset + p.numel].view(p.shape).copy_(src, non_blocking=True)
             if self.copy_stream is not None:
                 event = torch.cuda.Event()
@@ -319,8 +324,43 @@ class DevicePool:
         k = self._position(group, backward)
         if self._recording is not None:
             self._recording.events.append(Event(group, backward))
+        self._event = k
         keep, soon = self._protected(group), self._soon(k)
         missing = [c for c in self._chunks(group) if c not in self.cache]
+        self._make_room(keep, soon, missing, k)
+        for c in missing:
+            self._fetch(c)
+        if k is not None and self.trace is not None:
+            self._prefetch(k)
+            self._accounted = max(
+                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
+            )
+        self.in_use[group] = self.in_use.get(group, 0) + 1
+        return self._buffers(self.layout.eager(group))
+
+    def require_experts(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Make ``chunks`` (some experts' of a layer the caller holds, those its tokens are
+        routed to) resident now, making room as :meth:`require` does at the layer's event;
+        returns their device buffers (parameters), mirrors included."""
+        k = self._event
+        keep = {c for g in self.in_use for c in self._chunks(g)} | set(chunks)
+        keep |= self.pinned & set(self.cache)
+        missing = [c for c in self._copied(chunks) if c not in self.cache]
+        self._make_room(keep, self._soon(k), missing, k)
+        for c in missing:
+            self._fetch(c)
+        if k is not None and self.trace is not None:
+            self._accounted = max(
+                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
+            )
+        return self._buffers(chunks)
+
+    def _buffers(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
+        return {c: self._arrived(c) if c in self.cache else self.mirrors[c].param for c in chunks}
+
+    def _make_room(self, keep: set[int], soon: set[int], missing: list[int], k: int | None) -> None:
+        """Evict cached copies so that ``missing`` fits: streaming, all but ``keep`` and
+        ``soon``; then, while over the capacity at event ``k``, those used farthest ahead."""
         need = sum(self.copy_bytes(c) for c in missing)
         uses = self._uses[k] if k is not None else {}
 
@@ -342,18 +382,6 @@ class DevicePool:
             if self.cached_bytes + need <= capacity:
                 break
             del self.cache[c]
-        for c in missing:
-            self._fetch(c)
-        if k is not None and self.trace is not None:
-            self._prefetch(k)
-            self._accounted = max(
-                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
-            )
-        self.in_use[group] = self.in_use.get(group, 0) + 1
-        return {
-            c: self._arrived(c) if c in self.cache else self.mirrors[c].param
-            for c in self.layout.groups[group]
-        }
 
     def _prefetch(self, k: int) -> None:
         assert self.trace is not None

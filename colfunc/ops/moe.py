@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,47 @@ import torch.nn.functional as F
 from colfunc import torch_private
 from colfunc.kernels import checks
 
-__all__ = ["experts_backward", "experts_forward", "grouped_matmul", "moe_ffn", "routed"]
+__all__ = [
+    "RoutedExperts",
+    "compact",
+    "experts_backward",
+    "experts_forward",
+    "grouped_matmul",
+    "moe_ffn",
+    "routed",
+]
+
+
+class RoutedExperts:
+    """An expert weight ``[E, ...]`` (``shape``, ``dtype``, ``device``) that is not at hand
+    whole: :func:`moe_ffn` given three of these (gate, up, down) of one ``layer`` calls
+    ``layer.run(x, topi, topw, capacity, weights)`` for the experts' output and counts, which
+    fetches only the experts the tokens are routed to (``offload``'s host-homed experts). Any
+    other use of it fails, naming it."""
+
+    def __init__(self, layer: Any, leaf: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        self.layer, self.leaf = layer, leaf
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+
+    def __repr__(self) -> str:
+        return f"RoutedExperts(leaf={self.leaf}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def compact(
+    topi_NK: torch.Tensor, n_experts: int, capacity: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The experts ``topi`` routes to (sorted), ``topi`` as indices into them, and the capacity
+    factor that gives each of them the capacity it has among all ``n_experts``: what
+    :func:`moe_ffn` of only those experts' weights computes the same with."""
+    used = torch.unique(topi_NK)
+    topi_c = torch.searchsorted(used, topi_NK)
+    if capacity <= 0:
+        return used, topi_c, capacity
+    N, K = topi_NK.shape
+    cap = math.ceil(capacity * N * K / n_experts)  # (as routed() takes it)
+    # ceil((cap - 1/2) * n / (N K) * N K / n) = cap: half a choice of room for rounding
+    return used, topi_c, (cap - 0.5) * used.numel() / (N * K)
 
 
 def _counts_list(counts: torch.Tensor | Sequence[int], n_rows: int, n_experts: int) -> list[int]:
@@ -376,6 +416,14 @@ def moe_ffn(
     E)`` choices, by priority (every first choice before any second, then token order); the
     others are dropped (they add nothing). None: dropless."""
     E = w_gate_EDF.shape[0]
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    away = [isinstance(w, RoutedExperts) for w in weights]
+    layers = {id(w.layer) for w in weights if isinstance(w, RoutedExperts)}
+    if any(away) and not (all(away) and len(layers) == 1):
+        raise TypeError(
+            f"moe_ffn: expert weights fetched when routed to (RoutedExperts) come as the three "
+            f"of one layer, got {[type(w).__name__ for w in weights]}"
+        )
     if topi_NK.dim() != 2 or topi_NK.shape != topw_NK.shape or topi_NK.shape[0] != x_ND.shape[0]:
         raise ValueError(
             f"moe_ffn: topi and topw must both be [N, K] with N = {x_ND.shape[0]} tokens, got "
@@ -394,6 +442,10 @@ def moe_ffn(
         raise ValueError(
             f"moe_ffn: capacity must be None (dropless) or a number > 0, got {capacity!r}"
         )
+    if all(away):
+        layer = cast(RoutedExperts, w_gate_EDF).layer
+        y, counts = layer.run(x_ND, topi_NK, topw_NK, float(capacity or 0.0), weights)
+        return y, counts
     out = torch.ops.colfunc.moe_ffn(
         x_ND, topi_NK, topw_NK, w_gate_EDF, w_up_EDF, w_down_EFD, float(capacity or 0.0)
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colfunc import core, tree
-from colfunc.memory.chunks import ChunkLayout
+from colfunc.memory.chunks import ChunkLayout, piece_of
 from colfunc.memory.placement import device_budget
 from colfunc.memory.pool import DevicePool, Mirror
 from colfunc.transforms.local import (
@@ -107,6 +107,10 @@ class OffloadState:
             compute=compute,
         )
         self.block_leaves = [k for k, s in enumerate(layout.stacked) if s]
+        # the expert weights fetched when routed to (chunked per expert; see offload.experts)
+        self.routed = frozenset(
+            p.leaf for c in layout.chunks if c.expert is not None for p in c.pieces
+        )
         # tensor parallel: each leaf's ShardedTensor (meta) the local piece in host memory is
         # of (None: a plain tensor); whether the optimizer states are shaped like the pieces
         self.templates: list[Any] = [None] * len(flat)
@@ -185,8 +189,7 @@ class OffloadState:
     # --- chunks ---------------------------------------------------------------------------
     @staticmethod
     def _row(leaves: list[Any], piece: Any) -> torch.Tensor:
-        x = leaves[piece.leaf]
-        return x if piece.row is None else x[piece.row]
+        return piece_of(leaves, piece)
 
     def chunk_trains(self, c: int) -> bool:
         """Whether chunk ``c`` holds a piece of a trainable leaf (its fetch has a backward)."""

@@ -17,6 +17,7 @@ from colfunc.transforms.data_parallel.chunks import (
     whole,
 )
 from colfunc.transforms.data_parallel.layer_gather import restored, saved_piece, start_gather
+from colfunc.transforms.offload.experts import Experts
 from colfunc.transforms.offload.state import OffloadState
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class _Regathered:
     def flat(self, k: int) -> torch.Tensor:
         """The ``k``-th gathered flat of this layer (no autograd: the backward pass reads it)."""
         if self.flats is None:
-            c0 = self.frame.state.layout.groups[self.group][0]
+            c0 = self.frame.state.layout.eager(self.group)[0]
             self.get(c0)
             assert self.bufs is not None
             views = self.frame.plain_views(self.group, self.bufs)
@@ -182,7 +183,7 @@ class Streaming:
     ) -> dict[tuple[int, int | None], torch.Tensor]:
         """(leaf, row) -> a view of the fetched buffer (no autograd)."""
         out: dict[tuple[int, int | None], torch.Tensor] = {}
-        for c in self.state.layout.groups[group]:
+        for c in self.state.layout.eager(group):
             for p in self.state.layout.chunks[c].pieces:
                 out[(p.leaf, p.row)] = bufs[c][p.offset : p.offset + p.numel].view(p.shape)
         return out
@@ -195,13 +196,13 @@ class Streaming:
         if not grad:
             return self.plain_views(group, bufs)
         out: dict[tuple[int, int | None], torch.Tensor] = {}
-        for c in self.state.layout.groups[group]:
+        for c in self.state.layout.eager(group):
             chunk = self.state.layout.chunks[c]
             ts = _Fetch.apply(_Holder(self.state, c, bufs[c]), self, self.token)
             for p, t in zip(chunk.pieces, ts):
                 out[(p.leaf, p.row)] = t
         if not torch_private.in_backward():  # the fetches whose backward ends the hold
-            chunks = self.state.layout.groups[group]
+            chunks = self.state.layout.eager(group)
             self.pending[group] = sum(1 for c in chunks if self.state.chunk_trains(c))
         return out
 
@@ -257,7 +258,13 @@ class Streaming:
             group, backward = 1 + i, torch_private.in_backward()
             bufs = self.require(group, backward)
             views = self.views(group, bufs)
-            rows = [self.wrap(k, views[(k, i)], True) for k in state.block_leaves]
+            experts = Experts(self, group)  # (the routed ones fetched when the model runs them)
+            rows: list[Any] = [
+                experts.stand_in(k, self.leaves[k][i])
+                if k in state.routed
+                else self.wrap(k, views[(k, i)], True)
+                for k in state.block_leaves
+            ]
             flats: list[torch.Tensor] = []
             if self.zero is not None:
                 flats = self.gather(state.block_leaves, rows)

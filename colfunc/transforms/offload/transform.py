@@ -20,6 +20,7 @@ from colfunc.transforms.local import (
     local_piece,
     to_local,
 )
+from colfunc.transforms.offload.experts import routed_leaves
 from colfunc.transforms.offload.state import (
     OffloadState,
     host_device,
@@ -179,7 +180,8 @@ def _build(
         if chunk_size_of is not None:
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
-        layout = chunk_layout(params, size)
+        routed = routed_leaves(loss_fn, params, templates, gathers)
+        layout = chunk_layout(params, size, routed)
         state = OffloadState(cfg, params, layout, compute, step.trainable)
         state.templates = templates
         state.states_like_params = dp is None or not dp.cuts_optimizer

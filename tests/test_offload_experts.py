@@ -1,0 +1,179 @@
+"""Offload's experts homed in host memory and fetched when routed to
+(:mod:`colfunc.transforms.offload.experts`).
+
+- ``ops.moe.compact``: the mixture of only the routed experts' weights (capacity included)
+  equals the mixture of all of them, output and counts, on drawn routings.
+- Offloaded training of tiny mixtures (drawn family, experts per token, tokens, policy): each
+  step fetches exactly the experts its tokens are routed to (the chunks fetched, against the
+  one-device step's ``expert_counts``), and the steps equal one device (fp64 AdamW, 1e-9); with
+  data parallelism and ZeRO-1, amp and remat, frozen experts, a capacity factor.
+- Where a rank does not hold whole expert weights (expert or tensor parallelism, ZeRO-3), a
+  layer's experts come with it (the other tests' offload cases check those compositions equal
+  one device); LoRA adapters on the attention leave the experts routed, and equal one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_moe import _batch, _hf
+
+import colfunc as cf
+from colfunc import hf, models, ops, optim, tree
+from colfunc.memory.pool import DevicePool
+from colfunc.ops import moe
+from colfunc.sharding import launch
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(600)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 12), e=st.integers(2, 9), k=st.integers(1, 3), seed=st.integers(0, 99),
+    capacity=st.sampled_from([None, 0.3, 1.0, 1.7]),
+)  # fmt: skip
+def test_the_routed_experts_alone_compute_the_mixture(n, e, k, seed, capacity) -> None:
+    k = min(k, e)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    topi = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    topw = torch.rand(n, k, generator=g, dtype=torch.float64)
+    wg, wu = (torch.randn(e, 6, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    wd = torch.randn(e, 5, 6, generator=g, dtype=torch.float64)
+    want, counts = ops.moe_ffn(x, topi, topw, wg, wu, wd, capacity)
+    used, topi_c, cap = moe.compact(topi, e, float(capacity or 0.0))
+    assert used.tolist() == sorted(set(topi.reshape(-1).tolist()))
+    got, counts_c = ops.moe_ffn(x, topi_c, topw, wg[used], wu[used], wd[used], cap or None)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert counts_c.tolist() == counts[used].tolist() and counts.sum() == counts_c.sum()
+
+
+def test_routed_stand_ins_come_as_the_three_of_one_layer() -> None:
+    x, topi, topw = torch.randn(2, 4), torch.tensor([[0], [1]]), torch.ones(2, 1)
+    w = moe.RoutedExperts(object(), 0, (2, 4, 3), torch.float32, torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"come as the three of one layer, got \['RoutedExperts', 'Tensor', 'Tensor'\]"):  # fmt: skip
+        ops.moe_ffn(x, topi, topw, w, torch.randn(2, 4, 3), torch.randn(2, 3, 4))
+
+
+def _model(name: str, seed: int, **extra: Any) -> tuple[Any, Any, Any]:
+    model = _hf(name, seed, output_router_logits=True, router_aux_loss_coef=0.02, **extra)
+    cfg, params = hf.from_hf(model)
+    return cfg, tree.map(lambda x: x.double(), params), models.of_config(cfg).module
+
+
+def _fetched_experts(step: cf.Step, params: Any, batch: Any) -> list[set[int]]:
+    """The experts of each layer whose chunks one step of ``step`` fetched."""
+    state = step.init(params)
+    layout = state.extra["offload"].layout
+    seen: list[set[int]] = [set() for _ in range(layout.num_layers)]
+    fetch = DevicePool._fetch
+
+    def recording(pool: DevicePool, c: int) -> None:
+        chunk = pool.layout.chunks[c]
+        if chunk.expert is not None:
+            seen[chunk.group - 1].add(chunk.expert)
+        fetch(pool, c)
+
+    DevicePool._fetch = recording  # type: ignore[method-assign]
+    try:
+        step(state, batch)
+    finally:
+        DevicePool._fetch = fetch  # type: ignore[method-assign]
+    return seen
+
+
+FAMILIES = {  # name -> (experts, a config with more of them than tokens choose)
+    "mixtral": {"num_local_experts": 8},
+    "qwen3_moe": {"num_experts": 8},
+    "olmoe": {"num_experts": 8},
+}
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FAMILIES)), k=st.integers(1, 2), length=st.integers(2, 4),
+    policy=st.sampled_from(["host", "auto"]), seed=st.integers(0, 20),
+)  # fmt: skip
+def test_offload_fetches_the_routed_experts_and_equals_one_device(name, k, length, policy, seed):
+    cfg, params, module = _model(name, seed, num_experts_per_tok=k, **FAMILIES[name])
+    batches = [_batch(seed + j, rows=1, length=length) for j in range(2)]
+    ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2, weight_decay=0.1))
+    step = cf.offload(ref, policy, "2MiB")
+    _, metrics = ref(ref.init(params), batches[0])
+    routed = [set(torch.nonzero(c).reshape(-1).tolist()) for c in metrics["expert_counts"]]
+    assert _fetched_experts(step, params, batches[0]) == routed
+    assert any(len(r) < cfg.n_experts for r in routed)  # (some expert is left on the host)
+    cf.testing.assert_equivalent(step, ref, params, batches, rtol=1e-9, atol=1e-9)
+
+
+def _steps(how: str, ref: cf.Step, mesh: cf.Mesh | None) -> cf.Step:
+    if how == "dp2_zero1":
+        assert mesh is not None
+        return cf.offload(cf.zero(cf.shard(ref, mesh), 1), "host", "2MiB")
+    if how == "amp_remat":
+        return cf.remat(cf.offload(cf.amp(ref, "fp64"), "host", "2MiB"), "full")
+    return cf.offload(ref, "host", "2MiB")
+
+
+CASES = {  # how -> (family, mesh, what else)
+    "dp2_zero1": ("qwen2_moe", {"dp": 2}, {}),
+    "amp_remat": ("mixtral", None, {}),
+    "frozen_experts": ("olmoe", None, {"trainable": lambda p: "experts" not in p}),
+    "frozen_rest": ("qwen3_moe", None, {"trainable": lambda p: "experts" in p}),
+    "capacity": ("qwen3_moe", None, {"capacity_factor": 0.6}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(CASES))
+def test_routed_offload_composes_and_equals_one_device(how: str) -> None:
+    name, mesh_shape, other = CASES[how]
+    extra = {"num_local_experts" if name == "mixtral" else "num_experts": 8}
+    cfg, params, module = _model(name, 5, **extra)
+    if "capacity_factor" in other:
+        cfg = dataclasses.replace(cfg, capacity_factor=other["capacity_factor"])
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    parts = 2 if mesh_shape else 1
+    batches = [_batch(30 + j, rows=2 * parts, length=3) for j in range(2)]
+    trainable = other.get("trainable")
+    ref = cf.train_step(module.loss(cfg), opt, trainable=trainable)
+    if parts > 1:
+        from test_expert_parallel import _per_part
+
+        want = cf.train_step(_per_part(module.loss(cfg), parts), opt, trainable=trainable)
+    else:
+        want = ref
+
+    def main(mesh: cf.Mesh | None = None) -> Any:
+        step = _steps(how, ref, mesh)
+        assert step.init(params).extra["offload"].routed  # (the experts fetched when routed)
+        return cf.testing.assert_equivalent(step, want, params, batches, rtol=1e-9, atol=1e-9)
+
+    results = launch(main, mesh=mesh_shape) if mesh_shape else [main()]
+    for losses in results:
+        assert len(losses) == 2
+
+
+def test_whole_layers_where_a_rank_holds_no_whole_expert() -> None:
+    cfg, params, module = _model("mixtral", 1)
+    ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2))
+
+    def routed(step: cf.Step) -> list[str]:  # the paths of the leaves fetched when routed to
+        off = step.init(params).extra["offload"]
+        return sorted(off.paths[k] for k in off.routed)
+
+    experts = [f"blocks.mlp.experts.{w}" for w in ("w_down", "w_gate", "w_up")]
+    assert routed(cf.offload(ref, "host", "2MiB")) == experts
+    ep = launch(lambda m: routed(cf.offload(cf.shard(ref, m, expert_axis="ep"), "host", "2MiB")), mesh={"ep": 2})  # fmt: skip
+    zero3 = launch(lambda m: routed(cf.offload(cf.zero(cf.shard(ref, m), 3), "host", "2MiB")), mesh={"dp": 2})  # fmt: skip
+    assert ep == zero3 == [[]] * 2
+    lora = cf.lora(ref, rank=2, targets=("blocks.attn.w*",))  # (experts take no adapters)
+    adapted = cf.offload(lora, "host", "2MiB")
+    assert routed(adapted) == experts
+    batches = [_batch(40 + j, rows=1, length=3) for j in range(2)]
+    cf.testing.assert_equivalent(adapted, lora, params, batches, rtol=1e-9, atol=1e-9)
