@@ -20,7 +20,13 @@ grouped matmul against a loop over experts.
   ratio ep1/ep_n, and the bytes rank 0 sends per step by op (ledger), the ``all_to_all_v`` bytes
   against the closed form from each rank's routed counts (:mod:`colfunc.sharding.rules.moe`).
 
-    python benchmarks/moe.py [--parts step,block,grouped,ep] [--steps 5]
+- ``offload``: a training step under ``cf.offload(..., "host")`` (every chunk homed on the host,
+  each layer streamed in), a layer's experts fetched when routed to (``experts="routed"``)
+  against with the layer (``"layer"``), interleaved, at a few batch sizes: host-to-device bytes
+  and device peak per step (the pool's ledger, ``offload/h2d_bytes`` and
+  ``offload/device_peak_bytes``), the share of experts routed to, and the step time ratio.
+
+    python benchmarks/moe.py [--parts step,block,grouped,ep,offload] [--steps 5]
                              [--shapes mixtral,olmoe,qwen3moe]
 
 ``--shapes``: the experts' proportions for ``step`` and ``block``, each family's at this width
@@ -231,6 +237,46 @@ def ep_part(steps: int) -> None:
               f"{by_op}; all_to_all_v bytes = closed form on every rank: {ok}")  # fmt: skip
 
 
+def offload_part(steps: int, shape: str) -> None:
+    config, sizes, module, _ = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg, params = hf.from_hf(transformers.AutoModelForCausalLM.from_config(config(**sizes)))
+    ref = cf.train_step(module.loss(cfg), optim.adamw(**HYPER))
+    g = torch.Generator().manual_seed(2)
+    for rows, length in ((1, 4), (1, 32), (8, 128)):
+        kinds = ("routed", "layer")
+        runs = {k: cf.offload(ref, "host", "4GiB", experts=k) for k in kinds}
+        states = {k: s.init(params) for k, s in runs.items()}
+        got: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+        share = []
+        for i in range(steps + 1):
+            ids = torch.randint(0, SIZE["vocab_size"], (rows, length), generator=g)
+            batch = {"input_ids": ids, "labels": ids}
+            for k in kinds if i % 2 == 0 else kinds[::-1]:
+                t0 = time.perf_counter()
+                states[k], metrics = runs[k](states[k], batch)
+                t = time.perf_counter() - t0
+                if i > 0:  # (the first step of each is its warm-up)
+                    got[k].append({"time": t, **{m: float(metrics[f"offload/{m}"])
+                                   for m in ("h2d_bytes", "device_peak_bytes")}})  # fmt: skip
+                if k == "routed":
+                    counts = metrics["expert_counts"]
+                    share.append(float((counts > 0).float().mean()))
+
+        def med(k: str, m: str, got: dict[str, list[dict[str, float]]] = got) -> float:
+            return statistics.median(r[m] for r in got[k])
+
+        ratio = [a["time"] / b["time"] for a, b in zip(got["routed"], got["layer"])]
+        print(
+            f"offload ({shape}, {rows}x{length} tokens): experts routed to "
+            f"{statistics.median(share):.0%}; routed/layer h2d "
+            f"{med('routed', 'h2d_bytes') / 2**20:.1f}/{med('layer', 'h2d_bytes') / 2**20:.1f} MiB, "
+            f"device peak {med('routed', 'device_peak_bytes') / 2**20:.1f}/"
+            f"{med('layer', 'device_peak_bytes') / 2**20:.1f} MiB, step time "
+            f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,block,grouped")
@@ -240,8 +286,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     parts = set(args.parts.split(","))
-    if parts - {"step", "block", "grouped", "ep"}:
-        raise SystemExit(f"--parts: {args.parts!r}; expected some of step,block,grouped,ep")
+    if parts - {"step", "block", "grouped", "ep", "offload"}:
+        raise SystemExit(f"--parts: {args.parts!r}; expected some of step,block,grouped,ep,offload")
     shapes = args.shapes.split(",")
     for shape in shapes:
         if shape not in SHAPES:
@@ -253,6 +299,8 @@ def main() -> None:
             block_part(shape=shape)
         if "step" in parts:
             step_part(args.steps, shape)
+        if "offload" in parts:
+            offload_part(args.steps, shape)
     if "ep" in parts:
         ep_part(args.steps)
 

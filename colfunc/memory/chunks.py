@@ -9,8 +9,8 @@ fetched, evicted and updated as whole chunks, and the device never holds half of
 
 A mixture of experts' expert weights (stacked ``[L, E, ...]``, named by ``experts``) are cut
 further, one piece per layer and expert, and each expert's pieces packed in chunks of their own
-(``Chunk.expert``), so that a layer's experts can be fetched one by one, only those its tokens
-are routed to.
+(``Chunk.expert``, as large as the expert's pieces: the chunk size is searched for the rest), so
+that a layer's experts can be fetched one by one, only those its tokens are routed to.
 
 The chunk size is chosen by a search (as Gemini's ``search_chunk_configuration``): among sizes from
 the largest tensor to the largest group, the one that wastes the fewest elements, the smallest of
@@ -177,16 +177,18 @@ def _waste(groups: Sequence[Sequence[int]], size: int) -> int:
     return sum(len(_pack(g, size)) * size - sum(g) for g in groups if g)
 
 
-def search_chunk_size(groups: Sequence[Sequence[int]]) -> int:
+def search_chunk_size(groups: Sequence[Sequence[int]], floor: int = 0) -> int:
     """The chunk size (elements) that wastes least packing each group's tensor sizes in order.
 
-    Candidates run from the largest tensor to the largest group in steps of 256 elements, plus
-    each group's exact size; ties go to the smaller size (finer eviction).
+    Candidates run from the largest tensor (or ``floor``, if larger) to the largest group in
+    steps of 256 elements, plus each group's exact size; ties go to the smaller size (finer
+    eviction).
     """
     sizes = [n for g in groups for n in g]
     if not sizes:
         raise ValueError("offload: the parameters have no tensor to place in chunks")
-    low, high = max(sizes), max(sum(g) for g in groups)
+    low = max(*sizes, floor)
+    high = max(low, *(sum(g) for g in groups))
     candidates = set(range(-(-low // _ALIGN) * _ALIGN, high + 1, _ALIGN))
     candidates |= {low, high} | {sum(g) for g in groups if sum(g) >= low}
     return min(sorted(candidates), key=lambda s: _waste(groups, s))
@@ -211,13 +213,16 @@ def chunk_layout(
     groups, stacked = _groups(params, experts)
     by_dtype: dict[torch.dtype, list[list[int]]] = {}
     for g in groups:
-        for _, part in _parts(g):
+        for expert, part in _parts(g):
+            if expert is not None:  # (an expert's chunks are as large as its pieces: no waste)
+                continue
             for dtype in {t.dtype for *_, t in part}:
                 sizes = [t.numel() for *_, t in part if t.dtype == dtype]
                 by_dtype.setdefault(dtype, []).append(sizes)
-    if chunk_size is None:
-        chunk_size = max(search_chunk_size(gs) for gs in by_dtype.values())
     largest = max(t.numel() for g in groups for *_, t in g) if any(groups) else 0
+    if chunk_size is None:  # (at least an expert's largest piece, which packs apart)
+        searched = [search_chunk_size(gs, largest) for gs in by_dtype.values() if any(gs)]
+        chunk_size = max(searched, default=largest)
     if chunk_size < largest:
         raise ValueError(
             f"offload: chunk size {chunk_size} elements is below the largest tensor "
@@ -238,7 +243,8 @@ def chunk_layout(
                         pieces.append(Piece(k, row, offset, tuple(t.shape), e))
                         offset += t.numel()
                     mine.append(len(chunks))
-                    chunk = Chunk(len(chunks), gi, dtype, chunk_size, tuple(pieces), expert)
+                    size = chunk_size if expert is None else offset  # (an expert's: exact)
+                    chunk = Chunk(len(chunks), gi, dtype, size, tuple(pieces), expert)
                     chunks.append(chunk)
         group_chunks.append(tuple(mine))
     return ChunkLayout(tuple(chunks), tuple(group_chunks), tuple(stacked), chunk_size)

@@ -339,21 +339,19 @@ class DevicePool:
         return self._buffers(self.layout.eager(group))
 
     def require_experts(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
-        """Make ``chunks`` (some experts' of a layer the caller holds, those its tokens are
-        routed to) resident now, making room as :meth:`require` does at the layer's event;
-        returns their device buffers (parameters), mirrors included."""
-        k = self._event
-        keep = {c for g in self.in_use for c in self._chunks(g)} | set(chunks)
-        keep |= self.pinned & set(self.cache)
-        missing = [c for c in self._copied(chunks) if c not in self.cache]
-        self._make_room(keep, self._soon(k), missing, k)
-        for c in missing:
+        """Copies of ``chunks`` (some experts' of the layer in use, those its tokens are routed
+        to) for the moment: fetched now, never cached (the caller copies them out), so their
+        bytes are the interval's non-model memory, which the warm-up's trace records and the
+        capacity of each later event leaves room for. Device-homed ones are their mirrors."""
+        out: dict[int, torch.Tensor] = {}
+        for c in chunks:
+            if c not in self._copied([c]):
+                out[c] = self.mirrors[c].param
+                continue
             self._fetch(c)
-        if k is not None and self.trace is not None:
-            self._accounted = max(
-                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
-            )
-        return self._buffers(chunks)
+            out[c] = self._arrived(c)
+            del self.cache[c]
+        return out
 
     def _buffers(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
         return {c: self._arrived(c) if c in self.cache else self.mirrors[c].param for c in chunks}

@@ -12,6 +12,10 @@ stacked layers (group 0: embeddings, final norm) are fetched once, at the start 
 Under ``amp`` each fetched copy is cast to the compute dtype (device-homed masters too), so the
 device holds compute-dtype weights and the fp32 masters stay where they live.
 
+A mixture of experts' expert weights are chunked one expert at a time and fetched only when a
+layer's tokens are routed to them, inside :func:`colfunc.ops.moe_ffn`
+(:mod:`colfunc.transforms.offload.experts`; ``experts="layer"``: with the layer).
+
 Policies:
 
 ``"device"``
@@ -75,6 +79,6 @@ them back first.
 """
 
 from colfunc.transforms.offload.state import OffloadState
-from colfunc.transforms.offload.transform import POLICIES, OffloadConfig, offload
+from colfunc.transforms.offload.transform import EXPERTS, POLICIES, OffloadConfig, offload
 
-__all__ = ["POLICIES", "OffloadConfig", "OffloadState", "offload"]
+__all__ = ["EXPERTS", "POLICIES", "OffloadConfig", "OffloadState", "offload"]

@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["Experts", "routed_leaves"]
 
 
-def routed_leaves(loss_fn: Any, params: Any, templates: list[Any], gathers: bool) -> frozenset[int]:
-    """The flat indices of the expert weights to fetch when routed to: those the loss names in
-    its ``expert_dims`` (on dim 1, after the layers), each held whole by this rank (not split
-    by a tensor-parallel or expert axis, nor cut by ZeRO-3); none otherwise (a layer's experts
-    then come with it)."""
+def routed_leaves(
+    loss_fn: Any, params: Any, templates: list[Any], gathers: bool, experts: str = "routed"
+) -> frozenset[int]:
+    """The flat indices of the expert weights to fetch when routed to (``experts="routed"``):
+    those the loss names in its ``expert_dims`` (on dim 1, after the layers), each held whole by
+    this rank (not split by a tensor-parallel or expert axis, nor cut by ZeRO-3); none
+    otherwise (a layer's experts then come with it)."""
     dims = dict(getattr(loss_fn, "expert_dims", None) or {})
-    if not dims or gathers:
+    if not dims or gathers or experts != "routed":
         return frozenset()
     paths = [p for p, _ in tree.flatten_with_paths(params)[0]]
     return frozenset(k for k, p in enumerate(paths) if dims.get(p) == 1 and templates[k] is None)
@@ -79,8 +81,13 @@ class Experts:
         """:func:`colfunc.ops.moe_ffn` of the routed experts only: the output and each of the
         ``E`` experts' count of choices."""
         E = weights[0].shape[0]
-        used, topi_c, cap = moe.compact(topi_NK, E, capacity)
-        experts, leaves = used.tolist(), [w.leaf for w in weights]
+        if x_ND.device.type == "meta":  # a dry run routes nowhere: every expert, the most
+            used, topi_c, cap = torch.arange(E, device="meta"), topi_NK, capacity
+            experts = list(range(E))
+        else:
+            used, topi_c, cap = moe.compact(topi_NK, E, capacity)
+            experts = used.tolist()
+        leaves = [w.leaf for w in weights]
         token = self.frame.token
         if token is not None and torch.is_grad_enabled():
             y, counts_c, *_ = _Routed.apply(
@@ -88,7 +95,9 @@ class Experts:
             )
         else:
             wg, wu, wd = self.weights(experts, leaves)
-            y, *_, counts_c = moe._moe_plain(x_ND, topi_c, topw_NK, wg, wu, wd, cap)
+            y, *_, counts_c = torch.ops.colfunc.moe_ffn(x_ND, topi_c, topw_NK, wg, wu, wd, cap)
+        if len(experts) == E:
+            return y, counts_c
         counts = torch.zeros(E, dtype=counts_c.dtype, device=counts_c.device)
         return y, counts.index_copy_(0, used.to(counts.device), counts_c)
 
@@ -101,10 +110,10 @@ class _Routed(torch.autograd.Function):
     def forward(
         layer: Experts, experts: list[int], leaves: list[int], cap: float,
         x: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor, token: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         wg, wu, wd = layer.weights(experts, leaves)
-        y, a, b, o, counts = moe._moe_plain(x, topi, topw, wg, wu, wd, cap)
-        return y, counts, a, b, o  # type: ignore[return-value]
+        y, a, b, o, counts = torch.ops.colfunc.moe_ffn(x, topi, topw, wg, wu, wd, cap)
+        return y, counts, a, b, o
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

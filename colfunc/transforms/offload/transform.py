@@ -44,6 +44,7 @@ PyTree = Any
 
 
 POLICIES = ("device", "host", "static", "auto")
+EXPERTS = ("routed", "layer")
 
 
 def _fraction(name: str, value: float) -> float:
@@ -63,10 +64,16 @@ class OffloadConfig:
     chunk_mb: float | None = None
     offload_params: float | None = None
     offload_optim: float | None = None
+    experts: str = "routed"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"offload: unknown policy {self.policy!r}; use one of {POLICIES}")
+        if self.experts not in EXPERTS:
+            raise ValueError(
+                f"offload: experts must be one of {EXPERTS} (each layer's experts fetched when "
+                f"routed to, or with the layer), got {self.experts!r}"
+            )
         _fraction("margin", self.margin)
         if self.margin and self.policy != "auto":
             raise ValueError(f"offload: margin is for policy='auto', not {self.policy!r}")
@@ -180,7 +187,7 @@ def _build(
         if chunk_size_of is not None:
             itemsize = max(x.element_size() for x in tree.tensors(params))
             size = int(chunk_size_of * 2**20) // itemsize
-        routed = routed_leaves(loss_fn, params, templates, gathers)
+        routed = routed_leaves(loss_fn, params, templates, gathers, cfg.experts)
         layout = chunk_layout(params, size, routed)
         state = OffloadState(cfg, params, layout, compute, step.trainable)
         state.templates = templates
@@ -453,6 +460,7 @@ def offload(
     chunk_mb: float | None = None,
     offload_params: float | None = None,
     offload_optim: float | None = None,
+    experts: str = "routed",
 ) -> Step:
     """Keep ``step``'s model states in chunks that move between device and host memory within
     ``device_budget``; see the module docs for the policies.
@@ -463,7 +471,11 @@ def offload(
     (ColossalAI's ``gpu_margin_mem_ratio``). ``prefetch``: groups fetched ahead of their use.
     ``chunk_mb``: the chunk size (None: searched for the least waste). ``offload_params`` and
     ``offload_optim`` (``"static"``): the fractions of parameters and optimizer states in host
-    memory.
+    memory. ``experts`` (a mixture of experts): ``"routed"`` fetches each layer's experts when
+    its tokens are routed to them, only those (:mod:`colfunc.transforms.offload.experts`);
+    ``"layer"`` fetches them with the rest of the layer (and prefetches them with it: on a GPU
+    that overlaps their copies with the layer before, which pays where every expert is routed
+    to anyway, as in training on large batches).
 
     Example:
         >>> step = cf.offload(cf.train_step(loss, optim.adamw(3e-4)), "auto", "2GiB", margin=0.8)
@@ -478,5 +490,6 @@ def offload(
         chunk_mb=chunk_mb,
         offload_params=offload_params,
         offload_optim=offload_optim,
+        experts=experts,
     )
     return apply_transform(step, "offload", config)
