@@ -219,6 +219,18 @@ def test_bad_configs_are_refused_by_name() -> None:
         hf.from_hf(_hf("qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[1]))
 
 
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 9), e=st.integers(1, 9), k=st.integers(1, 9), seed=st.integers(0, 99))
+def test_renormalized_weights_are_the_softmax_of_the_top_k_logits(n, e, k, seed) -> None:
+    k = min(k, e)
+    g = torch.Generator().manual_seed(seed)
+    x, router = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, 5), (5, e)))
+    r = nn.moe.route(x, router, k, norm_topk_prob=True)
+    top = torch.topk(x @ router, k, dim=-1)  # (top-k, then the softmax: Switch's order)
+    assert torch.equal(r.topi, top.indices)
+    torch.testing.assert_close(r.topw, torch.softmax(top.values, -1), rtol=0, atol=1e-12)
+
+
 # --- the ops -------------------------------------------------------------------------------------
 
 

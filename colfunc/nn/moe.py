@@ -42,7 +42,9 @@ class Routing(NamedTuple):
 
 def route(x_ND: torch.Tensor, router_DE: torch.Tensor, k: int, norm_topk_prob: bool) -> Routing:
     """The router: softmax of ``x @ router`` (in fp32, or fp64 for fp64 inputs), the ``k``
-    largest probabilities per token, renormalized to sum to 1 when ``norm_topk_prob``."""
+    largest probabilities per token, renormalized to sum to 1 when ``norm_topk_prob``. A router
+    that takes the top-k logits first and then their softmax computes these renormalized
+    weights: ``p_i / sum_topk p_j = exp(l_i) / sum_topk exp(l_j)``."""
     E = router_DE.shape[-1]
     logits_NE = linear(x_ND, router_DE)
     dtype = torch.float64 if logits_NE.dtype == torch.float64 else torch.float32
