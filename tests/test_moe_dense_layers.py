@@ -151,9 +151,14 @@ def test_the_engine_gives_generates_greedy_tokens() -> None:
 @pytest.mark.parametrize(
     ("case", "name", "pattern"),
     [
-        ("ep2_tp2", "qwen3_moe", dict(mlp_only_layers=[1])),
+        pytest.param("ep2_tp2", "qwen3_moe", dict(mlp_only_layers=[1]), marks=pytest.mark.slow),
         ("ep2_pp2", "qwen2_moe", dict(mlp_only_layers=[0, 1])),  # a stage of dense layers only
-        ("dp2_ep2_zero3_offload", "qwen2_moe", dict(decoder_sparse_step=2)),
+        pytest.param(
+            "dp2_ep2_zero3_offload",
+            "qwen2_moe",
+            dict(decoder_sparse_step=2),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_expert_parallel_steps_equal_one_device(case: str, name: str, pattern: Any) -> None:
