@@ -91,6 +91,7 @@ def step_part(steps: int, shape: str = "mixtral") -> None:
         m.train()
     g = torch.Generator().manual_seed(1)
     ratios: dict[str, list[float]] = {k: [] for k in theirs}
+    ms: dict[str, list[float]] = {"ours": [], **{k: [] for k in theirs}}
     gap = 0.0
     for i in range(steps + 1):
         ids = torch.randint(0, SIZE["vocab_size"], (8, 128), generator=g)
@@ -109,9 +110,12 @@ def step_part(steps: int, shape: str = "mixtral") -> None:
                 gap = abs(float(metrics["loss"]) - loss.item())
             elif i > 0:
                 ratios[k].append(t / t_ours)
+                ms[k].append(1e3 * t)
+        if i > 0:
+            ms["ours"].append(1e3 * t_ours)
     print(f"step ({shape}): first-step loss gap {gap:.1e}; theirs/ours (median of {steps}): " + ", ".join(
         f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()
-    ))  # fmt: skip
+    ) + " (medians: " + ", ".join(f"{k} {statistics.median(v):.0f} ms" for k, v in ms.items()) + ")")  # fmt: skip
 
 
 def block_part(reps: int = 7, shape: str = "mixtral") -> None:
@@ -147,6 +151,35 @@ def block_part(reps: int = 7, shape: str = "mixtral") -> None:
     print(f"block ({shape}): 1024 tokens, outputs within {gap:.1e}; theirs/ours (median of {reps}): " + ", ".join(
         f"{k} {statistics.median(times[k]) / ours:.2f}" for k in blocks
     ) + f" (ours {1e3 * ours:.1f} ms)")  # fmt: skip
+    with torch.no_grad():
+        r = cf.nn.moe.route(h.reshape(-1, h.shape[-1]), layer["router"], sizes["num_experts_per_tok"], renorm)  # fmt: skip
+    floor = _matmuls_alone(h.shape[-1], layer["experts"]["w_gate"].shape[-1], ops.moe.routed(r.topi, r.probs.numel())[2], reps)  # fmt: skip
+    eager = statistics.median(times["eager"])
+    print(f"block ({shape}): the experts' matmuls alone (forward and backward, one per expert "
+          f"and product) {1e3 * floor:.1f} ms; their loop {1e3 * eager:.1f} ms, ours "
+          f"{1e3 * ours:.1f} ms: beside the matmuls their loop spends {1e3 * (eager - floor):.1f} "
+          f"ms, the most any block could save of it")  # fmt: skip
+
+
+def _matmuls_alone(D: int, Fw: int, sizes: list[int], reps: int) -> float:
+    """The median time of an MoE block's expert matmuls and nothing else: for each expert's
+    rows, the gate, up and down products forward, and their input and weight gradients."""
+    g = torch.Generator().manual_seed(4)
+    per = [
+        (torch.randn(n, D, generator=g), torch.randn(D, Fw, generator=g),
+         torch.randn(n, Fw, generator=g), torch.randn(Fw, D, generator=g),
+         torch.randn(n, D, generator=g))
+        for n in sizes if n
+    ]  # fmt: skip
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for x, w, hf_, wd, dy in per:
+            x @ w, x @ w, hf_ @ wd  # (forward: gate, up, down)
+            dh = dy @ wd.t()  # (backward: the down product's input and weight gradients,
+            hf_.t() @ dy, dh @ w.t(), dh @ w.t(), x.t() @ dh, x.t() @ dh  # the gate's, the up's)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _masked(x: torch.Tensor, topi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,7 @@ def test_lm_eval_through_the_server_equals_its_hf_backend(folder, tmp_path, monk
         assert a["resps"] == b["resps"]
 
 
+@pytest.mark.slow  # (the completions test runs the same harness through the same server)
 def test_lm_eval_chat_generations_through_the_server_equal_its_hf_backend(
     folder, tmp_path, monkeypatch
 ) -> None:

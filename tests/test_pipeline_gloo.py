@@ -128,6 +128,7 @@ def _compare(per_rank: list, schedule: str, v: int, latency: float) -> tuple[lis
     return [statistics.median(m) for m in measured], [statistics.median(s) for s in simulated]
 
 
+@pytest.mark.slow  # (timed runs of each schedule; the simulator's bubbles are tested exactly)
 def test_measured_bubble_matches_the_simulator_on_gloo() -> None:
     per_rank = cf.launch(_measure, mesh={"pp": 2}, backend="gloo", timeout=240)
     latency = max(r["latency"] for r in per_rank)

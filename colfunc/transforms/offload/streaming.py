@@ -258,10 +258,11 @@ class Streaming:
             group, backward = 1 + i, torch_private.in_backward()
             bufs = self.require(group, backward)
             views = self.views(group, bufs)
-            experts = Experts(self, group)  # (the routed ones fetched when the model runs them)
+            # (the experts fetched when routed to: stand-ins the model's moe_ffn runs them by)
+            experts = Experts(self, group) if state.routed else None
             rows: list[Any] = [
                 experts.stand_in(k, self.leaves[k][i])
-                if k in state.routed
+                if experts is not None and k in state.routed
                 else self.wrap(k, views[(k, i)], True)
                 for k in state.block_leaves
             ]
