@@ -6,7 +6,8 @@
 - Offloaded training of tiny mixtures (drawn family, experts per token, tokens, policy): each
   step fetches exactly the experts its tokens are routed to (the chunks fetched, against the
   one-device step's ``expert_counts``), and the steps equal one device (fp64 AdamW, 1e-9); with
-  data parallelism and ZeRO-1, amp and remat, frozen experts, a capacity factor.
+  data parallelism and ZeRO-1, amp and remat, frozen experts, a capacity factor, and experts'
+  chunks homed on the device ("static", "auto" with a margin).
 - Where a rank does not hold whole expert weights (expert or tensor parallelism, ZeRO-3), a
   layer's experts come with it (the other tests' offload cases check those compositions equal
   one device); LoRA adapters on the attention leave the experts routed, and equal one device.
@@ -118,6 +119,10 @@ def _steps(how: str, ref: cf.Step, mesh: cf.Mesh | None) -> cf.Step:
         return cf.offload(cf.zero(cf.shard(ref, mesh), 1), "host", "2MiB")
     if how == "amp_remat":
         return cf.remat(cf.offload(cf.amp(ref, "fp64"), "host", "2MiB"), "full")
+    if how == "static_homed":  # (some expert chunks homed on the device: their mirrors serve)
+        return cf.offload(ref, "static", "2MiB", offload_params=0.3, offload_optim=0.5)
+    if how == "auto_margin":
+        return cf.offload(ref, "auto", "2MiB", margin=0.6)
     return cf.offload(ref, "host", "2MiB")
 
 
@@ -127,6 +132,8 @@ CASES = {  # how -> (family, mesh, what else)
     "frozen_experts": ("olmoe", None, {"trainable": lambda p: "experts" not in p}),
     "frozen_rest": ("qwen3_moe", None, {"trainable": lambda p: "experts" in p}),
     "capacity": ("qwen3_moe", None, {"capacity_factor": 0.6}),
+    "static_homed": ("mixtral", None, {}),
+    "auto_margin": ("olmoe", None, {}),
 }
 
 
@@ -151,7 +158,13 @@ def test_routed_offload_composes_and_equals_one_device(how: str) -> None:
 
     def main(mesh: cf.Mesh | None = None) -> Any:
         step = _steps(how, ref, mesh)
-        assert step.init(params).extra["offload"].routed  # (the experts fetched when routed)
+        state = step.init(params)
+        assert state.extra["offload"].routed  # (the experts fetched when routed)
+        if how in ("static_homed", "auto_margin"):  # some experts' chunks live on the device
+            for b in batches:
+                state, _ = step(state, b)
+            off = state.extra["offload"]
+            assert any(off.layout.chunks[c].expert is not None for c in off.pool.mirrors)
         return cf.testing.assert_equivalent(step, want, params, batches, rtol=1e-9, atol=1e-9)
 
     results = launch(main, mesh=mesh_shape) if mesh_shape else [main()]
