@@ -347,12 +347,12 @@ def experts_backward(
     """:func:`experts_forward`'s backward, written out: from the rows' output gradients
     ``do`` (and the gate and up products it kept), the rows' input gradients and each expert's
     weight gradients."""
-    sig = torch.sigmoid(a_MF)
-    s_MF = a_MF * sig
+    s_MF = F.silu(a_MF)
     h_MF = s_MF * b_MF
     dh_MF = _grouped(do_MD, w_down_EFD.transpose(1, 2), sizes)
     db_MF = dh_MF * s_MF
-    da_MF = dh_MF * b_MF * sig * (1 + a_MF * (1 - sig))
+    # silu's derivative sig * (1 + a * (1 - sig)) applied by its own fused kernel
+    da_MF = torch.ops.aten.silu_backward(dh_MF * b_MF, a_MF)
     dx_MD = _grouped(da_MF, w_gate_EDF.transpose(1, 2), sizes) + _grouped(
         db_MF, w_up_EDF.transpose(1, 2), sizes
     )
