@@ -17,7 +17,6 @@ except :func:`hf_config`.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -194,10 +193,13 @@ def _from_state_dict(cfg: Any, state: dict[str, torch.Tensor]) -> Params:
             continue
         for p, x in zip(e.paths, pieces(e.key, e)):
             flat[p] = _home(p, x)
+
+    def piece(e: HFWeight, k: int) -> Callable[[str], torch.Tensor]:  # (entry e's k-th path)
+        return lambda key: pieces(key, e)[k]
+
     for e in layer:
         for k, p in enumerate(e.paths):
-            piece = functools.partial(lambda key, e, k: pieces(key, e)[k], e=e, k=k)
-            flat[p] = _stacked(e, shapes[p], cfg.n_layer, piece)
+            flat[p] = _stacked(e, shapes[p], cfg.n_layer, piece(e, k))
     for p, shape in shapes.items():
         if tuple(flat[p].shape) != shape:
             raise ValueError(f"from_hf: {p} has shape {tuple(flat[p].shape)}, expected {shape}")

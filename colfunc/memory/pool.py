@@ -107,7 +107,6 @@ class DevicePool:
         self._recording: Trace | None = None
         self._uses: list[dict[int, int]] = []
         self._cursor = 0
-        self._event: int | None = None  # the trace position of the latest require
         self._meter: Any = None
         self._leaves: list[torch.Tensor] = []
         self.h2d = self.d2h = 0
@@ -324,41 +323,8 @@ class DevicePool:
         k = self._position(group, backward)
         if self._recording is not None:
             self._recording.events.append(Event(group, backward))
-        self._event = k
         keep, soon = self._protected(group), self._soon(k)
         missing = [c for c in self._chunks(group) if c not in self.cache]
-        self._make_room(keep, soon, missing, k)
-        for c in missing:
-            self._fetch(c)
-        if k is not None and self.trace is not None:
-            self._prefetch(k)
-            self._accounted = max(
-                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
-            )
-        self.in_use[group] = self.in_use.get(group, 0) + 1
-        return self._buffers(self.layout.eager(group))
-
-    def require_experts(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
-        """Copies of ``chunks`` (some experts' of the layer in use, those its tokens are routed
-        to) for the moment: fetched now, never cached (the caller copies them out), so their
-        bytes are the interval's non-model memory, which the warm-up's trace records and the
-        capacity of each later event leaves room for. Device-homed ones are their mirrors."""
-        out: dict[int, torch.Tensor] = {}
-        for c in chunks:
-            if c not in self._copied([c]):
-                out[c] = self.mirrors[c].param
-                continue
-            self._fetch(c)
-            out[c] = self._arrived(c)
-            del self.cache[c]
-        return out
-
-    def _buffers(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
-        return {c: self._arrived(c) if c in self.cache else self.mirrors[c].param for c in chunks}
-
-    def _make_room(self, keep: set[int], soon: set[int], missing: list[int], k: int | None) -> None:
-        """Evict cached copies so that ``missing`` fits: streaming, all but ``keep`` and
-        ``soon``; then, while over the capacity at event ``k``, those used farthest ahead."""
         need = sum(self.copy_bytes(c) for c in missing)
         uses = self._uses[k] if k is not None else {}
 
@@ -380,6 +346,34 @@ class DevicePool:
             if self.cached_bytes + need <= capacity:
                 break
             del self.cache[c]
+        for c in missing:
+            self._fetch(c)
+        if k is not None and self.trace is not None:
+            self._prefetch(k)
+            self._accounted = max(
+                self._accounted, self.cached_bytes + self.trace.events[k].nonmodel
+            )
+        self.in_use[group] = self.in_use.get(group, 0) + 1
+        return {
+            c: self._arrived(c) if c in self.cache else self.mirrors[c].param
+            for c in self.layout.eager(group)
+        }
+
+    def require_experts(self, chunks: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Copies of ``chunks`` (some experts' of the layer in use, those its tokens are routed
+        to) for the moment: fetched now, never cached (the caller copies them out), so their
+        bytes are the interval's non-model memory, which the warm-up's trace records and the
+        capacity of each later event leaves room for. Device-homed ones are their mirrors."""
+        copied = set(self._copied(chunks))
+        out: dict[int, torch.Tensor] = {}
+        for c in chunks:
+            if c not in copied:
+                out[c] = self.mirrors[c].param
+                continue
+            self._fetch(c)
+            out[c] = self._arrived(c)
+            del self.cache[c]
+        return out
 
     def _prefetch(self, k: int) -> None:
         assert self.trace is not None

@@ -138,12 +138,12 @@ class _Routed(torch.autograd.Function):
             dx, dtopw, *dws = torch.ops.colfunc.moe_ffn_backward(
                 dy, x, topi, topw, *ws, a, b, o, ctx.cap
             )
-            at = {k: (i, dws[i]) for i, k in enumerate(ctx.leaves)}
+            at = dict(zip(ctx.leaves, dws, strict=True))
             position = {e: j for j, e in enumerate(ctx.experts)}
             for c in trained:
                 pieces = state.layout.chunks[c].pieces
                 grads = tuple(  # (an expert chunk's pieces all have their expert)
-                    at[p.leaf][1][position[p.expert]]
+                    at[p.leaf][position[p.expert]]
                     if p.leaf in at and state.trains[p.leaf]
                     else None
                     for p in pieces
