@@ -7,7 +7,8 @@ grouped matmul against a loop over experts.
   forward and backward and ``torch.optim.AdamW(fused=True)``, interleaved; the median over steps
   of theirs/ours (goal: at least 2). ``transformers`` runs its default experts implementation
   (``grouped_mm`` where it takes the inputs) and, on a second model, its loop over experts
-  (``experts_implementation="eager"``).
+  (``experts_implementation="eager"``). Both run under the host allocator setting that
+  ``Step.init`` makes for the process (``COLFUNC_MALLOC``; see ``docs/cli.md``).
 - ``block``: the sparse MLP alone, forward and backward, on the same weights and 1024 tokens:
   ``colfunc.nn.sparse_mlp`` against ``transformers``' ``MixtralSparseMoeBlock`` (its default
   experts and its loop), the median ratio theirs/ours (goal: at least 2 against the loop).

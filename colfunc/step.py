@@ -51,6 +51,7 @@ import torch
 from colfunc import core, random, tree
 from colfunc.optim.base import GradientTransformation, apply_updates
 from colfunc.optim.clip import global_norm, known_norm
+from colfunc.sharding import host_malloc
 
 if TYPE_CHECKING:
     from colfunc.transforms.composition import Composition
@@ -344,6 +345,10 @@ class Step:
         placed = self.layout(params)
         if abstract:
             placed = random.materialize(placed)
+        if host_malloc.wanted() and any(x.device.type == "cpu" for x in tree.tensors(placed)):
+            # a step on host memory frees and allocates its activations and gradients anew
+            # each time: keep the freed memory for the next step (COLFUNC_MALLOC=system: not)
+            host_malloc.keep_freed_memory()
         if self.donate and not abstract:
             placed = _owned(placed, params)
         described = random.as_meta(params) if abstract else params

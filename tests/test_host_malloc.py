@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,3 +94,51 @@ def test_a_bad_setting_is_refused_before_any_rank_starts(monkeypatch) -> None:
     monkeypatch.setenv("COLFUNC_MALLOC", "jemalloc")
     with pytest.raises(ValueError, match="COLFUNC_MALLOC='jemalloc'; expected one of keep, system"):
         cf.launch(_probe, mesh={"dp": 1}, backend="gloo", timeout=60)
+
+
+# a fresh process: the setting is the process's, and this one may hold it already
+_STEP_PROBE = f"""
+import ctypes
+import torch
+import colfunc as cf
+from colfunc.models import gpt
+from colfunc.sharding import host_malloc
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks "
+                                               "fsmblks uordblks fordblks keepcost").split()]
+
+libc = host_malloc._glibc()
+libc.mallinfo2.restype = MallInfo2
+cfg = gpt.Config.tiny()
+step = cf.train_step(gpt.loss(cfg), cf.optim.sgd(0.1))
+step.init(gpt.init(cfg, seed=0))
+before = libc.mallinfo2().hblkhd
+big = torch.ones({BIG})
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+def _mapped_after_init(monkeypatch, setting: str) -> int:
+    monkeypatch.setenv("COLFUNC_MALLOC", setting)
+    out = subprocess.run(
+        [sys.executable, "-c", _STEP_PROBE],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    return int(out.stdout.split()[-1])
+
+
+def test_a_host_step_keeps_freed_memory_from_its_init(monkeypatch) -> None:
+    # Step.init of a step with parameters in host memory sets what the gloo ranks set
+    kept = _mapped_after_init(monkeypatch, "keep")
+    system = _mapped_after_init(monkeypatch, "system")
+    assert system >= BIG * 4 and kept == 0, (system, kept)
+
+
+def test_a_bad_setting_is_refused_by_step_init(monkeypatch) -> None:
+    from colfunc.models import gpt
+
+    monkeypatch.setenv("COLFUNC_MALLOC", "tcmalloc")
+    step = cf.train_step(gpt.loss(gpt.Config.tiny()), cf.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="COLFUNC_MALLOC='tcmalloc'; expected one of keep, system"):
+        step.init(gpt.init(gpt.Config.tiny(), seed=0))
