@@ -27,6 +27,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_moe import _batch, _fp64, _hf
 
 import colfunc as cf
 from colfunc import hf, models, ops, optim, tree
@@ -208,14 +209,6 @@ def test_split_experts_need_an_axis_that_divides_them() -> None:
 # --- training steps ---------------------------------------------------------------------------
 
 
-def _family(name: str) -> tuple[Any, Any, Any]:
-    from test_moe import _hf
-
-    model = _hf(name, seed=3, output_router_logits=True, router_aux_loss_coef=0.02)
-    cfg, params = hf.from_hf(model)
-    return cfg, tree.map(lambda x: x.double(), params), models.of_config(cfg).module
-
-
 def _per_part(loss: Any, parts: int) -> Any:
     """The loss as the mean of the batch's ``parts`` row blocks' (each rank's tokens, with its
     own load-balancing term), as data and expert parallelism over that many ranks compute it."""
@@ -252,8 +245,6 @@ CASES = {  # name -> (family, mesh, how, backend)
 
 
 def _step_main(case: str, cfg: Any, params: Any, mesh: cf.Mesh) -> list[tuple[float, float]]:
-    from test_moe import _batch
-
     _, mesh_shape, how, _ = CASES[case]
     module = models.of_config(cfg).module
     micro = 2 if how.startswith("pp") else 1  # (each microbatch its own load-balancing term)
@@ -282,7 +273,7 @@ def _step_main(case: str, cfg: Any, params: Any, mesh: cf.Mesh) -> list[tuple[fl
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_expert_parallel_steps_equal_one_device(case: str) -> None:
     name, mesh_shape, _, backend = CASES[case]
-    cfg, params, _ = _family(name)  # (made once: the rank threads share torch's generator)
+    cfg, params, _ = _fp64(name)  # (made once: the rank threads share torch's generator)
     main = functools.partial(_step_main, case, cfg, params)
     for losses in launch(main, mesh=mesh_shape, backend=backend):
         assert len(losses) == 2
@@ -292,8 +283,6 @@ def test_lora_adapters_train_under_expert_parallelism() -> None:
     """LoRA adapters on the attention and the shared expert, the experts frozen in their split:
     dp2 x ep2 x tp2 equals one device (no load-balancing term, so the mean over the ranks is the
     whole batch's loss)."""
-    from test_moe import _batch, _hf
-
     cfg, params = hf.from_hf(_hf("qwen2_moe", seed=3))
     assert cfg.router_aux_loss_coef == 0
     params = tree.map(lambda x: x.double(), params)
@@ -320,9 +309,7 @@ def _counts_main(cfg: Any, params: Any, batch: Any, mesh: cf.Mesh) -> torch.Tens
 def test_the_steps_metrics_count_each_experts_tokens_per_layer() -> None:
     """``metrics["expert_counts"]`` ``[layers, experts]``: every rank's tokens' choices summed
     over the data-parallel and expert ranks: the one-device step's counts, exactly."""
-    from test_moe import _batch
-
-    cfg, params, module = _family("qwen3_moe")
+    cfg, params, module = _fp64("qwen3_moe")
     batch = _batch(5, rows=8, length=6)
     step = cf.train_step(module.loss(cfg), optim.sgd(0.1))
     want = step(step.init(params), batch)[1]["expert_counts"]
@@ -337,7 +324,7 @@ def test_the_steps_metrics_count_each_experts_tokens_per_layer() -> None:
 
 
 def test_bad_expert_axes_are_refused_by_name() -> None:
-    cfg, params, module = _family("mixtral")  # 4 experts
+    cfg, params, module = _fp64("mixtral")  # 4 experts
     step = cf.train_step(module.loss(cfg), optim.sgd(0.1))
     small = models.llama.Config(vocab_size=32, n_layer=1, n_head=2, n_kv_heads=2, d_model=48)
     dense = cf.train_step(models.llama.loss(small), optim.sgd(0.1))

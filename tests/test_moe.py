@@ -64,6 +64,13 @@ def _hf(name: str, seed: int = 0, **extra: Any) -> Any:
     return model.eval()
 
 
+def _fp64(name: str, seed: int = 3, **extra: Any) -> tuple[Any, Any, Any]:
+    """(config, fp64 params, module) of a random ``name`` whose loss has the load-balancing term."""
+    model = _hf(name, seed, output_router_logits=True, router_aux_loss_coef=0.02, **extra)
+    cfg, params = hf.from_hf(model)
+    return cfg, tree.map(lambda x: x.double(), params), models.of_config(cfg).module
+
+
 def _batch(seed: int, rows: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, SIZES["vocab_size"], (rows, length), generator=g)
@@ -142,10 +149,7 @@ def _per_half(loss: Any) -> Any:
 @pytest.mark.parametrize("how", sorted(MESHES))
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_transforms_equal_one_device(name: str, how: str) -> None:
-    model = _hf(name, seed=3, output_router_logits=True, router_aux_loss_coef=0.02)
-    cfg, params = hf.from_hf(model)
-    params = tree.map(lambda x: x.double(), params)
-    module = models.of_config(cfg).module
+    cfg, params, module = _fp64(name)
     batches = [_batch(10 + k, rows=4, length=8) for k in range(2)]
     opt = optim.adamw(1e-2, weight_decay=0.1)
     ref = cf.train_step(module.loss(cfg), opt)

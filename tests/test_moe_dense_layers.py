@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_expert_parallel import _step_main
-from test_moe import _batch, _hf
+from test_moe import _batch, _fp64, _hf
 
 import colfunc as cf
 from colfunc import hf, models, optim, tree
@@ -164,11 +164,8 @@ def test_the_engine_gives_generates_greedy_tokens() -> None:
 def test_expert_parallel_steps_equal_one_device(case: str, name: str, pattern: Any) -> None:
     from test_expert_parallel import CASES
 
-    model = _hf(name, seed=3, output_router_logits=True, router_aux_loss_coef=0.02,
-                num_hidden_layers=4, **pattern)  # fmt: skip
-    cfg, params = hf.from_hf(model)
+    cfg, params, _ = _fp64(name, num_hidden_layers=4, **pattern)
     assert cfg.dense_layers
-    params = tree.map(lambda x: x.double(), params)
     main = functools.partial(_step_main, case, cfg, params)
     _, mesh, _, backend = CASES[case]
     for losses in launch(main, mesh=mesh, backend=backend):

@@ -22,10 +22,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_moe import _batch, _hf
+from test_moe import _batch, _fp64
 
 import colfunc as cf
-from colfunc import hf, models, ops, optim, tree
+from colfunc import models, ops, optim
 from colfunc.memory.pool import DevicePool
 from colfunc.ops import moe
 from colfunc.sharding import launch
@@ -62,12 +62,6 @@ def test_routed_stand_ins_come_as_the_three_of_one_layer() -> None:
         ops.moe_ffn(x, topi, topw, w, torch.randn(2, 4, 3), torch.randn(2, 3, 4))
 
 
-def _model(name: str, seed: int, **extra: Any) -> tuple[Any, Any, Any]:
-    model = _hf(name, seed, output_router_logits=True, router_aux_loss_coef=0.02, **extra)
-    cfg, params = hf.from_hf(model)
-    return cfg, tree.map(lambda x: x.double(), params), models.of_config(cfg).module
-
-
 def _fetched_experts(step: cf.Step, params: Any, batch: Any) -> list[set[int]]:
     """The experts of each layer whose chunks one step of ``step`` fetched."""
     state = step.init(params)
@@ -102,7 +96,7 @@ FAMILIES = {  # name -> (experts, a config with more of them than tokens choose)
     policy=st.sampled_from(["host", "auto"]), seed=st.integers(0, 20),
 )  # fmt: skip
 def test_offload_fetches_the_routed_experts_and_equals_one_device(name, k, length, policy, seed):
-    cfg, params, module = _model(name, seed, num_experts_per_tok=k, **FAMILIES[name])
+    cfg, params, module = _fp64(name, seed, num_experts_per_tok=k, **FAMILIES[name])
     batches = [_batch(seed + j, rows=1, length=length) for j in range(2)]
     ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2, weight_decay=0.1))
     step = cf.offload(ref, policy, "2MiB")
@@ -141,7 +135,7 @@ CASES = {  # how -> (family, mesh, what else)
 def test_routed_offload_composes_and_equals_one_device(how: str) -> None:
     name, mesh_shape, other = CASES[how]
     extra = {"num_local_experts" if name == "mixtral" else "num_experts": 8}
-    cfg, params, module = _model(name, 5, **extra)
+    cfg, params, module = _fp64(name, 5, **extra)
     if "capacity_factor" in other:
         cfg = dataclasses.replace(cfg, capacity_factor=other["capacity_factor"])
     opt = optim.adamw(1e-2, weight_decay=0.1)
@@ -173,7 +167,7 @@ def test_routed_offload_composes_and_equals_one_device(how: str) -> None:
 
 
 def test_whole_layers_where_a_rank_holds_no_whole_expert() -> None:
-    cfg, params, module = _model("mixtral", 1)
+    cfg, params, module = _fp64("mixtral", 1)
     ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2))
 
     def routed(step: cf.Step) -> list[str]:  # the paths of the leaves fetched when routed to

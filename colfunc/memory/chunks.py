@@ -20,6 +20,7 @@ those on a tie, unless the caller fixes it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,12 +96,20 @@ class ChunkLayout:
 
     def expert_chunks(self, group: int) -> dict[int, tuple[int, ...]]:
         """The chunks of each expert of layer group ``group`` (empty: none cut per expert)."""
-        out: dict[int, list[int]] = {}
-        for c in self.groups[group]:
-            e = self.chunks[c].expert
-            if e is not None:
-                out.setdefault(e, []).append(c)
-        return {e: tuple(cs) for e, cs in out.items()}
+        return self._expert_chunks[group]
+
+    @functools.cached_property
+    def _expert_chunks(self) -> tuple[dict[int, tuple[int, ...]], ...]:
+        # (read on every layer call of a routed step: worked out once per layout)
+        per_group = []
+        for cs in self.groups:
+            out: dict[int, list[int]] = {}
+            for c in cs:
+                e = self.chunks[c].expert
+                if e is not None:
+                    out.setdefault(e, []).append(c)
+            per_group.append({e: tuple(v) for e, v in out.items()})
+        return tuple(per_group)
 
     def group_bytes(self, group: int) -> int:
         return sum(self.chunks[c].nbytes for c in self.groups[group])
