@@ -8,14 +8,19 @@
   one-device step's ``expert_counts``), and the steps equal one device (fp64 AdamW, 1e-9); with
   data parallelism and ZeRO-1, amp and remat, frozen experts, a capacity factor, and experts'
   chunks homed on the device ("static", "auto" with a margin).
-- Where a rank does not hold whole expert weights (expert or tensor parallelism, ZeRO-3), a
-  layer's experts come with it (the other tests' offload cases check those compositions equal
-  one device); LoRA adapters on the attention leave the experts routed, and equal one device.
+- Under expert parallelism (ep2, ep4, ep2 on gloo, dp2 x ep2 with ZeRO-1, ep2 with amp and
+  remat) each rank fetches
+  exactly its experts that rows arrive for (over the ranks: the one-device step's routed
+  experts), and the steps equal one device.
+- Where a rank does not hold whole expert weights (tensor parallelism, ZeRO-3), a layer's
+  experts come with it (the other tests' offload cases check those compositions equal one
+  device); LoRA adapters on the attention leave the experts routed, and equal one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -65,21 +70,18 @@ def test_routed_stand_ins_come_as_the_three_of_one_layer() -> None:
 def _fetched_experts(step: cf.Step, params: Any, batch: Any) -> list[set[int]]:
     """The experts of each layer whose chunks one step of ``step`` fetched."""
     state = step.init(params)
-    layout = state.extra["offload"].layout
-    seen: list[set[int]] = [set() for _ in range(layout.num_layers)]
-    fetch = DevicePool._fetch
+    pool: DevicePool = state.extra["offload"].pool
+    seen: list[set[int]] = [set() for _ in range(pool.layout.num_layers)]
+    fetch = pool._fetch
 
-    def recording(pool: DevicePool, c: int) -> None:
+    def recording(c: int) -> None:  # (this pool's: rank threads have their own)
         chunk = pool.layout.chunks[c]
         if chunk.expert is not None:
             seen[chunk.group - 1].add(chunk.expert)
-        fetch(pool, c)
+        fetch(c)
 
-    DevicePool._fetch = recording  # type: ignore[method-assign]
-    try:
-        step(state, batch)
-    finally:
-        DevicePool._fetch = fetch  # type: ignore[method-assign]
+    pool._fetch = recording  # type: ignore[method-assign]
+    step(state, batch)
     return seen
 
 
@@ -166,6 +168,54 @@ def test_routed_offload_composes_and_equals_one_device(how: str) -> None:
         assert len(losses) == 2
 
 
+EP_CASES = {  # how -> (family, mesh, backend)
+    "ep2": ("mixtral", {"ep": 2}, "threads"),
+    "ep4": ("olmoe", {"ep": 4}, "threads"),
+    "dp2_ep2_zero1": ("qwen2_moe", {"dp": 2, "ep": 2}, "threads"),
+    "ep2_gloo": ("qwen3_moe", {"ep": 2}, "gloo"),
+    "ep2_amp_remat": ("olmoe", {"ep": 2}, "threads"),
+}
+
+
+def _ep_main(how: str, cfg: Any, params: Any, mesh: cf.Mesh) -> Any:
+    from test_expert_parallel import _per_part
+
+    mesh_shape = EP_CASES[how][1]
+    parts = mesh_shape.get("dp", 1) * mesh_shape["ep"]
+    batches = [_batch(60 + j, rows=parts, length=2) for j in range(2)]
+    module = models.of_config(cfg).module
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    step = cf.train_step(module.loss(cfg), opt)
+    step = cf.shard(cf.amp(step, "fp64") if "amp" in how else step, mesh, expert_axis="ep")
+    step = cf.offload(cf.zero(step, 1) if "dp" in mesh_shape else step, "host", "2MiB")
+    step = cf.remat(step, "full") if "remat" in how else step
+    assert step.init(params).extra["offload"].routed
+    seen = _fetched_experts(step, params, batches[0])
+    first = mesh.axis_index("ep") * (cfg.n_experts // mesh.axis_size("ep"))
+    want = cf.train_step(_per_part(module.loss(cfg), parts), opt)
+    losses = cf.testing.assert_equivalent(step, want, params, batches, rtol=1e-9, atol=1e-9)
+    return [{first + e for e in s} for s in seen], losses
+
+
+@pytest.mark.parametrize("how", sorted(EP_CASES))
+def test_under_expert_parallelism_each_rank_fetches_its_routed_experts(how: str) -> None:
+    """Each rank fetches exactly those of its experts that some token of its expert group is
+    routed to (over the ranks: the experts the one-device step's tokens are routed to), and
+    the steps equal one device."""
+    name, mesh_shape, backend = EP_CASES[how]
+    cfg, params, module = _fp64(name, 7, num_experts_per_tok=1, **FAMILIES.get(name, {"num_experts": 8}))  # fmt: skip
+    parts = mesh_shape.get("dp", 1) * mesh_shape["ep"]
+    ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2))
+    _, metrics = ref(ref.init(params), _batch(60, rows=parts, length=2))  # (as _ep_main's first)
+    routed = [set(torch.nonzero(c).reshape(-1).tolist()) for c in metrics["expert_counts"]]
+    assert any(len(r) < cfg.n_experts for r in routed)  # (some expert is left on the host)
+    main = functools.partial(_ep_main, how, cfg, params)
+    results = launch(main, mesh=mesh_shape, backend=backend)
+    fetched = [set().union(*(r[0][i] for r in results)) for i in range(len(routed))]
+    assert fetched == routed
+    assert all(len(r[1]) == 2 for r in results)
+
+
 def test_whole_layers_where_a_rank_holds_no_whole_expert() -> None:
     cfg, params, module = _fp64("mixtral", 1)
     ref = cf.train_step(module.loss(cfg), optim.adamw(1e-2))
@@ -182,8 +232,11 @@ def test_whole_layers_where_a_rank_holds_no_whole_expert() -> None:
     ):
         cf.offload(ref, "host", "2MiB", experts="all")
     ep = launch(lambda m: routed(cf.offload(cf.shard(ref, m, expert_axis="ep"), "host", "2MiB")), mesh={"ep": 2})  # fmt: skip
+    assert ep == [experts] * 2  # (each rank's experts whole: routed)
+    plan = models.mixtral.tp_plan
+    ep_tp = launch(lambda m: routed(cf.offload(cf.shard(ref, m, plan=plan, expert_axis="ep"), "host", "2MiB")), mesh={"ep": 2, "tp": 2})  # fmt: skip
     zero3 = launch(lambda m: routed(cf.offload(cf.zero(cf.shard(ref, m), 3), "host", "2MiB")), mesh={"dp": 2})  # fmt: skip
-    assert ep == zero3 == [[]] * 2
+    assert ep_tp == [[]] * 4 and zero3 == [[]] * 2
     lora = cf.lora(ref, rank=2, targets=("blocks.attn.w*",))  # (experts take no adapters)
     adapted = cf.offload(lora, "host", "2MiB")
     assert routed(adapted) == experts

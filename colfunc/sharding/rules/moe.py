@@ -105,11 +105,15 @@ def moe_ffn_backward(
 # --- expert parallelism, on this rank's local tensors -------------------------------------------
 
 
-class _Exchange:
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an MoE layer's gate, up and down
+
+
+class Exchange:
     """One MoE layer's traffic over the expert axes: this rank's chosen rows (sorted by expert,
     so each rank's share is contiguous) go out in ``send`` sizes; ``recv`` rows arrive, from
     each source sorted by expert, and ``order`` sorts them by local expert (sources in order
-    within one), ``sizes`` rows each."""
+    within one), ``sizes`` rows each. Built from this rank's ``counts_E`` (of every expert on
+    the axes), which it exchanges first."""
 
     def __init__(self, counts_E: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> None:
         n = mesh.axis_size(axes)
@@ -118,7 +122,7 @@ class _Exchange:
         self.send = counts_E.view(n, L).sum(1).tolist()
         got_nL = comm.all_to_all(counts_E, axes, 0, 0, mesh).view(n, L)  # counts exchanged first
         self.recv = got_nL.sum(1).tolist()
-        self.sizes = got_nL.sum(0).tolist()
+        self.sizes: list[int] = got_nL.sum(0).tolist()
         expert = torch.arange(L, device=counts_E.device).repeat(n)
         self.order = torch.argsort(expert.repeat_interleave(got_nL.reshape(-1)), stable=True)
 
@@ -133,15 +137,53 @@ class _Exchange:
         return comm.all_to_all_v(unsorted, self.axes, self.recv, self.send, self.mesh)
 
 
+def exchanged_forward(
+    ex: Exchange, x: torch.Tensor, topw: torch.Tensor, picks: torch.Tensor,
+    tokens: torch.Tensor, ws: Weights, sizes: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The layer's output ``[N, D]`` and its chosen rows' expert outputs ``[M, D]`` (sorted by
+    expert), the rows run by the local experts ``ws`` (gate, up, down), ``sizes`` rows each, in
+    the order of ``ex.sizes`` (experts that receive no row may be left out of both)."""
+    x_M = ex.out(x.index_select(0, tokens))
+    if ws[0].shape[0]:
+        o_R = ops_moe.experts_forward(x_M, ws[0], ws[1], ws[2], sizes)[2]
+    else:  # (no row came: the exchange back still runs, on every rank)
+        o_R = x_M.new_zeros(0, x.shape[1])
+    o_M = ex.back(o_R)
+    return ops_moe.weighted_sum(o_M, x, topw, picks, tokens), o_M
+
+
+def exchanged_backward(
+    ex: Exchange, dy: torch.Tensor, x: torch.Tensor, topw: torch.Tensor, picks: torch.Tensor,
+    tokens: torch.Tensor, o_M: torch.Tensor, ws: Weights, sizes: list[int],
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The backward pass of :func:`exchanged_forward`: the gradients of ``x``, ``topw`` and the
+    local experts ``ws``, the rows' input and output gradients sent out together and the gate
+    and up products recomputed where the experts live."""
+    dg_M, do_M = ops_moe.output_grads(dy, topw, picks, tokens, o_M)
+    x_M = x.index_select(0, tokens)
+    if x_M.dtype == do_M.dtype:  # both in one exchange
+        x_R, do_R = ex.out(torch.cat([x_M, do_M], 1)).split([x.shape[1], do_M.shape[1]], 1)
+    else:
+        x_R, do_R = ex.out(x_M), ex.out(do_M)
+    if ws[0].shape[0]:
+        wg, wu, wd = ws
+        a_R = ops_moe._grouped(x_R, wg, sizes)
+        b_R = ops_moe._grouped(x_R, wu, sizes)
+        dx_R, *dws = ops_moe.experts_backward(x_R, do_R, wg, wu, wd, sizes, a_R, b_R)
+    else:
+        dx_R, dws = x_R.new_zeros(0, x.shape[1]), [torch.zeros_like(w) for w in ws]
+    dx, dtopw = ops_moe.input_grads(ex.back(dx_R), dg_M, x, topw, picks, tokens)
+    return dx, dtopw, *dws
+
+
 def _ep_forward(
     x: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor,
     wd: torch.Tensor, capacity: float = 0.0, *, axes: tuple[str, ...], mesh: Mesh,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     picks, tokens, _, counts = ops_moe.routed(topi, wg.shape[0] * mesh.axis_size(axes), capacity)
-    ex = _Exchange(counts, axes, mesh)
-    x_M = ex.out(x.index_select(0, tokens))
-    o_M = ex.back(ops_moe.experts_forward(x_M, wg, wu, wd, ex.sizes)[2])
-    y = ops_moe.weighted_sum(o_M, x, topw, picks, tokens)
+    ex = Exchange(counts, axes, mesh)
+    y, o_M = exchanged_forward(ex, x, topw, picks, tokens, (wg, wu, wd), ex.sizes)
     # the gate and up products are recomputed where the experts live in the backward pass:
     # in their place, zeros of their shape that take no memory
     nothing = x.new_zeros(()).expand(topi.numel(), wg.shape[2])
@@ -154,15 +196,6 @@ def _ep_backward(
     capacity: float = 0.0, *, axes: tuple[str, ...], mesh: Mesh,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     picks, tokens, _, counts = ops_moe.routed(topi, wg.shape[0] * mesh.axis_size(axes), capacity)
-    dg_M, do_M = ops_moe.output_grads(dy, topw, picks, tokens, o[: picks.numel()])
-    x_M = x.index_select(0, tokens)
-    ex = _Exchange(counts, axes, mesh)
-    if x_M.dtype == do_M.dtype:  # both in one exchange
-        x_R, do_R = ex.out(torch.cat([x_M, do_M], 1)).split([x.shape[1], do_M.shape[1]], 1)
-    else:
-        x_R, do_R = ex.out(x_M), ex.out(do_M)
-    a_R = ops_moe._grouped(x_R, wg, ex.sizes)
-    b_R = ops_moe._grouped(x_R, wu, ex.sizes)
-    dx_R, dwg, dwu, dwd = ops_moe.experts_backward(x_R, do_R, wg, wu, wd, ex.sizes, a_R, b_R)
-    dx, dtopw = ops_moe.input_grads(ex.back(dx_R), dg_M, x, topw, picks, tokens)
-    return dx, dtopw, dwg, dwu, dwd
+    ex = Exchange(counts, axes, mesh)
+    ws = (wg, wu, wd)
+    return exchanged_backward(ex, dy, x, topw, picks, tokens, o[: picks.numel()], ws, ex.sizes)
