@@ -26,8 +26,11 @@ grouped matmul against a loop over experts.
   against with the layer (``"layer"``), interleaved, at a few batch sizes: host-to-device bytes
   and device peak per step (the pool's ledger, ``offload/h2d_bytes`` and
   ``offload/device_peak_bytes``), the share of experts routed to, and the step time ratio.
+- ``offload_ep``: the same under expert parallelism (``ep`` = 2 on the threads backend, each
+  rank a batch of that size): each rank's host-to-device bytes a step, routed against with the
+  layer (each rank fetches only its own experts that rows arrive for).
 
-    python benchmarks/moe.py [--parts step,block,grouped,ep,offload] [--steps 5]
+    python benchmarks/moe.py [--parts step,block,grouped,ep,offload,offload_ep] [--steps 5]
                              [--shapes mixtral,olmoe,qwen3moe]
 
 ``--shapes``: the experts' proportions for ``step`` and ``block``, each family's at this width
@@ -311,6 +314,44 @@ def offload_part(steps: int, shape: str) -> None:
         )
 
 
+def _offload_ep_rank(shape: str, cfg: Any, params: Any, steps: int, mesh: cf.Mesh) -> Any:
+    ref = cf.train_step(SHAPES[shape][2].loss(cfg), optim.adamw(**HYPER))
+    n = mesh.axis_size("ep")
+    g = torch.Generator().manual_seed(3)  # (the same batches on every rank: each takes its rows)
+    out = {}
+    for rows, length in ((1, 4), (1, 32), (8, 128)):
+        kinds = ("routed", "layer")
+        sharded = cf.shard(ref, mesh, expert_axis="ep")
+        runs = {k: cf.offload(sharded, "host", "4GiB", experts=k) for k in kinds}
+        states = {k: s.init(params) for k, s in runs.items()}
+        got: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(steps + 1):
+            ids = torch.randint(0, SIZE["vocab_size"], (rows * n, length), generator=g)
+            for k in kinds:
+                states[k], metrics = runs[k](states[k], {"input_ids": ids, "labels": ids})
+                if i > 0:
+                    got[k].append(float(metrics["offload/h2d_bytes"]))
+        out[(rows, length)] = {k: statistics.median(v) for k, v in got.items()}
+    return out
+
+
+def offload_ep_part(steps: int, shape: str, n: int = 2) -> None:
+    """The ``offload`` part under expert parallelism (``ep`` = n, threads): each rank's
+    host-to-device bytes a step, its experts fetched when routed to against with the layer."""
+    config, sizes, _, _ = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg, params = hf.from_hf(transformers.AutoModelForCausalLM.from_config(config(**sizes)))
+    main = functools.partial(_offload_ep_rank, shape, cfg, params, steps)
+    per_rank = cf.launch(main, mesh={"ep": n})
+    for key in per_rank[0]:
+        routed = [r[key]["routed"] / 2**20 for r in per_rank]
+        layer = [r[key]["layer"] / 2**20 for r in per_rank]
+        print(
+            f"offload ep={n} ({shape}, {key[0]}x{key[1]} tokens a rank): routed/layer h2d per "
+            f"rank " + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(routed, layer)) + " MiB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,block,grouped")
@@ -320,8 +361,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     parts = set(args.parts.split(","))
-    if parts - {"step", "block", "grouped", "ep", "offload"}:
-        raise SystemExit(f"--parts: {args.parts!r}; expected some of step,block,grouped,ep,offload")
+    known = {"step", "block", "grouped", "ep", "offload", "offload_ep"}
+    if parts - known:
+        raise SystemExit(f"--parts: {args.parts!r}; expected some of {','.join(sorted(known))}")
     shapes = args.shapes.split(",")
     for shape in shapes:
         if shape not in SHAPES:
@@ -335,6 +377,8 @@ def main() -> None:
             step_part(args.steps, shape)
         if "offload" in parts:
             offload_part(args.steps, shape)
+        if "offload_ep" in parts:
+            offload_ep_part(args.steps, shape)
     if "ep" in parts:
         ep_part(args.steps)
 
