@@ -9,7 +9,7 @@
   data parallelism and ZeRO-1, amp and remat, frozen experts, a capacity factor, and experts'
   chunks homed on the device ("static", "auto" with a margin).
 - Under expert parallelism (ep2, ep4, ep2 on gloo, dp2 x ep2 with ZeRO-1, ep2 with amp and
-  remat) each rank fetches
+  remat, ep2 with experts' chunks homed on the device) each rank fetches
   exactly its experts that rows arrive for (over the ranks: the one-device step's routed
   experts), and the steps equal one device.
 - Where a rank does not hold whole expert weights (tensor parallelism, ZeRO-3), a layer's
@@ -174,6 +174,7 @@ EP_CASES = {  # how -> (family, mesh, backend)
     "dp2_ep2_zero1": ("qwen2_moe", {"dp": 2, "ep": 2}, "threads"),
     "ep2_gloo": ("qwen3_moe", {"ep": 2}, "gloo"),
     "ep2_amp_remat": ("olmoe", {"ep": 2}, "threads"),
+    "ep2_static_homed": ("mixtral", {"ep": 2}, "threads"),
 }
 
 
@@ -187,10 +188,20 @@ def _ep_main(how: str, cfg: Any, params: Any, mesh: cf.Mesh) -> Any:
     opt = optim.adamw(1e-2, weight_decay=0.1)
     step = cf.train_step(module.loss(cfg), opt)
     step = cf.shard(cf.amp(step, "fp64") if "amp" in how else step, mesh, expert_axis="ep")
-    step = cf.offload(cf.zero(step, 1) if "dp" in mesh_shape else step, "host", "2MiB")
+    step = cf.zero(step, 1) if "dp" in mesh_shape else step
+    if how.endswith("static_homed"):  # (some expert chunks homed on the device: mirrors serve)
+        step = cf.offload(step, "static", "2MiB", offload_params=0.3, offload_optim=0.5)
+    else:
+        step = cf.offload(step, "host", "2MiB")
     step = cf.remat(step, "full") if "remat" in how else step
-    assert step.init(params).extra["offload"].routed
+    state = step.init(params)
+    assert state.extra["offload"].routed
     seen = _fetched_experts(step, params, batches[0])
+    if how.endswith("static_homed"):
+        for b in batches:
+            state, _ = step(state, b)
+        off = state.extra["offload"]
+        assert any(off.layout.chunks[c].expert is not None for c in off.pool.mirrors)
     first = mesh.axis_index("ep") * (cfg.n_experts // mesh.axis_size("ep"))
     want = cf.train_step(_per_part(module.loss(cfg), parts), opt)
     losses = cf.testing.assert_equivalent(step, want, params, batches, rtol=1e-9, atol=1e-9)
@@ -212,7 +223,10 @@ def test_under_expert_parallelism_each_rank_fetches_its_routed_experts(how: str)
     main = functools.partial(_ep_main, how, cfg, params)
     results = launch(main, mesh=mesh_shape, backend=backend)
     fetched = [set().union(*(r[0][i] for r in results)) for i in range(len(routed))]
-    assert fetched == routed
+    if how.endswith("static_homed"):  # (the device-homed experts are served, not fetched)
+        assert all(f <= r for f, r in zip(fetched, routed)) and fetched != routed
+    else:
+        assert fetched == routed
     assert all(len(r[1]) == 2 for r in results)
 
 
