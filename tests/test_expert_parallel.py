@@ -299,24 +299,43 @@ def test_lora_adapters_train_under_expert_parallelism() -> None:
         assert len(losses) == 2
 
 
-def _counts_main(cfg: Any, params: Any, batch: Any, mesh: cf.Mesh) -> torch.Tensor:
+def _counts_main(cfg: Any, params: Any, batch: Any, how: str, mesh: cf.Mesh) -> torch.Tensor:
     module = models.of_config(cfg).module
-    step = cf.shard(cf.train_step(module.loss(cfg), optim.sgd(0.1)), mesh, expert_axis="ep")
+    step = cf.train_step(module.loss(cfg), optim.sgd(0.1))
+    if "pp" in mesh.axis_names:  # microbatches, stages on ranks (or interleaved)
+        v = {"virtual_stages": 2, "schedule": "interleaved"} if how == "interleaved" else {}
+        step = cf.pipeline(step, 2, microbatches=2, **v)
+    step = cf.shard(step, mesh, expert_axis="ep" if "ep" in mesh.axis_names else None)
     step = cf.remat(step, "full")  # (a recomputed layer reports nothing twice)
     return step(step.init(params), batch)[1]["expert_counts"]
 
 
-def test_the_steps_metrics_count_each_experts_tokens_per_layer() -> None:
-    """``metrics["expert_counts"]`` ``[layers, experts]``: every rank's tokens' choices summed
-    over the data-parallel and expert ranks: the one-device step's counts, exactly."""
-    cfg, params, module = _fp64("qwen3_moe")
+COUNTS = {  # how -> (family, layers, mesh, backend, dense layers)
+    "dp2_ep2": ("qwen3_moe", 2, {"dp": 2, "ep": 2}, "threads", None),
+    "pp2": ("mixtral", 4, {"pp": 2}, "threads", None),
+    "interleaved": ("olmoe", 4, {"pp": 2}, "threads", None),
+    "dense_stage": ("qwen2_moe", 4, {"pp": 2, "ep": 2}, "threads", [0, 1]),
+    "dp2_pp2_gloo": ("qwen3_moe", 2, {"dp": 2, "pp": 2}, "gloo", None),
+}
+
+
+@pytest.mark.parametrize("how", sorted(COUNTS))
+def test_the_steps_metrics_count_each_experts_tokens_per_layer(how: str) -> None:
+    """``metrics["expert_counts"]`` ``[sparse layers, experts]``: every rank's tokens' choices
+    summed over the data-parallel and expert ranks, and under a pipeline over the microbatches,
+    every stage's on every rank (a stage may have no sparse layer): the one-device step's
+    counts, exactly."""
+    name, layers, mesh, backend, dense = COUNTS[how]
+    extra = {"mlp_only_layers": dense} if dense else {}
+    cfg, params, module = _fp64(name, num_hidden_layers=layers, **extra)
     batch = _batch(5, rows=8, length=6)
     step = cf.train_step(module.loss(cfg), optim.sgd(0.1))
     want = step(step.init(params), batch)[1]["expert_counts"]
-    assert want.shape == (cfg.n_layer, cfg.n_experts)
-    assert want.sum(1).tolist() == [8 * 6 * cfg.n_experts_per_tok] * cfg.n_layer
-    main = functools.partial(_counts_main, cfg, params, batch)
-    for got in launch(main, mesh={"dp": 2, "ep": 2}):
+    sparse = layers - len(dense or [])
+    assert want.shape == (sparse, cfg.n_experts)
+    assert want.sum(1).tolist() == [8 * 6 * cfg.n_experts_per_tok] * sparse
+    main = functools.partial(_counts_main, cfg, params, batch, how)
+    for got in launch(main, mesh=mesh, backend=backend):
         assert torch.equal(got, want)
 
 

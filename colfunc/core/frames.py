@@ -312,7 +312,8 @@ class Sown:
     """A frame that collects what model code reports with :func:`sow` while a training step's
     forward pass runs: per name, the values in call order (one per layer, for a report inside
     :func:`scan_layers`), for the step's metrics. The transforms that split the batch make each
-    value whole and sum it over their ranks (:meth:`map`), so a reported value is a *sum*, such
+    value whole and sum it over their ranks (:meth:`map`), and a pipeline sums each stage's over
+    its microbatches and hands every stage's to every rank, so a reported value is a *sum*, such
     as how many tokens each expert ran."""
 
     def __init__(self) -> None:

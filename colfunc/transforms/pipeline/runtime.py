@@ -14,6 +14,7 @@ whole backward. Transfers go through :class:`.link.Link`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 
 from colfunc import core, tree
-from colfunc.sharding import Mesh, ShardedTensor
+from colfunc.sharding import Mesh, ShardedTensor, comm
+from colfunc.transforms.local import as_full
 from colfunc.transforms.pipeline.link import Link
 from colfunc.transforms.pipeline.schedules import Action, Schedule
 from colfunc.transforms.pipeline.split import input_pass, weight_pass
@@ -92,6 +94,9 @@ class Runner:
         ]
         self.stage_layers = stage_layers
         self.link: Link | None = None
+        self.mesh, self.axis = mesh, axis
+        leaves = [*self.rest, *self.block_like]
+        self.device = leaves[0].device if leaves else torch.device("cpu")
         if mesh is not None and schedule.ranks > 1:
             expected = [
                 (self._peer(a.stage - 1), "F", self._tag("F", a.stage - 1, a.mb), a.stage - 1)
@@ -110,6 +115,8 @@ class Runner:
         self.input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.deferred: dict[tuple[int, int], Any] = {}
         self.losses: list[torch.Tensor] = []
+        # (stage, microbatch) -> what its forward pass reported (core.sow), by name
+        self.sown: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
         self.rest_grads = [_Sum() for _ in self.rest]
         # a plain stacked leaf's gradient is summed in place into its stacked buffer; a sharded
         # one per layer, stacked at the end
@@ -147,6 +154,7 @@ class Runner:
                 trace.events.append((a, start, time.perf_counter()))
         if self.link is not None:
             self.link.finish()
+        self._report()
         total = None
         if self.losses:
             total = self.losses[0]
@@ -233,6 +241,35 @@ class Runner:
         return [tree.unflatten(treedef, [x[i] for _, x in flat]) for i in range(a, b)]
 
     def forward(self, s: int, j: int) -> None:
+        if core.innermost(core.Sown) is None:
+            self._forward(s, j)
+            return
+        with core.context(core.Sown()) as sown:  # (what the model reports: see _report)
+            self._forward(s, j)
+        self.sown[s, j] = sown.values
+
+    def _report(self) -> None:
+        """What the model reported (:func:`colfunc.core.sow`: sums, such as each expert's count
+        of choices) to the step's frame as one device reports it: each stage's reports summed
+        over the microbatches, and every stage's, in model order, on every rank of the axis."""
+        outer = core.innermost(core.Sown)
+        if outer is None:
+            return
+        mine: dict[str, dict[int, list[torch.Tensor]]] = {}
+        for s in sorted({s for s, _ in self.sown}):
+            runs = [self.sown.pop((s, j)) for j in range(len(self.microbatches))]
+            for name in runs[0]:  # (made whole first: what another axis splits, the sum of it)
+                summed = [as_full(sum(vs[1:], vs[0])) for vs in zip(*(r[name] for r in runs))]
+                mine.setdefault(name, {})[s] = summed
+        whole = (
+            _every_stages(mine, self.mesh, self.axis, self.device)
+            if self.mesh is not None and self.schedule.ranks > 1
+            else {name: [v for s in sorted(by) for v in by[s]] for name, by in mine.items()}
+        )
+        for name, values in whole.items():
+            outer.values.setdefault(name, []).extend(values)
+
+    def _forward(self, s: int, j: int) -> None:
         batch = self.microbatches[j]
         with torch.enable_grad() if self.grad else torch.no_grad():
             if s == 0:
@@ -361,6 +398,48 @@ class Runner:
         assert self.link is not None
         x = self.link.recv(self._peer(s + 1), "B", self._tag("B", s + 1, j), s + 1)
         self.received["B", s, j] = x
+
+
+def _every_stages(
+    mine: dict[str, dict[int, list[torch.Tensor]]], mesh: Mesh, axis: str, device: torch.device
+) -> dict[str, list[torch.Tensor]]:
+    """Each name's reports of every stage (each rank's ``mine``: name -> stage -> its reports),
+    in stage order, on every rank of ``axis``: what each rank reports is described to the
+    others first (names, stages, counts, shapes; a rank may report nothing), then each name's
+    reports summed over the axis into their places."""
+    desc = [
+        [name, s, len(vs), list(vs[0].shape), str(vs[0].dtype).removeprefix("torch.")]
+        for name, by in sorted(mine.items())
+        for s, vs in sorted(by.items())
+        if vs
+    ]
+    data = torch.tensor(list(json.dumps(desc).encode()), dtype=torch.uint8, device=device)
+    sizes = comm.all_gather(torch.tensor([data.numel()], device=device), axis, 0, mesh).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    every = comm.all_gather(padded, axis, 0, mesh).view(len(sizes), -1).cpu()
+    places: dict[str, dict[int, tuple[int, tuple[int, ...], str]]] = {}
+    for r, size in enumerate(sizes):
+        for name, s, rows, shape, dtype in json.loads(bytes(every[r, :size].tolist())):
+            places.setdefault(name, {})[s] = (rows, tuple(shape), dtype)
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, by in sorted(places.items()):
+        kinds = {(shape, dtype) for _, shape, dtype in by.values()}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"pipeline: the model reports {name!r} (core.sow) with different shapes or "
+                f"dtypes on different stages: {sorted(kinds)}; report one shape per name"
+            )
+        ((shape, dtype),) = kinds
+        start, total = {}, 0
+        for s in sorted(by):
+            start[s], total = total, total + by[s][0]
+        buf = torch.zeros((total, *shape), dtype=getattr(torch, dtype), device=device)
+        for s, vs in mine.get(name, {}).items():
+            if vs:
+                buf[start[s] : start[s] + len(vs)] = torch.stack(vs)
+        out[name] = list(comm.all_reduce(buf, axis, "sum", mesh).unbind(0))
+    return out
 
 
 class _Sum:
