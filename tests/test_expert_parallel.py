@@ -339,6 +339,15 @@ def test_the_steps_metrics_count_each_experts_tokens_per_layer(how: str) -> None
         assert torch.equal(got, want)
 
 
+def test_microbatches_alone_count_as_one_device() -> None:
+    cfg, params, module = _fp64("mixtral")
+    batch = _batch(6, rows=4, length=5)
+    step = cf.train_step(module.loss(cfg), optim.sgd(0.1))
+    want = step(step.init(params), batch)[1]["expert_counts"]
+    micro = cf.pipeline(step, 1, microbatches=4)  # (one stage, no mesh)
+    assert torch.equal(micro(micro.init(params), batch)[1]["expert_counts"], want)
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
