@@ -208,7 +208,13 @@ def _ep_main(how: str, cfg: Any, params: Any, mesh: cf.Mesh) -> Any:
     return [{first + e for e in s} for s in seen], losses
 
 
-@pytest.mark.parametrize("how", sorted(EP_CASES))
+EP_SLOW = {"ep4", "ep2_amp_remat", "ep2_static_homed"}  # (pytest -m slow)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param(h, marks=pytest.mark.slow) if h in EP_SLOW else h for h in sorted(EP_CASES)],
+)
 def test_under_expert_parallelism_each_rank_fetches_its_routed_experts(how: str) -> None:
     """Each rank fetches exactly those of its experts that some token of its expert group is
     routed to (over the ranks: the experts the one-device step's tokens are routed to), and
