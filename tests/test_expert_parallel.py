@@ -270,7 +270,8 @@ def _step_main(case: str, cfg: Any, params: Any, mesh: cf.Mesh) -> list[tuple[fl
         return cf.testing.assert_equivalent(step, want, params, batches, rtol=1e-9, atol=1e-9)
 
 
-SLOW_CASES = {"dp2_ep2_pp2_zero0"}  # (dp2_ep2_pp2_zero1 runs the same meshes by default)
+# (run by default: a case of each mesh, ZeRO stage and offload policy; these repeat one)
+SLOW_CASES = {"dp2_ep2_pp2_zero0", "dp2_ep2_zero2_offload"}
 
 
 @pytest.mark.parametrize(
