@@ -410,8 +410,7 @@ def _every_stages(
     desc = [
         [name, s, len(vs), list(vs[0].shape), str(vs[0].dtype).removeprefix("torch.")]
         for name, by in sorted(mine.items())
-        for s, vs in sorted(by.items())
-        if vs
+        for s, vs in sorted(by.items())  # (each list holds a report: sow appends one)
     ]
     data = torch.tensor(list(json.dumps(desc).encode()), dtype=torch.uint8, device=device)
     sizes = comm.all_gather(torch.tensor([data.numel()], device=device), axis, 0, mesh).tolist()
@@ -436,8 +435,7 @@ def _every_stages(
             start[s], total = total, total + by[s][0]
         buf = torch.zeros((total, *shape), dtype=getattr(torch, dtype), device=device)
         for s, vs in mine.get(name, {}).items():
-            if vs:
-                buf[start[s] : start[s] + len(vs)] = torch.stack(vs)
+            buf[start[s] : start[s] + len(vs)] = torch.stack(vs)
         out[name] = list(comm.all_reduce(buf, axis, "sum", mesh).unbind(0))
     return out
 
